@@ -1,0 +1,85 @@
+/* common.h - what every stoke module shares: error codes, the error record
+ * that carries a one-line message naming the file, key or flag, and a few
+ * file-system and time helpers that several modules need.
+ *
+ * Fallible calls return 0 or a negative STK_E* code and, when the caller
+ * passes a non-NULL stk_err, fill it with the code and a message. Library code
+ * never prints and never exits; a tool's main decides what to do. */
+#ifndef STK_COMMON_H
+#define STK_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One table for every error code: name, value, default text. */
+#define STK_ERRNO_MAP(X)                                                       \
+    X(EINVAL, -1, "invalid argument")                                          \
+    X(ENOMEM, -2, "out of memory")                                             \
+    X(EIO, -3, "input/output error")                                           \
+    X(ENOENT, -4, "no such file or directory")                                 \
+    X(EEXIST, -5, "already exists")                                            \
+    X(EFORMAT, -6, "malformed input")                                          \
+    X(ESTORE, -7, "database error")                                            \
+    X(EINCOMPLETE, -8, "database is incomplete")                               \
+    X(ENOSPACE, -9, "no space left")                                           \
+    X(ECANCELED, -10, "canceled")                                              \
+    X(ENODEV, -11, "no such device")                                           \
+    X(ERANGE, -12, "out of range")                                             \
+    X(EUNSUPPORTED, -13, "not supported")
+
+enum {
+#define STK_ERR_ENUM(name, val, text) STK_##name = val,
+    STK_ERRNO_MAP(STK_ERR_ENUM)
+#undef STK_ERR_ENUM
+};
+
+/* Caller-owned error record; msg always NUL-terminated. */
+typedef struct stk_err {
+    int code;
+    char msg[512];
+} stk_err;
+
+/* Short text for a code ("database is incomplete"); never NULL. */
+const char *stk_strerror(int code);
+/* Symbolic name for a code ("STK_EINCOMPLETE"); never NULL. */
+const char *stk_err_name(int code);
+
+/* Fills err (when non-NULL) with code and a printf-style message; returns
+ * code so that callers can write `return stk_fail(err, STK_EIO, ...)`. */
+int stk_fail(stk_err *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Maps an errno value to the closest STK_E* code. */
+int stk_from_errno(int e);
+
+/* Reads a whole file into a malloc'd buffer (caller frees). */
+int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err);
+
+/* Reads a file, gunzipping it when it starts with the gzip magic. */
+int stk_read_maybe_gz(const char *path, uint8_t **data, size_t *len, stk_err *err);
+
+/* Removes a directory that holds only plain files (no recursion into
+ * subdirectories); a missing directory is not an error. */
+int stk_remove_flat_dir(const char *path, stk_err *err);
+
+/* fsyncs a directory so that a rename inside it is durable. */
+int stk_fsync_dir(const char *path, stk_err *err);
+
+/* Monotonic clock in seconds. */
+double stk_now(void);
+
+/* Joins dir and name into out (size n); returns STK_ERANGE when too long. */
+int stk_path_join(char *out, size_t n, const char *dir, const char *name);
+
+/* Version string of the stoke tools. */
+#define STK_VERSION "0.1.0"
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,204 @@
+/* image.c - PNG (libspng) and JPEG (TurboJPEG) decoding to 8-bit gray or
+ * RGB, colour conversions that match PIL, and PNG writing. */
+#include "preprocess.h"
+
+#include <errno.h>
+#include <spng.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <turbojpeg.h>
+
+struct stk_decoder {
+    tjhandle tj;
+};
+
+int stk_decoder_create(stk_decoder **out, stk_err *err)
+{
+    *out = NULL;
+    stk_decoder *d = calloc(1, sizeof *d);
+    if (!d)
+        return stk_fail(err, STK_ENOMEM, "decoder: out of memory");
+    d->tj = tjInitDecompress();
+    if (!d->tj) {
+        free(d);
+        return stk_fail(err, STK_ENOMEM, "decoder: TurboJPEG: %s",
+                        tjGetErrorStr2(NULL));
+    }
+    *out = d;
+    return 0;
+}
+
+void stk_decoder_destroy(stk_decoder *d)
+{
+    if (!d)
+        return;
+    tjDestroy(d->tj);
+    free(d);
+}
+
+void stk_image_free(stk_image *im)
+{
+    if (im) {
+        free(im->px);
+        im->px = NULL;
+    }
+}
+
+static int why(char *buf, size_t n, const char *fmt, const char *detail)
+{
+    snprintf(buf, n, fmt, detail);
+    return STK_EFORMAT;
+}
+
+/* ---- PNG --------------------------------------------------------------- */
+
+static int decode_png(const uint8_t *data, size_t len, stk_image *out,
+                      char *wbuf, size_t wlen)
+{
+    spng_ctx *ctx = spng_ctx_new(0);
+    if (!ctx)
+        return STK_ENOMEM;
+    struct spng_ihdr ihdr;
+    size_t need = 0;
+    int rc = spng_set_png_buffer(ctx, data, len);
+    if (!rc)
+        rc = spng_get_ihdr(ctx, &ihdr);
+    if (!rc && (ihdr.width > 32768 || ihdr.height > 32768))
+        rc = SPNG_EWIDTH;
+    int gray = !rc && (ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE ||
+                       ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE_ALPHA);
+    /* Gray decodes as RGB8 too (libspng's G8 covers <= 8-bit gray only);
+     * the luma of equal R, G, B is that value exactly. */
+    if (!rc)
+        rc = spng_decoded_image_size(ctx, SPNG_FMT_RGB8, &need);
+    uint8_t *rgb = rc ? NULL : malloc(need);
+    if (!rc && !rgb)
+        rc = SPNG_EMEM;
+    if (!rc)
+        rc = spng_decode_image(ctx, rgb, need, SPNG_FMT_RGB8, 0);
+    spng_ctx_free(ctx);
+    if (rc) {
+        free(rgb);
+        return rc == SPNG_EMEM ? STK_ENOMEM
+                               : why(wbuf, wlen, "bad PNG: %s",
+                                     spng_strerror(rc));
+    }
+    out->w = (int)ihdr.width;
+    out->h = (int)ihdr.height;
+    out->c = 3;
+    out->px = rgb;
+    if (gray) { /* keep one channel */
+        size_t n = (size_t)out->w * out->h;
+        for (size_t i = 0; i < n; i++)
+            rgb[i] = rgb[3 * i];
+        out->c = 1;
+    }
+    return 0;
+}
+
+/* ---- JPEG -------------------------------------------------------------- */
+
+/* PIL's CMYK -> RGB for Adobe-inverted CMYK JPEGs ("CMYK;I"):
+ * c = 255 - stored, out = (255 - k) - c * (255 - k) / 255, rounded as PIL's
+ * MULDIV255. */
+static uint8_t muldiv255(int a, int b)
+{
+    int t = a * b + 128;
+    return (uint8_t)(((t >> 8) + t) >> 8);
+}
+
+static void cmyk_to_rgb(const uint8_t *cmyk, uint8_t *rgb, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        int nk = cmyk[4 * i + 3]; /* stored inverted: 255 - k */
+        for (int ch = 0; ch < 3; ch++) {
+            int c = 255 - cmyk[4 * i + ch];
+            rgb[3 * i + ch] = (uint8_t)(nk - muldiv255(c, nk));
+        }
+    }
+}
+
+static int decode_jpeg(stk_decoder *d, const uint8_t *data, size_t len,
+                       stk_image *out, char *wbuf, size_t wlen)
+{
+    int w, h, subsamp, cs;
+    if (len > 0x7fffffffUL ||
+        tjDecompressHeader3(d->tj, data, (unsigned long)len, &w, &h, &subsamp,
+                            &cs) != 0)
+        return why(wbuf, wlen, "bad JPEG: %s", tjGetErrorStr2(d->tj));
+    if (w <= 0 || h <= 0 || w > 32768 || h > 32768)
+        return why(wbuf, wlen, "bad JPEG: %s", "unreasonable dimensions");
+    int cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;
+    int pf = cs == TJCS_GRAY ? TJPF_GRAY : cmyk ? TJPF_CMYK : TJPF_RGB;
+    int c = tjPixelSize[pf];
+    uint8_t *px = malloc((size_t)w * h * c);
+    if (!px)
+        return STK_ENOMEM;
+    /* Warnings (a truncated stream) fail too, as PIL refuses such files. */
+    if (tjDecompress2(d->tj, data, (unsigned long)len, px, w, 0, h, pf, 0) !=
+        0) {
+        free(px);
+        return why(wbuf, wlen, "bad JPEG: %s", tjGetErrorStr2(d->tj));
+    }
+    if (cmyk) {
+        uint8_t *rgb = malloc((size_t)w * h * 3);
+        if (!rgb) {
+            free(px);
+            return STK_ENOMEM;
+        }
+        cmyk_to_rgb(px, rgb, (size_t)w * h);
+        free(px);
+        px = rgb;
+        c = 3;
+    }
+    out->w = w;
+    out->h = h;
+    out->c = c;
+    out->px = px;
+    return 0;
+}
+
+int stk_image_decode(stk_decoder *d, const uint8_t *data, size_t len,
+                     stk_image *out, char *wbuf, size_t wlen)
+{
+    memset(out, 0, sizeof *out);
+    static const uint8_t png_magic[8] = {0x89, 'P', 'N', 'G', '\r', '\n',
+                                         0x1a, '\n'};
+    if (len >= 8 && !memcmp(data, png_magic, 8))
+        return decode_png(data, len, out, wbuf, wlen);
+    if (len >= 3 && data[0] == 0xff && data[1] == 0xd8 && data[2] == 0xff)
+        return decode_jpeg(d, data, len, out, wbuf, wlen);
+    return why(wbuf, wlen, "%s", "not a PNG or JPEG file (bad magic bytes)");
+}
+
+/* ---- PNG writing ------------------------------------------------------- */
+
+int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
+                  stk_err *err)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return stk_fail(err, stk_from_errno(errno), "%s: cannot write: %s",
+                        path, strerror(errno));
+    spng_ctx *ctx = spng_ctx_new(SPNG_CTX_ENCODER);
+    struct spng_ihdr ihdr = {
+        .width = (uint32_t)w,
+        .height = (uint32_t)h,
+        .bit_depth = 8,
+        .color_type = c == 1 ? SPNG_COLOR_TYPE_GRAYSCALE
+                             : SPNG_COLOR_TYPE_TRUECOLOR,
+    };
+    int rc = ctx ? spng_set_png_file(ctx, f) : SPNG_EMEM;
+    if (!rc)
+        rc = spng_set_ihdr(ctx, &ihdr);
+    if (!rc)
+        rc = spng_encode_image(ctx, px, (size_t)w * h * c, SPNG_FMT_PNG,
+                               SPNG_ENCODE_FINALIZE);
+    spng_ctx_free(ctx);
+    int closed = fclose(f);
+    if (rc || closed)
+        return stk_fail(err, STK_EIO, "%s: cannot write PNG: %s", path,
+                        rc ? spng_strerror(rc) : "close failed");
+    return 0;
+}

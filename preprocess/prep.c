@@ -1,0 +1,482 @@
+/* prep.c - the worker pool and the ordered writer.
+ *
+ * Samples are cut into chunks of consecutive indices. Worker threads claim
+ * chunks in sequence order and decode them into a ring of chunk slots; the
+ * caller's thread is the writer: it waits for chunk 0, 1, 2... in order and
+ * appends their records, so the database is the same whatever the number of
+ * workers. A worker may run at most nslots chunks ahead of the writer, which
+ * bounds memory. Statistics are integer sums, so they too are independent of
+ * scheduling. */
+#include "preprocess.h"
+#include "store/store.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHUNK 64
+
+enum { SLOT_FREE, SLOT_BUSY, SLOT_DONE };
+
+typedef struct chunk {
+    int state;
+    uint64_t seq;
+    int split;
+    uint64_t first;
+    int n;
+    uint8_t *recs;        /* n encoded records */
+    uint8_t *ok;          /* 1 = loaded, 0 = skipped (skip_bad) */
+    char **why;           /* message of each skipped sample */
+    uint64_t *sums;       /* 2 * channels: sum and sum of squares */
+    int rc;               /* fatal error at sample n_ok (no skip_bad) */
+    stk_err err;
+} chunk;
+
+typedef struct pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    chunk *slots;
+    int nslots;
+    uint64_t next_claim, next_write, nchunks;
+    uint64_t split_first_chunk[9]; /* chunk seq where each split starts */
+    bool stop, mu_ready;
+    const stk_source *src;
+    const stk_prep_opts *opts;
+    uint32_t nbytes;               /* pixels per sample */
+    int channels;
+} pool;
+
+/* ---- workers ----------------------------------------------------------- */
+
+static void chunk_plan(const pool *p, uint64_t seq, chunk *c)
+{
+    int k = 0;
+    while (seq >= p->split_first_chunk[k + 1])
+        k++;
+    uint64_t local = seq - p->split_first_chunk[k];
+    uint64_t count = stk_source_split_count(p->src, k);
+    c->seq = seq;
+    c->split = k;
+    c->first = local * CHUNK;
+    c->n = (int)(count - c->first < CHUNK ? count - c->first : CHUNK);
+}
+
+static void add_sums(uint64_t *sums, const uint8_t *px, int channels,
+                     size_t plane)
+{
+    for (int ch = 0; ch < channels; ch++) {
+        uint64_t s = 0, q = 0;
+        for (size_t i = 0; i < plane; i++) {
+            uint32_t v = px[ch * plane + i];
+            s += v;
+            q += v * v;
+        }
+        sums[2 * ch] += s;
+        sums[2 * ch + 1] += q;
+    }
+}
+
+static void fill_chunk(pool *p, stk_decoder *dec, chunk *c)
+{
+    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
+    size_t plane = p->nbytes / (size_t)p->channels;
+    memset(c->sums, 0, 2 * STK_MAX_CHANNELS * sizeof *c->sums);
+    c->rc = 0;
+    for (int j = 0; j < c->n; j++) {
+        uint8_t *dst = c->recs + j * rec;
+        int32_t label = 0;
+        stk_err e = {0};
+        int rc = stk_source_load(p->src, dec, c->split, c->first + (uint64_t)j,
+                                 &label, dst + STK_RECORD_HEADER, &e);
+        c->ok[j] = rc == 0;
+        free(c->why[j]);
+        c->why[j] = NULL;
+        if (!rc) {
+            stk_record_put_header(dst, label, p->nbytes);
+            add_sums(c->sums, dst + STK_RECORD_HEADER, p->channels, plane);
+        } else if (p->opts->skip_bad && rc != STK_ENOMEM) {
+            c->why[j] = strdup(e.msg);
+        } else {
+            c->rc = rc;
+            c->err = e;
+            if (rc != STK_ENOMEM)
+                stk_fail(&c->err, rc, "%s (--skip-bad skips bad samples)",
+                         e.msg);
+            c->n = j; /* records before the failure are still written */
+            return;
+        }
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    pool *p = arg;
+    stk_decoder *dec = NULL;
+    stk_err e;
+    int drc = stk_decoder_create(&dec, &e);
+    pthread_mutex_lock(&p->mu);
+    while (!p->stop) {
+        if (p->next_claim < p->nchunks &&
+            p->next_claim < p->next_write + (uint64_t)p->nslots) {
+            uint64_t seq = p->next_claim++;
+            chunk *c = &p->slots[seq % (uint64_t)p->nslots];
+            c->state = SLOT_BUSY;
+            pthread_mutex_unlock(&p->mu);
+            chunk_plan(p, seq, c);
+            if (drc) {
+                c->rc = drc;
+                c->err = e;
+                c->n = 0;
+            } else {
+                fill_chunk(p, dec, c);
+            }
+            pthread_mutex_lock(&p->mu);
+            c->state = SLOT_DONE;
+            pthread_cond_broadcast(&p->done);
+        } else {
+            pthread_cond_wait(&p->work, &p->mu);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    stk_decoder_destroy(dec);
+    return NULL;
+}
+
+/* ---- the run ----------------------------------------------------------- */
+
+typedef struct split_stats {
+    uint64_t *labels;
+    uint64_t sums[2 * STK_MAX_CHANNELS];
+    uint64_t written, skipped;
+} split_stats;
+
+typedef struct run {
+    pool p;
+    pthread_t *threads;
+    int nthreads;
+    stk_store *store;
+    split_stats stats[8];
+    cJSON *skipped;   /* split -> [{file, error}] */
+    uint64_t done, total;
+    double t0;
+} run;
+
+static int pool_init(run *r, stk_err *err)
+{
+    pool *p = &r->p;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    p->mu_ready = true;
+    p->nslots = 4 * r->nthreads + 4;
+    p->slots = calloc((size_t)p->nslots, sizeof *p->slots);
+    r->threads = calloc((size_t)r->nthreads, sizeof *r->threads);
+    int want = r->nthreads;
+    r->nthreads = 0; /* none started yet */
+    if (!p->slots || !r->threads)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
+    for (int i = 0; i < p->nslots; i++) {
+        chunk *c = &p->slots[i];
+        c->recs = malloc(rec * CHUNK);
+        c->ok = malloc(CHUNK);
+        c->why = calloc(CHUNK, sizeof *c->why);
+        c->sums = calloc(2 * STK_MAX_CHANNELS, sizeof *c->sums);
+        if (!c->recs || !c->ok || !c->why || !c->sums)
+            return stk_fail(err, STK_ENOMEM, "out of memory for %d chunks",
+                            p->nslots);
+    }
+    int ns = stk_source_nsplits(p->src);
+    for (int k = 0; k < ns; k++) {
+        uint64_t n = stk_source_split_count(p->src, k);
+        p->split_first_chunk[k + 1] =
+            p->split_first_chunk[k] + (n + CHUNK - 1) / CHUNK;
+    }
+    for (int k = ns + 1; k < 9; k++)
+        p->split_first_chunk[k] = UINT64_MAX;
+    p->nchunks = p->split_first_chunk[ns];
+    for (; r->nthreads < want; r->nthreads++)
+        if (pthread_create(&r->threads[r->nthreads], NULL, worker_main, p))
+            return stk_fail(err, STK_ENOMEM, "cannot start worker thread %d",
+                            r->nthreads);
+    return 0;
+}
+
+static void pool_stop(run *r)
+{
+    pool *p = &r->p;
+    if (!p->mu_ready)
+        return;
+    p->mu_ready = false;
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < r->nthreads; i++)
+        pthread_join(r->threads[i], NULL);
+    for (int i = 0; p->slots && i < p->nslots; i++) {
+        chunk *c = &p->slots[i];
+        for (int j = 0; c->why && j < CHUNK; j++)
+            free(c->why[j]);
+        free(c->recs);
+        free(c->ok);
+        free(c->why);
+        free(c->sums);
+    }
+    free(p->slots);
+    free(r->threads);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->done);
+}
+
+/* Waits for chunk seq; returns it, or NULL when canceled. */
+static chunk *wait_chunk(run *r, uint64_t seq)
+{
+    pool *p = &r->p;
+    chunk *c = &p->slots[seq % (uint64_t)p->nslots];
+    pthread_mutex_lock(&p->mu);
+    while (!(c->state == SLOT_DONE && c->seq == seq)) {
+        if (p->opts->cancel && *p->opts->cancel) {
+            pthread_mutex_unlock(&p->mu);
+            return NULL;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&p->done, &p->mu, &ts);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return c;
+}
+
+static void release_chunk(run *r, chunk *c)
+{
+    pthread_mutex_lock(&r->p.mu);
+    c->state = SLOT_FREE;
+    r->p.next_write++;
+    pthread_cond_broadcast(&r->p.work);
+    pthread_mutex_unlock(&r->p.mu);
+}
+
+static void note_skipped(run *r, const char *split, const char *why)
+{
+    cJSON *list = cJSON_GetObjectItemCaseSensitive(r->skipped, split);
+    if (!list)
+        list = cJSON_AddArrayToObject(r->skipped, split);
+    cJSON *o = cJSON_CreateObject();
+    const char *colon = strstr(why, ": ");
+    char *file = strndup(why, colon ? (size_t)(colon - why) : strlen(why));
+    cJSON_AddStringToObject(o, "file", file ? file : "");
+    cJSON_AddStringToObject(o, "error", colon ? colon + 2 : why);
+    cJSON_AddItemToArray(list, o);
+    free(file);
+}
+
+static int write_chunk(run *r, chunk *c, stk_err *err)
+{
+    const pool *p = &r->p;
+    const char *split = stk_source_split_name(p->src, c->split);
+    split_stats *st = &r->stats[c->split];
+    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
+    for (int j = 0; j < c->n; j++) {
+        if (!c->ok[j]) {
+            st->skipped++;
+            note_skipped(r, split, c->why[j]);
+            continue;
+        }
+        const uint8_t *v = c->recs + j * rec;
+        int rc = stk_store_append(r->store, split, v, rec, err);
+        if (rc)
+            return rc;
+        st->labels[(uint32_t)v[0] | (uint32_t)v[1] << 8 |
+                   (uint32_t)v[2] << 16 | (uint32_t)v[3] << 24]++;
+        st->written++;
+    }
+    for (int k = 0; k < 2 * p->channels; k++)
+        st->sums[k] += c->sums[k];
+    r->done += (uint64_t)c->n;
+    if (c->rc) {
+        *err = c->err;
+        return c->rc;
+    }
+    return 0;
+}
+
+static void report(run *r, const char *split)
+{
+    const stk_prep_opts *o = r->p.opts;
+    if (!o->progress)
+        return;
+    uint64_t skipped = 0;
+    for (int k = 0; k < 8; k++)
+        skipped += r->stats[k].skipped;
+    stk_prep_progress pr = {split, r->done, r->total, skipped,
+                            stk_now() - r->t0};
+    o->progress(&pr, o->progress_arg);
+}
+
+static int write_all(run *r, stk_err *err)
+{
+    for (uint64_t seq = 0; seq < r->p.nchunks; seq++) {
+        chunk *c = wait_chunk(r, seq);
+        if (!c)
+            return stk_fail(err, STK_ECANCELED, "interrupted");
+        int rc = write_chunk(r, c, err);
+        const char *split = stk_source_split_name(r->p.src, c->split);
+        release_chunk(r, c);
+        if (rc)
+            return rc;
+        report(r, split);
+    }
+    return 0;
+}
+
+/* ---- metadata ---------------------------------------------------------- */
+
+static int build_meta(run *r, const char *raw_dir, stk_meta *m,
+                      stk_err *err)
+{
+    const stk_source *src = r->p.src;
+    memset(m, 0, sizeof *m);
+    stk_source_shape(src, &m->channels, &m->height, &m->width);
+    m->nclasses = stk_source_nclasses(src);
+    m->classes = calloc((size_t)m->nclasses + 1, sizeof(char *));
+    m->nsplits = stk_source_nsplits(src);
+    if (!m->classes)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    for (int c = 0; c < m->nclasses; c++)
+        m->classes[c] = strdup(stk_source_class_name(src, c));
+    size_t plane = (size_t)m->height * m->width;
+    for (int k = 0; k < m->nsplits; k++) {
+        stk_split_meta *sp = &m->splits[k];
+        split_stats *st = &r->stats[k];
+        snprintf(sp->name, sizeof sp->name, "%s",
+                 stk_source_split_name(src, k));
+        sp->count = st->written;
+        sp->nskipped = st->skipped;
+        sp->label_counts = st->labels; /* borrowed; see release_meta */
+        for (int ch = 0; ch < m->channels; ch++) {
+            double n = (double)st->written * (double)plane;
+            double mean = n ? (double)st->sums[2 * ch] / n : 0.0;
+            double sq = n ? (double)st->sums[2 * ch + 1] / n : 0.0;
+            double var = sq - mean * mean;
+            sp->mean[ch] = mean / 255.0;
+            sp->std[ch] = (var > 0 ? sqrt(var) : 0.0) / 255.0;
+        }
+    }
+    m->source_path = realpath(raw_dir, NULL);
+    if (!m->source_path)
+        m->source_path = strdup(raw_dir);
+    m->source_format = strdup(stk_source_format_name(src));
+    m->tool = strdup("stoke prep " STK_VERSION);
+    m->created = strdup(r->p.opts->created ? r->p.opts->created : "");
+    m->skipped_json = cJSON_PrintUnformatted(r->skipped);
+    return 0;
+}
+
+static void release_meta(stk_meta *m)
+{
+    for (int k = 0; k < m->nsplits; k++)
+        m->splits[k].label_counts = NULL; /* owned by the run */
+    stk_meta_free(m);
+}
+
+/* LMDB map estimate: records above ~2 KB take whole overflow pages. */
+static size_t map_estimate(uint64_t samples, size_t rec)
+{
+    double per = rec + 24 > 2000 ? (double)((rec + 16 + 4095) / 4096 * 4096)
+                                 : (double)(rec + 26) * 1.5;
+    return (size_t)(per * (double)samples * 1.25) + ((size_t)16 << 20);
+}
+
+static void fill_summary(const run *r, stk_prep_summary *s)
+{
+    if (!s)
+        return;
+    memset(s, 0, sizeof *s);
+    const stk_source *src = r->p.src;
+    s->nsplits = stk_source_nsplits(src);
+    for (int k = 0; k < s->nsplits; k++) {
+        snprintf(s->split[k], sizeof s->split[k], "%s",
+                 stk_source_split_name(src, k));
+        s->count[k] = r->stats[k].written;
+        s->skipped[k] = r->stats[k].skipped;
+        s->samples += r->stats[k].written;
+    }
+    stk_source_shape(src, &s->channels, &s->height, &s->width);
+    s->bytes = s->samples * (STK_RECORD_HEADER + (uint64_t)r->p.nbytes);
+    s->seconds = stk_now() - r->t0;
+}
+
+static int run_all(run *r, const char *raw_dir, const char *db_dir,
+                   stk_err *err)
+{
+    const stk_prep_opts *o = r->p.opts;
+    int c, h, w, rc;
+    stk_source_shape(r->p.src, &c, &h, &w);
+    r->p.channels = c;
+    r->p.nbytes = (uint32_t)(c * h * w);
+    for (int k = 0; k < stk_source_nsplits(r->p.src); k++) {
+        r->total += stk_source_split_count(r->p.src, k);
+        r->stats[k].labels = calloc(
+            (size_t)stk_source_nclasses(r->p.src) + 1, sizeof(uint64_t));
+        if (!r->stats[k].labels)
+            return stk_fail(err, STK_ENOMEM, "out of memory");
+    }
+    stk_store_opts so = {
+        .map_size = o->map_size ? o->map_size
+                                : map_estimate(r->total, STK_RECORD_HEADER +
+                                                             r->p.nbytes),
+        .map_size_max = o->map_size_max,
+        .force = o->force,
+    };
+    if (!(r->skipped = cJSON_CreateObject()))
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    if ((rc = stk_store_create(db_dir, &so, &r->store, err)) ||
+        (rc = pool_init(r, err)) || (rc = write_all(r, err)))
+        return rc;
+    pool_stop(r);
+    stk_meta m;
+    rc = build_meta(r, raw_dir, &m, err);
+    if (!rc)
+        rc = stk_store_finish(r->store, &m, err);
+    release_meta(&m);
+    return rc;
+}
+
+int stk_prep_run(const char *raw_dir, const char *db_dir,
+                 const stk_prep_opts *opts, stk_prep_summary *summary,
+                 stk_err *err)
+{
+    if (opts->workers < 1 || opts->workers > 256)
+        return stk_fail(err, STK_EINVAL, "--workers must be 1..256, not %d",
+                        opts->workers);
+    run r;
+    memset(&r, 0, sizeof r);
+    r.p.opts = opts;
+    r.nthreads = opts->workers;
+    r.t0 = stk_now();
+    stk_source *src = NULL;
+    int rc = stk_source_open(raw_dir, &opts->source, &src, err);
+    if (!rc) {
+        r.p.src = src;
+        rc = run_all(&r, raw_dir, db_dir, err);
+        fill_summary(&r, summary);
+    }
+    pool_stop(&r);
+    stk_store_close(r.store); /* removes the partial database on failure */
+    for (int k = 0; k < 8; k++)
+        free(r.stats[k].labels);
+    cJSON_Delete(r.skipped);
+    stk_source_close(src);
+    return rc;
+}

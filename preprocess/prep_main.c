@@ -1,0 +1,230 @@
+/* prep - decode and transform a raw dataset once, in parallel, into a stoke
+ * database (LMDB). A thin main over stk_prep_run(). */
+#include "preprocess/preprocess.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t interrupted;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+static const char usage[] =
+    "usage: prep [options] RAW_DIR DB_DIR\n"
+    "Decode RAW_DIR once, in parallel, into the stoke database DB_DIR.\n"
+    "\n"
+    "  --workers N        decoding threads (default: the number of CPUs)\n"
+    "  --format F         idx, cifar or folder (default: detected)\n"
+    "  --size S           resize the shorter side to S and centre-crop SxS\n"
+    "                     (default: native for idx/cifar, 64 for folders)\n"
+    "  --gray | --rgb     store 1 or 3 channels (default: the source's own;\n"
+    "                     folders: rgb)\n"
+    "  --skip-bad         record unreadable samples in the metadata and go\n"
+    "                     on, instead of stopping at the first one\n"
+    "  --force            replace an existing complete database\n"
+    "  --map-size BYTES   initial LMDB map size (default: estimated)\n"
+    "  --map-max BYTES    the map grows up to this size (default: 1T)\n"
+    "  --quiet            no progress output\n"
+    "  -h, --help         this text\n";
+
+typedef struct progress_state {
+    int tty, quiet;
+    double last;
+} progress_state;
+
+static void on_progress(const stk_prep_progress *p, void *arg)
+{
+    progress_state *ps = arg;
+    double every = ps->tty ? 0.1 : 5.0;
+    if (ps->quiet || (p->seconds - ps->last < every && p->done != p->total))
+        return;
+    ps->last = p->seconds;
+    double rate = p->seconds > 0 ? p->done / p->seconds : 0;
+    double eta = rate > 0 ? (p->total - p->done) / rate : 0;
+    fprintf(stderr,
+            "%sprep: [%s] %llu/%llu samples  %.0f/s  ETA %.0fs%s%s",
+            ps->tty ? "\r" : "", p->split, (unsigned long long)p->done,
+            (unsigned long long)p->total, rate, eta,
+            p->skipped ? "  (skipped some)" : "", ps->tty ? "\033[K" : "\n");
+}
+
+/* Parses a byte count with an optional K/M/G/T suffix (powers of 1024). */
+static int parse_bytes(const char *flag, const char *s, size_t *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    double mul = 1;
+    switch (*end) {
+    case 'K': case 'k': mul = 1024.0; end++; break;
+    case 'M': case 'm': mul = 1048576.0; end++; break;
+    case 'G': case 'g': mul = 1073741824.0; end++; break;
+    case 'T': case 't': mul = 1099511627776.0; end++; break;
+    }
+    if (errno || end == s || *end || v <= 0 || v * mul > 1e15) {
+        fprintf(stderr, "prep: %s: expected a size in bytes like 64M or 2G, "
+                        "got '%s'\n", flag, s);
+        return -1;
+    }
+    *out = (size_t)(v * mul);
+    return 0;
+}
+
+static int parse_int(const char *flag, const char *s, int lo, int hi,
+                     int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        fprintf(stderr, "prep: %s: expected a whole number %d..%d, got '%s'\n",
+                flag, lo, hi, s);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_format(const char *s, stk_src_format *f)
+{
+    if (!strcmp(s, "idx"))
+        *f = STK_SRC_IDX;
+    else if (!strcmp(s, "cifar"))
+        *f = STK_SRC_CIFAR;
+    else if (!strcmp(s, "folder"))
+        *f = STK_SRC_FOLDER;
+    else {
+        fprintf(stderr, "prep: --format: expected idx, cifar or folder, got "
+                        "'%s'\n", s);
+        return -1;
+    }
+    return 0;
+}
+
+/* Creation time: $SOURCE_DATE_EPOCH when set (reproducible output), else
+ * now. */
+static void created_now(char *buf, size_t n)
+{
+    const char *sde = getenv("SOURCE_DATE_EPOCH");
+    time_t t = sde && *sde ? (time_t)strtoll(sde, NULL, 10) : time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(buf, n, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
+{
+    enum { O_SKIP = 256, O_FORCE, O_MAPSIZE, O_MAPMAX, O_QUIET, O_GRAY, O_RGB };
+    static const struct option longs[] = {
+        {"workers", required_argument, 0, 'w'},
+        {"format", required_argument, 0, 'f'},
+        {"size", required_argument, 0, 's'},
+        {"gray", no_argument, 0, O_GRAY},
+        {"rgb", no_argument, 0, O_RGB},
+        {"skip-bad", no_argument, 0, O_SKIP},
+        {"force", no_argument, 0, O_FORCE},
+        {"map-size", required_argument, 0, O_MAPSIZE},
+        {"map-max", required_argument, 0, O_MAPMAX},
+        {"quiet", no_argument, 0, O_QUIET},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    opterr = 0;
+    int ch;
+    while ((ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
+        int bad = 0;
+        switch (ch) {
+        case 'w': bad = parse_int("--workers", optarg, 1, 256, &o->workers); break;
+        case 'f': bad = parse_format(optarg, &o->source.format); break;
+        case 's': bad = parse_int("--size", optarg, 1, 4096, &o->source.size); break;
+        case O_GRAY: o->source.channels = 1; break;
+        case O_RGB: o->source.channels = 3; break;
+        case O_SKIP: o->skip_bad = true; break;
+        case O_FORCE: o->force = true; break;
+        case O_MAPSIZE: bad = parse_bytes("--map-size", optarg, &o->map_size); break;
+        case O_MAPMAX: bad = parse_bytes("--map-max", optarg, &o->map_size_max); break;
+        case O_QUIET: *quiet = 1; break;
+        case 'h': fputs(usage, stdout); exit(0);
+        case ':':
+            fprintf(stderr, "prep: %s needs a value\n", argv[optind - 1]);
+            return -1;
+        default:
+            fprintf(stderr, "prep: unknown option '%s' (see prep --help)\n",
+                    argv[optind - 1]);
+            return -1;
+        }
+        if (bad)
+            return -1;
+    }
+    if (argc - optind != 2) {
+        fprintf(stderr, "prep: expected RAW_DIR and DB_DIR (see prep "
+                        "--help)\n");
+        return -1;
+    }
+    return 0;
+}
+
+static void print_summary(const char *db, const stk_prep_summary *s)
+{
+    printf("prep: wrote %s (%dx%dx%d uint8):", db, s->channels, s->height,
+           s->width);
+    uint64_t skipped = 0;
+    for (int k = 0; k < s->nsplits; k++) {
+        printf("%s %s %llu", k ? "," : "", s->split[k],
+               (unsigned long long)s->count[k]);
+        skipped += s->skipped[k];
+    }
+    double sec = s->seconds > 0 ? s->seconds : 1e-9;
+    printf(" in %.2f s (%.0f samples/s, %.1f MB/s)\n", s->seconds,
+           s->samples / sec, s->bytes / sec / 1e6);
+    if (skipped)
+        printf("prep: skipped %llu bad file(s); `dbinfo %s` lists them\n",
+               (unsigned long long)skipped, db);
+}
+
+int main(int argc, char **argv)
+{
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    char created[32];
+    created_now(created, sizeof created);
+    progress_state ps = {isatty(2), 0, 0.0};
+    stk_prep_opts o = {
+        .workers = ncpu > 0 ? (int)(ncpu > 256 ? 256 : ncpu) : 1,
+        .created = created,
+        .cancel = &interrupted,
+        .progress = on_progress,
+        .progress_arg = &ps,
+    };
+    if (parse_args(argc, argv, &o, &ps.quiet))
+        return 2;
+    const char *raw = argv[optind], *db = argv[optind + 1];
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG */
+    stk_prep_summary sum;
+    stk_err err = {0};
+    int rc = stk_prep_run(raw, db, &o, &sum, &err);
+    if (ps.tty && !ps.quiet)
+        fputs("\n", stderr);
+    if (rc == STK_ECANCELED) {
+        fprintf(stderr, "prep: interrupted; %s was left as it was\n", db);
+        return 130;
+    }
+    if (rc) {
+        fprintf(stderr, "prep: error: %s\n", err.msg);
+        return 1;
+    }
+    print_summary(db, &sum);
+    return 0;
+}

@@ -1,0 +1,138 @@
+/* preprocess.h - raw datasets in, stoke databases out.
+ *
+ * Three layers, each usable alone:
+ *   images   decode PNG/JPEG to 8-bit pixels, convert channels, resize the
+ *            shorter side and centre-crop, encode PNG (for dbinfo --grid);
+ *   sources  a raw dataset (IDX, CIFAR binary, image folder) seen as named
+ *            splits of samples that any thread can load by index;
+ *   prep     a pool of worker threads that load samples in parallel and one
+ *            ordered writer that appends them to a new database. */
+#ifndef STK_PREPROCESS_H
+#define STK_PREPROCESS_H
+
+#include "common/common.h"
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- images ------------------------------------------------------------ */
+
+/* 8-bit pixels, interleaved HWC, c = 1 (gray) or 3 (RGB). */
+typedef struct stk_image {
+    int w, h, c;
+    uint8_t *px; /* owned unless borrowed by the caller */
+} stk_image;
+
+/* Per-thread decoder state (a TurboJPEG handle); not thread-safe. */
+typedef struct stk_decoder stk_decoder;
+int stk_decoder_create(stk_decoder **out, stk_err *err);
+void stk_decoder_destroy(stk_decoder *d); /* NULL is a no-op */
+
+/* Decodes a PNG (any colour type and depth; alpha dropped, 16 bit reduced to
+ * 8) or a JPEG (baseline, progressive, gray, CMYK) held in memory. Gray
+ * sources give c = 1, all others c = 3. On failure why holds the reason
+ * (without the file name, which the caller knows). out->px is malloc'd. */
+int stk_image_decode(stk_decoder *d, const uint8_t *data, size_t len,
+                     stk_image *out, char *why, size_t why_len);
+
+void stk_image_free(stk_image *im);
+
+/* Writes src as out_c channels (1: ITU-R 601 luma, as PIL's "L"; 3: gray
+ * replicated), with the shorter side resized to size (antialiased bilinear,
+ * as PIL's BILINEAR) and centre-cropped to size x size (torchvision's
+ * Resize + CenterCrop), into chw (out_c * size * size bytes, CHW order).
+ * size 0 keeps the source size. Returns 0 or STK_ENOMEM. */
+int stk_image_fit(const stk_image *src, int out_c, int size, uint8_t *chw);
+
+/* Writes an 8-bit gray or RGB image (HWC) as a PNG file. */
+int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
+                  stk_err *err);
+
+/* ---- sources ----------------------------------------------------------- */
+
+typedef enum stk_src_format {
+    STK_SRC_AUTO = 0,
+    STK_SRC_IDX,
+    STK_SRC_CIFAR,
+    STK_SRC_FOLDER
+} stk_src_format;
+
+typedef struct stk_source_opts {
+    stk_src_format format; /* AUTO: chosen from the directory's content */
+    int size;              /* output side; 0 = native (IDX, CIFAR) or 64 */
+    int channels;          /* 1, 3 or 0 = the source's own (folders: 3) */
+} stk_source_opts;
+
+typedef struct stk_source stk_source;
+
+/* Opens a raw dataset directory and indexes it (reads IDX/CIFAR files into
+ * memory, lists image folders). Errors name the file and the problem. */
+int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
+                    stk_source **out, stk_err *err);
+void stk_source_close(stk_source *s); /* NULL is a no-op */
+
+const char *stk_source_format_name(const stk_source *s);
+int stk_source_nsplits(const stk_source *s);
+const char *stk_source_split_name(const stk_source *s, int split);
+uint64_t stk_source_split_count(const stk_source *s, int split);
+int stk_source_nclasses(const stk_source *s);
+const char *stk_source_class_name(const stk_source *s, int cls);
+/* Output shape of every sample (CHW). */
+void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
+
+/* Loads sample i of split: label and c*h*w CHW pixels. Safe to call from
+ * many threads at once, each with its own decoder. A bad sample returns
+ * STK_EFORMAT (or STK_EIO) with a message naming the file. */
+int stk_source_load(const stk_source *s, stk_decoder *d, int split,
+                    uint64_t i, int32_t *label, uint8_t *pixels,
+                    stk_err *err);
+
+/* ---- prep -------------------------------------------------------------- */
+
+typedef struct stk_prep_progress {
+    const char *split;
+    uint64_t done, total;         /* samples over all splits */
+    uint64_t skipped;
+    double seconds;               /* since the start */
+} stk_prep_progress;
+
+typedef struct stk_prep_opts {
+    int workers;                  /* decoding threads, >= 1 */
+    bool skip_bad;                /* record bad samples instead of failing */
+    bool force;                   /* replace an existing complete database */
+    size_t map_size;              /* initial LMDB map; 0 = from the data */
+    size_t map_size_max;          /* 0 = 1 TiB */
+    stk_source_opts source;
+    const char *created;          /* ISO 8601 creation time for the meta */
+    const volatile sig_atomic_t *cancel; /* non-zero asks the run to stop */
+    void (*progress)(const stk_prep_progress *p, void *arg);
+    void *progress_arg;           /* called from the writer thread */
+} stk_prep_opts;
+
+typedef struct stk_prep_summary {
+    int nsplits;
+    char split[8][32];
+    uint64_t count[8], skipped[8];
+    uint64_t samples, bytes;      /* written */
+    double seconds;
+    int channels, height, width;
+} stk_prep_summary;
+
+/* Converts raw_dir into a complete database at db_dir, or leaves db_dir as
+ * it was. Returns 0, STK_ECANCELED when *cancel became non-zero, or the
+ * first error (a bad sample unless skip_bad, the disk, the map). */
+int stk_prep_run(const char *raw_dir, const char *db_dir,
+                 const stk_prep_opts *opts, stk_prep_summary *summary,
+                 stk_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

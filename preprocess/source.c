@@ -1,0 +1,121 @@
+/* source.c - opening a raw dataset: format detection, shared accessors and
+ * the per-sample load path (decode -> channels -> resize/crop -> CHW). */
+#include "source_impl.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static int detect(const char *dir, stk_src_format *f, stk_err *err)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", dir,
+                        strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return stk_fail(err, STK_EINVAL, "%s: not a directory", dir);
+    *f = stk_idx_probe(dir)     ? STK_SRC_IDX
+         : stk_cifar_probe(dir) ? STK_SRC_CIFAR
+                                : STK_SRC_FOLDER;
+    return 0;
+}
+
+int stk_source_add_class(stk_source *s, const char *name)
+{
+    char **c = realloc(s->classes, (size_t)(s->nclasses + 1) * sizeof *c);
+    if (!c)
+        return STK_ENOMEM;
+    s->classes = c;
+    if (!(c[s->nclasses] = strdup(name)))
+        return STK_ENOMEM;
+    s->nclasses++;
+    return 0;
+}
+
+int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
+                    stk_source **out, stk_err *err)
+{
+    *out = NULL;
+    stk_source_opts o = opts ? *opts : (stk_source_opts){0};
+    if (o.channels != 0 && o.channels != 1 && o.channels != 3)
+        return stk_fail(err, STK_EINVAL, "channels must be 1 or 3, not %d",
+                        o.channels);
+    if (o.size < 0 || o.size > 4096)
+        return stk_fail(err, STK_EINVAL, "--size must be 1..4096, not %d",
+                        o.size);
+    int rc = 0;
+    if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
+        return rc;
+    stk_source *s = calloc(1, sizeof *s);
+    if (!s || !(s->dir = strdup(raw_dir))) {
+        free(s);
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", raw_dir);
+    }
+    s->out_c = o.channels;
+    s->size = o.size;
+    rc = o.format == STK_SRC_IDX     ? stk_idx_open(s, err)
+         : o.format == STK_SRC_CIFAR ? stk_cifar_open(s, err)
+                                     : stk_folder_open(s, err);
+    if (rc) {
+        stk_source_close(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+void stk_source_close(stk_source *s)
+{
+    if (!s)
+        return;
+    if (s->ops && s->ops->free)
+        s->ops->free(s);
+    for (int i = 0; i < s->nclasses; i++)
+        free(s->classes[i]);
+    free(s->classes);
+    free(s->dir);
+    free(s);
+}
+
+const char *stk_source_format_name(const stk_source *s) { return s->format; }
+int stk_source_nsplits(const stk_source *s) { return s->nsplits; }
+const char *stk_source_split_name(const stk_source *s, int i)
+{
+    return s->split_name[i];
+}
+uint64_t stk_source_split_count(const stk_source *s, int i)
+{
+    return s->split_count[i];
+}
+int stk_source_nclasses(const stk_source *s) { return s->nclasses; }
+const char *stk_source_class_name(const stk_source *s, int i)
+{
+    return s->classes[i];
+}
+
+void stk_source_shape(const stk_source *s, int *c, int *h, int *w)
+{
+    *c = s->out_c;
+    *h = s->size ? s->size : s->native_h;
+    *w = s->size ? s->size : s->native_w;
+}
+
+int stk_source_load(const stk_source *s, stk_decoder *d, int split,
+                    uint64_t i, int32_t *label, uint8_t *pixels, stk_err *err)
+{
+    stk_image im = {0};
+    int owned = 0;
+    int rc = s->ops->load(s, d, split, i, label, &im, &owned, err);
+    if (rc)
+        return rc;
+    if (!s->size && (im.w != s->native_w || im.h != s->native_h))
+        rc = stk_fail(err, STK_EFORMAT, "%s: sample %llu is %dx%d, not %dx%d",
+                      s->dir, (unsigned long long)i, im.w, im.h, s->native_w,
+                      s->native_h);
+    else if (stk_image_fit(&im, s->out_c, s->size, pixels))
+        rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+    if (owned)
+        stk_image_free(&im);
+    return rc;
+}

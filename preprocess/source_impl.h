@@ -1,0 +1,43 @@
+/* source_impl.h - private: what every raw-format reader provides. */
+#ifndef STK_SOURCE_IMPL_H
+#define STK_SOURCE_IMPL_H
+
+#include "preprocess.h"
+
+#define SRC_MAX_SPLITS 8
+
+typedef struct source_ops {
+    /* Loads sample i of split into an image (borrowed or owned, see
+     * owned) and its label. */
+    int (*load)(const stk_source *s, stk_decoder *d, int split, uint64_t i,
+                int32_t *label, stk_image *im, int *owned, stk_err *err);
+    void (*free)(stk_source *s);
+} source_ops;
+
+struct stk_source {
+    const source_ops *ops;
+    const char *format;       /* "idx", "cifar", "folder" */
+    char *dir;
+    int out_c, size;          /* requested output (size 0 = native) */
+    int native_w, native_h;   /* 0 when samples differ (folders) */
+    int nclasses;
+    char **classes;
+    int nsplits;
+    char split_name[SRC_MAX_SPLITS][32];
+    uint64_t split_count[SRC_MAX_SPLITS];
+    void *impl;
+};
+
+/* Format readers: fill s (dir, out_c, size set by the caller). */
+int stk_idx_open(stk_source *s, stk_err *err);
+int stk_cifar_open(stk_source *s, stk_err *err);
+int stk_folder_open(stk_source *s, stk_err *err);
+
+/* Probes used by automatic format detection. */
+int stk_idx_probe(const char *dir);
+int stk_cifar_probe(const char *dir);
+
+/* Adds a class name (copied); returns 0 or STK_ENOMEM. */
+int stk_source_add_class(stk_source *s, const char *name);
+
+#endif

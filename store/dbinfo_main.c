@@ -1,0 +1,175 @@
+/* dbinfo - what is in a stoke database: metadata, counts per split, label
+ * histogram, mean/std, skipped files; --grid writes a contact sheet. */
+#include "preprocess/preprocess.h"
+#include "store/store.h"
+
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define GRID 8
+#define GAP 2
+
+static const char usage[] =
+    "usage: dbinfo DB_DIR [--split NAME] [--grid OUT.png]\n"
+    "Print what a stoke database holds; --grid writes a PNG contact sheet of\n"
+    "the first 64 samples of a split (default: the first split).\n";
+
+static void print_header(const char *dir, const stk_meta *m)
+{
+    char path[4096];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/data.mdb", dir);
+    double mib = stat(path, &st) == 0 ? st.st_size / 1048576.0 : 0;
+    printf("database  %s (%s, %.1f MiB)\n", dir,
+           m->complete ? "complete" : "INCOMPLETE", mib);
+    printf("source    %s (%s)\n", m->source_path, m->source_format);
+    printf("created   %s by %s\n", m->created, m->tool);
+    printf("record    %d-byte header + uint8 %dx%dx%d (CHW) = %u bytes\n",
+           STK_RECORD_HEADER, m->channels, m->height, m->width,
+           STK_RECORD_HEADER + stk_meta_sample_bytes(m));
+    printf("classes   %d:", m->nclasses);
+    for (int c = 0; c < m->nclasses; c++)
+        printf("%s %s", c ? "," : "", m->classes[c]);
+    printf("\n");
+}
+
+static void print_split(const stk_meta *m, const stk_split_meta *sp)
+{
+    printf("\nsplit %s: %llu records", sp->name,
+           (unsigned long long)sp->count);
+    if (sp->nskipped)
+        printf(", %llu skipped", (unsigned long long)sp->nskipped);
+    printf("\n  mean");
+    for (int c = 0; c < m->channels; c++)
+        printf(" %.4f", sp->mean[c]);
+    printf("   std");
+    for (int c = 0; c < m->channels; c++)
+        printf(" %.4f", sp->std[c]);
+    printf("\n  labels\n");
+    uint64_t top = 1;
+    for (int c = 0; c < m->nclasses; c++)
+        top = sp->label_counts[c] > top ? sp->label_counts[c] : top;
+    for (int c = 0; c < m->nclasses; c++) {
+        int bar = (int)(30 * sp->label_counts[c] / top);
+        printf("    %3d %-16.16s %8llu %.*s\n", c, m->classes[c],
+               (unsigned long long)sp->label_counts[c], bar,
+               "##############################");
+    }
+}
+
+static void print_skipped(const stk_meta *m)
+{
+    cJSON *sk = m->skipped_json ? cJSON_Parse(m->skipped_json) : NULL;
+    const cJSON *split;
+    cJSON_ArrayForEach(split, sk)
+    {
+        const cJSON *f;
+        printf("\nskipped in %s:\n", split->string);
+        cJSON_ArrayForEach(f, split)
+        {
+            const cJSON *file = cJSON_GetObjectItem(f, "file");
+            const cJSON *why = cJSON_GetObjectItem(f, "error");
+            printf("  %s: %s\n", cJSON_GetStringValue(file),
+                   cJSON_GetStringValue(why));
+        }
+    }
+    cJSON_Delete(sk);
+}
+
+/* Writes up to 64 samples of split as an 8x8 sheet with gaps. */
+static int write_grid(stk_store *s, const char *split, const char *out,
+                      stk_err *err)
+{
+    const stk_meta *m = stk_store_meta(s);
+    int c = m->channels == 1 ? 1 : 3, h = m->height, w = m->width;
+    int W = GRID * w + (GRID + 1) * GAP, H = GRID * h + (GRID + 1) * GAP;
+    uint8_t *sheet = calloc((size_t)W * H * c, 1);
+    stk_reader *r = NULL;
+    int rc = sheet ? stk_reader_open(s, split, &r, err)
+                   : stk_fail(err, STK_ENOMEM, "out of memory");
+    const stk_split_meta *sp = &m->splits[stk_meta_split(m, split) < 0
+                                              ? 0
+                                              : stk_meta_split(m, split)];
+    uint64_t n = sp->count < GRID * GRID ? sp->count : GRID * GRID;
+    size_t plane = (size_t)h * w;
+    for (uint64_t i = 0; !rc && i < n; i++) {
+        stk_record rec;
+        if ((rc = stk_reader_get(r, i, &rec, err)))
+            break;
+        int x0 = GAP + (int)(i % GRID) * (w + GAP);
+        int y0 = GAP + (int)(i / GRID) * (h + GAP);
+        for (int y = 0; y < h; y++)
+            for (int x = 0; x < w; x++)
+                for (int k = 0; k < c; k++)
+                    sheet[(((size_t)(y0 + y) * W) + x0 + x) * c + k] =
+                        rec.data[(size_t)k * plane + (size_t)y * w + x];
+    }
+    stk_reader_close(r);
+    if (!rc)
+        rc = stk_png_write(out, sheet, W, H, c, err);
+    free(sheet);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option longs[] = {{"split", required_argument, 0, 's'},
+                                          {"grid", required_argument, 0, 'g'},
+                                          {"help", no_argument, 0, 'h'},
+                                          {0, 0, 0, 0}};
+    const char *split = NULL, *grid = NULL;
+    int ch;
+    opterr = 0;
+    while ((ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
+        if (ch == 's')
+            split = optarg;
+        else if (ch == 'g')
+            grid = optarg;
+        else if (ch == 'h') {
+            fputs(usage, stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "dbinfo: %s '%s' (see dbinfo --help)\n",
+                    ch == ':' ? "missing value for" : "unknown option",
+                    argv[optind - 1]);
+            return 2;
+        }
+    }
+    if (argc - optind != 1) {
+        fprintf(stderr, "dbinfo: expected one DB_DIR (see dbinfo --help)\n");
+        return 2;
+    }
+    const char *dir = argv[optind];
+    stk_store *s;
+    stk_err err = {0};
+    if (stk_store_open(dir, 0, &s, &err)) {
+        fprintf(stderr, "dbinfo: error: %s\n", err.msg);
+        return 1;
+    }
+    const stk_meta *m = stk_store_meta(s);
+    if (split && stk_meta_split(m, split) < 0) {
+        fprintf(stderr, "dbinfo: --split: no split \"%s\" in %s\n", split,
+                dir);
+        stk_store_close(s);
+        return 2;
+    }
+    print_header(dir, m);
+    for (int k = 0; k < m->nsplits; k++)
+        if (!split || !strcmp(split, m->splits[k].name))
+            print_split(m, &m->splits[k]);
+    print_skipped(m);
+    int rc = 0;
+    if (grid && m->nsplits) {
+        const char *gs = split ? split : m->splits[0].name;
+        if ((rc = write_grid(s, gs, grid, &err)))
+            fprintf(stderr, "dbinfo: error: %s\n", err.msg);
+        else
+            printf("\nwrote %s: first samples of split %s\n", grid, gs);
+    }
+    stk_store_close(s);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,671 @@
+/* store.c - the LMDB environment: atomic creation, bulk append with map
+ * growth, read-only opening and per-thread zero-copy readers. */
+#include "store.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <lmdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MIB ((size_t)1 << 20)
+#define META_DB "meta"
+#define META_KEY "dataset"
+
+struct split_count {
+    char name[STK_SPLIT_NAME_MAX];
+    uint64_t count;
+};
+
+struct stk_store {
+    MDB_env *env;
+    size_t map_size;
+    stk_store_opts opts;
+    /* writing */
+    bool writable, finished;
+    char *final_dir, *partial_dir;
+    int lock_fd;
+    struct split_count counts[STK_MAX_SPLITS];
+    int ncounts, cur;          /* cur: index into counts being appended */
+    uint8_t *pend;             /* [u32 len][bytes]... for keys pend_first.. */
+    size_t pend_len, pend_cap, pend_n;
+    /* reading */
+    stk_meta meta;
+    MDB_dbi split_dbi[STK_MAX_SPLITS];
+};
+
+static int lmdb_fail(stk_err *err, int rc, const char *where, const char *dir)
+{
+    int code = STK_ESTORE;
+    if (rc == ENOSPC || rc == EFBIG || rc == EDQUOT)
+        code = STK_ENOSPACE;
+    else if (rc == ENOMEM)
+        code = STK_ENOMEM;
+    return stk_fail(err, code, "%s: %s: %s", dir, where, mdb_strerror(rc));
+}
+
+static void free_store(stk_store *s)
+{
+    if (s->env)
+        mdb_env_close(s->env);
+    if (s->lock_fd >= 0)
+        close(s->lock_fd);
+    free(s->final_dir);
+    free(s->partial_dir);
+    free(s->pend);
+    stk_meta_free(&s->meta);
+    free(s);
+}
+
+static stk_store *alloc_store(void)
+{
+    stk_store *s = calloc(1, sizeof *s);
+    if (s) {
+        s->lock_fd = -1;
+        s->cur = -1;
+    }
+    return s;
+}
+
+/* ---- creating ---------------------------------------------------------- */
+
+/* ".NAME.partial" next to dir. */
+static char *partial_path(const char *dir)
+{
+    char *a = strdup(dir), *b = strdup(dir);
+    char *out = NULL;
+    if (a && b) {
+        size_t n = strlen(a);
+        while (n > 1 && a[n - 1] == '/')
+        {
+            n--;
+            a[n] = b[n] = '\0';
+        }
+        const char *parent = dirname(a), *base = basename(b);
+        if (asprintf(&out, "%s/.%s.partial", parent, base) < 0)
+            out = NULL;
+    }
+    free(a);
+    free(b);
+    return out;
+}
+
+enum dir_kind { DIR_ABSENT, DIR_EMPTY, DIR_LMDB, DIR_FOREIGN, DIR_NOT_DIR };
+
+static enum dir_kind classify_dir(const char *dir)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return errno == ENOENT ? DIR_ABSENT : DIR_FOREIGN;
+    if (!S_ISDIR(st.st_mode))
+        return DIR_NOT_DIR;
+    DIR *d = opendir(dir);
+    if (!d)
+        return DIR_FOREIGN;
+    enum dir_kind kind = DIR_EMPTY;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *n = de->d_name;
+        if (!strcmp(n, ".") || !strcmp(n, ".."))
+            continue;
+        if (!strcmp(n, "data.mdb") || !strcmp(n, "lock.mdb"))
+            kind = kind == DIR_EMPTY ? DIR_LMDB : kind;
+        else
+            kind = DIR_FOREIGN;
+    }
+    closedir(d);
+    return kind;
+}
+
+/* Decides whether dir may be replaced by a new database. */
+static int check_target(const char *dir, bool force, stk_err *err)
+{
+    switch (classify_dir(dir)) {
+    case DIR_ABSENT:
+    case DIR_EMPTY:
+        return 0;
+    case DIR_NOT_DIR:
+        return stk_fail(err, STK_EEXIST, "%s: exists and is not a directory",
+                        dir);
+    case DIR_FOREIGN:
+        return stk_fail(err, STK_EEXIST,
+                        "%s: holds files other than data.mdb/lock.mdb; "
+                        "refusing to replace it",
+                        dir);
+    case DIR_LMDB:
+        break;
+    }
+    if (force)
+        return 0;
+    stk_store *old = NULL;
+    stk_err ignored;
+    if (stk_store_open_any(dir, &old, &ignored) == 0 && old->meta.complete) {
+        stk_store_close(old);
+        return stk_fail(err, STK_EEXIST,
+                        "%s: holds a complete stoke database; pass --force to "
+                        "replace it",
+                        dir);
+    }
+    stk_store_close(old);
+    return stk_fail(err, STK_EEXIST,
+                    "%s: holds an LMDB database that is not a complete stoke "
+                    "database; pass --force to replace it",
+                    dir);
+}
+
+/* Creates and locks the partial directory, removing a stale one left by a
+ * killed run. A live run holds the lock, and we refuse to touch its work. */
+static int make_partial(stk_store *s, stk_err *err)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (mkdir(s->partial_dir, 0775) == 0)
+            break;
+        if (errno != EEXIST || attempt == 1)
+            return stk_fail(err, stk_from_errno(errno), "%s: cannot create: %s",
+                            s->partial_dir, strerror(errno));
+        int fd = open(s->partial_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            close(fd);
+            return stk_fail(err, STK_EEXIST,
+                            "%s: another prep is writing this database "
+                            "(%s is locked)",
+                            s->final_dir, s->partial_dir);
+        }
+        if (fd >= 0)
+            close(fd);
+        int rc = stk_remove_flat_dir(s->partial_dir, err);
+        if (rc)
+            return rc;
+    }
+    s->lock_fd = open(s->partial_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (s->lock_fd < 0 || flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0)
+        return stk_fail(err, STK_EIO, "%s: cannot lock: %s", s->partial_dir,
+                        strerror(errno));
+    return 0;
+}
+
+static int open_env(stk_store *s, const char *dir, unsigned flags,
+                    int max_readers, stk_err *err)
+{
+    int rc = mdb_env_create(&s->env);
+    if (rc)
+        return lmdb_fail(err, rc, "mdb_env_create", dir);
+    if ((rc = mdb_env_set_maxdbs(s->env, STK_MAX_SPLITS + 2)) ||
+        (rc = mdb_env_set_maxreaders(s->env, (unsigned)max_readers)) ||
+        (s->map_size && (rc = mdb_env_set_mapsize(s->env, s->map_size))))
+        return lmdb_fail(err, rc, "configuring the environment", dir);
+    if ((rc = mdb_env_open(s->env, dir, flags, 0664)))
+        return lmdb_fail(err, rc, "mdb_env_open", dir);
+    MDB_envinfo info;
+    mdb_env_info(s->env, &info);
+    s->map_size = info.me_mapsize;
+    return 0;
+}
+
+int stk_store_create(const char *dir, const stk_store_opts *opts,
+                     stk_store **out, stk_err *err)
+{
+    *out = NULL;
+    stk_store *s = alloc_store();
+    if (!s)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
+    s->opts = opts ? *opts : (stk_store_opts){0};
+    if (!s->opts.map_size)
+        s->opts.map_size = 64 * MIB;
+    if (!s->opts.map_size_max)
+        s->opts.map_size_max = MIB << 20; /* 1 TiB */
+    if (!s->opts.txn_bytes)
+        s->opts.txn_bytes = 64 * MIB;
+    s->map_size = s->opts.map_size;
+    s->writable = true;
+    s->final_dir = strdup(dir);
+    s->partial_dir = partial_path(dir);
+    int rc = 0;
+    if (!s->final_dir || !s->partial_dir)
+        rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
+    if (!rc)
+        rc = check_target(dir, s->opts.force, err);
+    if (!rc)
+        rc = make_partial(s, err);
+    if (!rc)
+        rc = open_env(s, s->partial_dir, MDB_NOSYNC | MDB_NOTLS, 126, err);
+    if (rc) {
+        stk_store_close(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+/* ---- appending --------------------------------------------------------- */
+
+static int grow_map(stk_store *s, stk_err *err)
+{
+    if (s->map_size >= s->opts.map_size_max)
+        return stk_fail(err, STK_ENOSPACE,
+                        "%s: database map is full at %zu MiB (the limit; "
+                        "raise --map-max)",
+                        s->final_dir, s->map_size / MIB);
+    size_t next = s->map_size * 2;
+    if (next > s->opts.map_size_max)
+        next = s->opts.map_size_max;
+    int rc = mdb_env_set_mapsize(s->env, next);
+    if (rc)
+        return lmdb_fail(err, rc, "growing the map", s->final_dir);
+    s->map_size = next;
+    return 0;
+}
+
+/* One attempt at committing the pending records; MDB_MAP_FULL is returned
+ * as is so that the caller can grow the map and replay. */
+static int put_pending(stk_store *s, MDB_txn *txn)
+{
+    MDB_dbi dbi;
+    int rc = mdb_dbi_open(txn, s->counts[s->cur].name, MDB_CREATE, &dbi);
+    uint64_t key = s->counts[s->cur].count - s->pend_n;
+    const uint8_t *p = s->pend;
+    for (size_t i = 0; !rc && i < s->pend_n; i++, key++) {
+        uint32_t len;
+        memcpy(&len, p, 4);
+        uint8_t kb[8];
+        stk_key_encode(kb, key);
+        MDB_val k = {8, kb}, v = {len, (void *)(p + 4)};
+        rc = mdb_put(txn, dbi, &k, &v, MDB_APPEND);
+        p += 4 + len;
+    }
+    return rc;
+}
+
+static int flush(stk_store *s, stk_err *err)
+{
+    if (!s->pend_n)
+        return 0;
+    for (;;) {
+        MDB_txn *txn;
+        int rc = mdb_txn_begin(s->env, NULL, 0, &txn);
+        if (rc)
+            return lmdb_fail(err, rc, "mdb_txn_begin", s->final_dir);
+        rc = put_pending(s, txn);
+        if (rc)
+            mdb_txn_abort(txn);
+        else
+            rc = mdb_txn_commit(txn);
+        if (rc == MDB_MAP_FULL) {
+            if ((rc = grow_map(s, err)))
+                return rc;
+            continue;
+        }
+        if (rc)
+            return lmdb_fail(err, rc, "writing records", s->final_dir);
+        s->pend_len = s->pend_n = 0;
+        return 0;
+    }
+}
+
+static int select_split(stk_store *s, const char *split, stk_err *err)
+{
+    if (s->cur >= 0 && !strcmp(s->counts[s->cur].name, split))
+        return 0;
+    for (int i = 0; i < s->ncounts; i++)
+        if (!strcmp(s->counts[i].name, split))
+            return stk_fail(err, STK_EINVAL,
+                            "%s: split \"%s\" was already finished",
+                            s->final_dir, split);
+    if (s->ncounts == STK_MAX_SPLITS || strlen(split) >= STK_SPLIT_NAME_MAX ||
+        !strcmp(split, META_DB) || !*split)
+        return stk_fail(err, STK_EINVAL, "%s: bad or too many splits (\"%s\")",
+                        s->final_dir, split);
+    int rc = flush(s, err);
+    if (rc)
+        return rc;
+    s->cur = s->ncounts++;
+    snprintf(s->counts[s->cur].name, STK_SPLIT_NAME_MAX, "%s", split);
+    return 0;
+}
+
+int stk_store_append(stk_store *s, const char *split, const void *rec,
+                     size_t len, stk_err *err)
+{
+    if (!s->writable || s->finished)
+        return stk_fail(err, STK_EINVAL, "store is not open for writing");
+    if (len > UINT32_MAX)
+        return stk_fail(err, STK_EINVAL, "record of %zu bytes is too large",
+                        len);
+    int rc = select_split(s, split, err);
+    if (rc)
+        return rc;
+    if (s->pend_len + 4 + len > s->pend_cap) {
+        size_t cap = s->pend_cap ? s->pend_cap : MIB;
+        while (cap < s->pend_len + 4 + len)
+            cap *= 2;
+        uint8_t *p = realloc(s->pend, cap);
+        if (!p)
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory",
+                            s->final_dir);
+        s->pend = p;
+        s->pend_cap = cap;
+    }
+    uint32_t l32 = (uint32_t)len;
+    memcpy(s->pend + s->pend_len, &l32, 4);
+    memcpy(s->pend + s->pend_len + 4, rec, len);
+    s->pend_len += 4 + len;
+    s->pend_n++;
+    s->counts[s->cur].count++;
+    return s->pend_len >= s->opts.txn_bytes ? flush(s, err) : 0;
+}
+
+uint64_t stk_store_count(const stk_store *s, const char *split)
+{
+    for (int i = 0; i < s->ncounts; i++)
+        if (!strcmp(s->counts[i].name, split))
+            return s->counts[i].count;
+    return 0;
+}
+
+static int write_meta(stk_store *s, const stk_meta *meta, stk_err *err)
+{
+    stk_meta m = *meta;
+    m.complete = true;
+    char *json = stk_meta_to_json(&m);
+    if (!json)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->final_dir);
+    int rc;
+    for (;;) {
+        MDB_txn *txn;
+        MDB_dbi dbi;
+        if ((rc = mdb_txn_begin(s->env, NULL, 0, &txn)))
+            break;
+        MDB_val k = {strlen(META_KEY), META_KEY}, v = {strlen(json), json};
+        rc = mdb_dbi_open(txn, META_DB, MDB_CREATE, &dbi);
+        if (!rc)
+            rc = mdb_put(txn, dbi, &k, &v, 0);
+        if (rc)
+            mdb_txn_abort(txn);
+        else
+            rc = mdb_txn_commit(txn);
+        if (rc != MDB_MAP_FULL || (rc = grow_map(s, err)))
+            break;
+    }
+    free(json);
+    if (rc < 0 && err && err->code == rc)
+        return rc;
+    return rc ? lmdb_fail(err, rc, "writing metadata", s->final_dir) : 0;
+}
+
+/* Checks that the counts the caller describes are the ones written. */
+static int check_counts(stk_store *s, const stk_meta *meta, stk_err *err)
+{
+    for (int i = 0; i < meta->nsplits; i++) {
+        uint64_t have = stk_store_count(s, meta->splits[i].name);
+        if (have != meta->splits[i].count)
+            return stk_fail(err, STK_EINVAL,
+                            "%s: metadata says split \"%s\" has %llu records "
+                            "but %llu were written",
+                            s->final_dir, meta->splits[i].name,
+                            (unsigned long long)meta->splits[i].count,
+                            (unsigned long long)have);
+    }
+    return 0;
+}
+
+/* Moves the finished partial directory to the final name. An existing
+ * database there (allowed by --force) is swapped out atomically, then
+ * removed. */
+static int publish(stk_store *s, stk_err *err)
+{
+    enum dir_kind kind = classify_dir(s->final_dir);
+    if (kind == DIR_LMDB) {
+        if (renameat2(AT_FDCWD, s->partial_dir, AT_FDCWD, s->final_dir,
+                      RENAME_EXCHANGE) != 0)
+            return stk_fail(err, stk_from_errno(errno),
+                            "%s: cannot replace: %s", s->final_dir,
+                            strerror(errno));
+        return stk_remove_flat_dir(s->partial_dir, err);
+    }
+    if (rename(s->partial_dir, s->final_dir) != 0)
+        return stk_fail(err, stk_from_errno(errno),
+                        "%s: cannot move %s into place: %s", s->final_dir,
+                        s->partial_dir, strerror(errno));
+    return 0;
+}
+
+int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
+{
+    if (!s->writable || s->finished)
+        return stk_fail(err, STK_EINVAL, "store is not open for writing");
+    int rc = flush(s, err);
+    if (!rc)
+        rc = check_counts(s, meta, err);
+    if (!rc && (rc = mdb_env_sync(s->env, 1)))
+        rc = lmdb_fail(err, rc, "syncing records", s->final_dir);
+    if (!rc)
+        rc = write_meta(s, meta, err);
+    if (!rc && (rc = mdb_env_sync(s->env, 1)))
+        rc = lmdb_fail(err, rc, "syncing metadata", s->final_dir);
+    if (rc)
+        return rc;
+    mdb_env_close(s->env);
+    s->env = NULL;
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", s->partial_dir);
+    rc = publish(s, err);
+    if (!rc)
+        rc = stk_fsync_dir(dirname(parent), err);
+    if (!rc)
+        s->finished = true;
+    return rc;
+}
+
+/* ---- opening ----------------------------------------------------------- */
+
+/* Parses the "dataset" JSON; errors are prefixed with the directory. */
+static int parse_meta(stk_store *s, const char *dir, const MDB_val *v,
+                      stk_err *err)
+{
+    stk_err e = {0};
+    int rc = stk_meta_from_json(v->mv_data, v->mv_size, &s->meta, &e);
+    return rc ? stk_fail(err, rc, "%s: %s", dir, e.msg) : 0;
+}
+
+/* Opens each split's database and checks its size against the metadata. */
+static int open_splits(stk_store *s, MDB_txn *txn, const char *dir,
+                       stk_err *err)
+{
+    for (int i = 0; i < s->meta.nsplits; i++) {
+        const stk_split_meta *sp = &s->meta.splits[i];
+        MDB_stat st;
+        int rc = mdb_dbi_open(txn, sp->name, 0, &s->split_dbi[i]);
+        if (!rc)
+            rc = mdb_stat(txn, s->split_dbi[i], &st);
+        if (rc == MDB_NOTFOUND && sp->count == 0)
+            continue; /* an empty split never got a database */
+        if (rc)
+            return stk_fail(err, STK_EFORMAT, "%s: split \"%s\": %s", dir,
+                            sp->name, mdb_strerror(rc));
+        if (st.ms_entries != sp->count)
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: split \"%s\" holds %zu records, metadata "
+                            "says %llu",
+                            dir, sp->name, st.ms_entries,
+                            (unsigned long long)sp->count);
+    }
+    return 0;
+}
+
+static int load_meta(stk_store *s, const char *dir, stk_err *err)
+{
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    int rc = mdb_txn_begin(s->env, NULL, MDB_RDONLY, &txn);
+    if (rc)
+        return lmdb_fail(err, rc, "mdb_txn_begin", dir);
+    MDB_val k = {strlen(META_KEY), META_KEY}, v;
+    rc = mdb_dbi_open(txn, META_DB, 0, &dbi);
+    if (!rc)
+        rc = mdb_get(txn, dbi, &k, &v);
+    if (rc == MDB_NOTFOUND)
+        rc = stk_fail(err, STK_EINCOMPLETE,
+                      "%s: no stoke metadata (an interrupted prep, or not a "
+                      "stoke database)",
+                      dir);
+    else if (rc)
+        rc = lmdb_fail(err, rc, "reading metadata", dir);
+    else
+        rc = parse_meta(s, dir, &v, err);
+    if (!rc)
+        rc = open_splits(s, txn, dir, err);
+    if (rc) {
+        mdb_txn_abort(txn);
+        return rc;
+    }
+    /* committing makes the dbi handles usable by later transactions */
+    rc = mdb_txn_commit(txn);
+    return rc ? lmdb_fail(err, rc, "mdb_txn_commit", dir) : 0;
+}
+
+int stk_store_open_any(const char *dir, stk_store **out, stk_err *err)
+{
+    return stk_store_open(dir, -1, out, err);
+}
+
+int stk_store_open(const char *dir, int max_readers, stk_store **out,
+                   stk_err *err)
+{
+    *out = NULL;
+    char path[4096];
+    struct stat st;
+    if (stk_path_join(path, sizeof path, dir, "data.mdb") ||
+        stat(path, &st) != 0)
+        return stk_fail(err, STK_ENOENT,
+                        "%s: not a stoke database (no data.mdb)", dir);
+    stk_store *s = alloc_store();
+    if (!s)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
+    bool any = max_readers < 0;
+    int rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS,
+                      max_readers > 0 ? max_readers : 512, err);
+    if (!rc)
+        rc = load_meta(s, dir, err);
+    if (!rc && !any && !s->meta.complete)
+        rc = stk_fail(err, STK_EINCOMPLETE,
+                      "%s: database is incomplete (prep did not finish)", dir);
+    if (rc) {
+        free_store(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+const stk_meta *stk_store_meta(const stk_store *s) { return &s->meta; }
+
+size_t stk_store_map_size(const stk_store *s) { return s->map_size; }
+
+void stk_store_close(stk_store *s)
+{
+    if (!s)
+        return;
+    if (s->writable && !s->finished && s->partial_dir && s->lock_fd >= 0) {
+        if (s->env)
+            mdb_env_close(s->env);
+        s->env = NULL;
+        stk_remove_flat_dir(s->partial_dir, NULL);
+    }
+    free_store(s);
+}
+
+/* ---- readers ----------------------------------------------------------- */
+
+struct stk_reader {
+    stk_store *s;
+    MDB_dbi dbi;
+    MDB_txn *txn;
+    bool live;
+    uint32_t expect;
+    uint64_t count;
+    char split[STK_SPLIT_NAME_MAX];
+};
+
+int stk_reader_open(stk_store *s, const char *split, stk_reader **out,
+                    stk_err *err)
+{
+    *out = NULL;
+    int i = stk_meta_split(&s->meta, split);
+    if (i < 0)
+        return stk_fail(err, STK_ENOENT, "split \"%s\" is not in the database",
+                        split);
+    stk_reader *r = calloc(1, sizeof *r);
+    if (!r)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    r->s = s;
+    r->dbi = s->split_dbi[i];
+    r->expect = stk_meta_sample_bytes(&s->meta);
+    r->count = s->meta.splits[i].count;
+    snprintf(r->split, sizeof r->split, "%s", split);
+    *out = r;
+    return 0;
+}
+
+static int reader_txn(stk_reader *r, stk_err *err)
+{
+    if (r->live)
+        return 0;
+    int rc = r->txn ? mdb_txn_renew(r->txn)
+                    : mdb_txn_begin(r->s->env, NULL, MDB_RDONLY, &r->txn);
+    if (rc)
+        return stk_fail(err, STK_ESTORE, "split \"%s\": read transaction: %s",
+                        r->split, mdb_strerror(rc));
+    r->live = true;
+    return 0;
+}
+
+int stk_reader_get(stk_reader *r, uint64_t index, stk_record *rec,
+                   stk_err *err)
+{
+    if (index >= r->count)
+        return stk_fail(err, STK_ERANGE,
+                        "split \"%s\": key %llu is out of range (%llu records)",
+                        r->split, (unsigned long long)index,
+                        (unsigned long long)r->count);
+    int rc = reader_txn(r, err);
+    if (rc)
+        return rc;
+    uint8_t kb[8];
+    stk_key_encode(kb, index);
+    MDB_val k = {8, kb}, v;
+    rc = mdb_get(r->txn, r->dbi, &k, &v);
+    if (rc)
+        return stk_fail(err, rc == MDB_NOTFOUND ? STK_EFORMAT : STK_ESTORE,
+                        "split \"%s\": key %llu: %s", r->split,
+                        (unsigned long long)index, mdb_strerror(rc));
+    if (stk_record_decode(v.mv_data, v.mv_size, r->expect, rec))
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu: record is %zu bytes, "
+                        "expected %u (%d-byte header + %u pixels)",
+                        r->split, (unsigned long long)index, v.mv_size,
+                        STK_RECORD_HEADER + r->expect, STK_RECORD_HEADER,
+                        r->expect);
+    return 0;
+}
+
+void stk_reader_release(stk_reader *r)
+{
+    if (r->live)
+        mdb_txn_reset(r->txn);
+    r->live = false;
+}
+
+void stk_reader_close(stk_reader *r)
+{
+    if (!r)
+        return;
+    if (r->txn)
+        mdb_txn_abort(r->txn);
+    free(r);
+}

@@ -1,0 +1,169 @@
+/* store.h - the stoke database: one LMDB environment per dataset.
+ *
+ * Layout (docs/formats.md has it byte by byte):
+ *   DB_DIR/data.mdb, DB_DIR/lock.mdb  one LMDB environment
+ *   named database "meta"             key "dataset" -> JSON metadata
+ *   named database per split          key = sample index, 8-byte big-endian,
+ *                                     dense from 0; value = encoded record
+ *
+ * A database is complete or it is not there. stk_store_create() builds it in
+ * a hidden sibling directory (".NAME.partial", held with an exclusive flock)
+ * and stk_store_finish() writes the metadata with "complete": true, syncs,
+ * and renames it into place. Anything interrupted before that leaves only the
+ * partial directory, which no reader accepts and the next create removes. */
+#ifndef STK_STORE_H
+#define STK_STORE_H
+
+#include "common/common.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- record codec ------------------------------------------------------ */
+
+/* Record value: int32 label (little-endian), uint32 payload byte count
+ * (little-endian), then the payload: uint8 pixels in CHW order. */
+#define STK_RECORD_HEADER 8
+
+typedef struct stk_record {
+    int32_t label;
+    uint32_t nbytes;      /* payload size, C*H*W */
+    const uint8_t *data;  /* payload; borrowed, see stk_reader_get() */
+} stk_record;
+
+/* Writes the STK_RECORD_HEADER-byte header of a record to dst, for writers
+ * that place the payload themselves right after it. */
+void stk_record_put_header(uint8_t *dst, int32_t label, uint32_t nbytes);
+
+/* Writes header and payload to dst (STK_RECORD_HEADER + nbytes bytes). */
+void stk_record_encode(uint8_t *dst, int32_t label, const uint8_t *pixels,
+                       uint32_t nbytes);
+
+/* Parses a record of len bytes; its payload must be exactly expect bytes.
+ * out->data points into src. Returns 0 or STK_EFORMAT. */
+int stk_record_decode(const void *src, size_t len, uint32_t expect,
+                      stk_record *out);
+
+/* Fills an 8-byte big-endian key for index i. */
+void stk_key_encode(uint8_t key[8], uint64_t i);
+uint64_t stk_key_decode(const uint8_t key[8]);
+
+/* ---- metadata ---------------------------------------------------------- */
+
+#define STK_MAX_SPLITS 8
+#define STK_MAX_CHANNELS 4
+#define STK_SPLIT_NAME_MAX 32
+
+typedef struct stk_split_meta {
+    char name[STK_SPLIT_NAME_MAX];
+    uint64_t count;            /* records, keys 0..count-1 */
+    uint64_t *label_counts;    /* nclasses entries, owned by the meta */
+    double mean[STK_MAX_CHANNELS]; /* per channel, pixel/255 */
+    double std[STK_MAX_CHANNELS];
+    uint64_t nskipped;         /* source files skipped with --skip-bad */
+} stk_split_meta;
+
+typedef struct stk_meta {
+    int channels, height, width;
+    int nclasses;
+    char **classes;            /* nclasses names, owned */
+    int nsplits;
+    stk_split_meta splits[STK_MAX_SPLITS];
+    char *source_path;         /* owned */
+    char *source_format;       /* "idx", "cifar" or "folder", owned */
+    char *tool;                /* "stoke prep 0.1.0", owned */
+    char *created;             /* ISO 8601 UTC, owned */
+    char *skipped_json;        /* JSON object split -> [{file, error}], owned,
+                                  may be NULL */
+    bool complete;
+} stk_meta;
+
+/* Frees everything a meta owns and zeroes it; NULL is a no-op. */
+void stk_meta_free(stk_meta *m);
+
+/* Serialises to JSON (malloc'd, caller frees) or parses it. Parsing checks
+ * every field it needs and names the first one that is missing or wrong. */
+char *stk_meta_to_json(const stk_meta *m);
+int stk_meta_from_json(const char *json, size_t len, stk_meta *m,
+                       stk_err *err);
+
+/* Payload bytes per record: channels * height * width. */
+uint32_t stk_meta_sample_bytes(const stk_meta *m);
+
+/* Index of a split by name, or -1. */
+int stk_meta_split(const stk_meta *m, const char *name);
+
+/* ---- the store --------------------------------------------------------- */
+
+typedef struct stk_store stk_store;
+
+typedef struct stk_store_opts {
+    size_t map_size;        /* initial map size in bytes; 0 = 64 MiB */
+    size_t map_size_max;    /* growth stops here; 0 = 1 TiB */
+    size_t txn_bytes;       /* commit after this many pending bytes;
+                               0 = 64 MiB */
+    bool force;             /* replace an existing complete database */
+} stk_store_opts;
+
+/* Starts a new database that will appear at dir when finished. Refuses a dir
+ * that holds a complete database (unless opts->force) or anything that is not
+ * a stoke database. On failure *out is NULL and nothing is left behind. */
+int stk_store_create(const char *dir, const stk_store_opts *opts,
+                     stk_store **out, stk_err *err);
+
+/* Appends one encoded record to split (created on first use) under the next
+ * dense key. Records are buffered and committed in large MDB_APPEND
+ * transactions; on MDB_MAP_FULL the map doubles (up to map_size_max) and the
+ * transaction is replayed. Splits may be written one after the other only. */
+int stk_store_append(stk_store *s, const char *split, const void *rec,
+                     size_t len, stk_err *err);
+
+/* Records appended so far to split. */
+uint64_t stk_store_count(const stk_store *s, const char *split);
+
+/* Commits what is pending, writes meta (with complete = true), syncs and
+ * moves the database into place. The store must still be closed after. */
+int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err);
+
+/* Opens a complete database read-only (MDB_RDONLY | MDB_NOTLS, reader slots
+ * for max_readers threads; 0 = 512). Refuses an incomplete one. */
+int stk_store_open(const char *dir, int max_readers, stk_store **out,
+                   stk_err *err);
+
+/* Opens any stoke database read-only, complete or not, for inspection;
+ * meta->complete tells which. */
+int stk_store_open_any(const char *dir, stk_store **out, stk_err *err);
+
+/* The metadata of an opened store; lives as long as the store. */
+const stk_meta *stk_store_meta(const stk_store *s);
+
+/* Current LMDB map size in bytes. */
+size_t stk_store_map_size(const stk_store *s);
+
+/* Closes the store. A created store that was not finished is discarded: its
+ * partial directory is removed. NULL is a no-op. */
+void stk_store_close(stk_store *s);
+
+/* ---- readers: one per thread ------------------------------------------- */
+
+typedef struct stk_reader stk_reader;
+
+/* A read-only cursor over one split of an opened store. */
+int stk_reader_open(stk_store *s, const char *split, stk_reader **out,
+                    stk_err *err);
+
+/* Looks up record index. rec->data points into the LMDB map (zero-copy) and
+ * stays valid until the next stk_reader_release() or close. Opens or renews
+ * the read transaction as needed. Errors name the split and key. */
+int stk_reader_get(stk_reader *r, uint64_t index, stk_record *rec,
+                   stk_err *err);
+
+/* Ends the current snapshot (mdb_txn_reset) so LMDB can reuse pages;
+ * the next get renews it. */
+void stk_reader_release(stk_reader *r);
+
+/* NULL is a no-op. */
+void stk_reader_close(stk_reader *r);
+
+#endif
