@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# prep of Fashion-MNIST gives 60000 + 10000 records whose pixels and labels
+# equal the IDX source bytes, read back by the Python reader of
+# docs/formats.md (an independent implementation of the format).
+source "$STK_SRC/tests/e2e/lib.sh"
+"$STK_BIN/prep" --workers 2 --quiet "$FASHION" db
+$PY - <<'PY'
+import numpy as np, stoke_test as t
+r = t.formats_reader()
+env, meta = r["open_stoke"]("db")
+assert meta["record"]["shape"] == [1, 28, 28], meta["record"]
+assert meta["classes"][0] == "T-shirt/top" and len(meta["classes"]) == 10
+rng = np.random.default_rng(1)
+for split, prefix, count in (("train", "train", 60000), ("test", "t10k", 10000)):
+    assert meta["splits"][split]["count"] == count, meta["splits"][split]
+    with env.begin(db=env.open_db(split.encode(), create=False)) as txn:
+        assert txn.stat()["entries"] == count
+    imgs = t.read_idx(f"/usr/share/datasets/fashion-mnist/{prefix}-images-idx3-ubyte.gz")
+    labels = t.read_idx(f"/usr/share/datasets/fashion-mnist/{prefix}-labels-idx1-ubyte.gz")
+    idx = list(rng.choice(count, 300, replace=False)) + [0, count - 1]
+    for i in idx:
+        label, px = r["read_sample"](env, meta, split, int(i))
+        assert label == labels[i], (split, i, label, labels[i])
+        assert np.array_equal(px[0], imgs[i]), (split, i)
+    hist = np.bincount(labels, minlength=10).tolist()
+    assert meta["splits"][split]["label_counts"] == hist
+    mean = imgs.astype(np.float64).mean() / 255
+    std = imgs.astype(np.float64).std() / 255
+    assert abs(meta["splits"][split]["mean"][0] - mean) < 1e-9, (mean, meta)
+    assert abs(meta["splits"][split]["std"][0] - std) < 1e-9, (std, meta)
+    print(f"ok: {split}: {count} records, {len(idx)} sampled equal the IDX bytes, "
+          f"mean {mean:.4f} std {std:.4f}")
+PY
+# and the documented reader's own command line
+$PY -c 'import stoke_test as t, runpy, sys' >/dev/null
+awk '/^```python/{f=1;next}/^```/{f=0}f' "$STK_SRC/docs/formats.md" > reader.py
+out=$($PY reader.py db test 0)
+grep -q "^Ankle boot (1, 28, 28)" <<<"$out" || fail "reader.py printed: $out"
+ok "docs/formats.md reader: $out"

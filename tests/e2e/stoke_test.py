@@ -1,0 +1,71 @@
+"""Helpers for the end-to-end tests: the Python reader of docs/formats.md
+(executed from the document itself, so the documented code is what we test),
+an independent IDX reader, and image generators."""
+import gzip, os, re, struct
+import numpy as np
+
+SRC = os.environ.get("STK_SRC", os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def formats_reader():
+    """Returns the namespace defined by the Python block of docs/formats.md."""
+    text = open(os.path.join(SRC, "docs", "formats.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, "docs/formats.md must hold exactly one python block"
+    ns = {"__name__": "formats_reader"}
+    exec(compile(blocks[0], "docs/formats.md", "exec"), ns)
+    return ns
+
+
+def read_idx(path):
+    """Independent IDX reader: numpy array of the file's dimensions."""
+    data = open(path, "rb").read()
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    zero, dtype, ndim = struct.unpack_from(">HBB", data, 0)
+    assert zero == 0 and dtype == 0x08, path
+    dims = struct.unpack_from(">" + "I" * ndim, data, 4)
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def fashion_images(n, seed=0):
+    """n Fashion-MNIST training images (28x28 uint8), a real-data source for
+    generated image folders."""
+    imgs = read_idx("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+    rng = np.random.default_rng(seed)
+    return imgs[rng.choice(len(imgs), n, replace=False)]
+
+
+def write_png16(path, arr):
+    """Minimal PNG writer for 16-bit gray (HxW) or RGB (HxWx3) arrays, which
+    PIL cannot save."""
+    import zlib
+    arr = np.asarray(arr, dtype=">u2")
+    h, w = arr.shape[:2]
+    ctype = 0 if arr.ndim == 2 else 2
+    raw = b"".join(b"\x00" + arr[y].tobytes() for y in range(h))
+    def chunk(kind, data):
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+    ihdr = struct.pack(">IIBBBBB", w, h, 16, ctype, 0, 0, 0)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) +
+                chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def torchvision_fit(im, size, mode):
+    """The reference pipeline: convert, Resize(size) (shorter side, PIL
+    BILINEAR), CenterCrop(size), as CHW uint8 - what torchvision's
+    ImageFolder + transforms produce."""
+    from PIL import Image
+    im = im.convert(mode)
+    w, h = im.size
+    if w <= h:
+        ow, oh = size, int(size * h / w)
+    else:
+        ow, oh = int(size * w / h), size
+    if (ow, oh) != (w, h):
+        im = im.resize((ow, oh), Image.BILINEAR)
+    left, top = int(round((ow - size) / 2.0)), int(round((oh - size) / 2.0))
+    arr = np.asarray(im.crop((left, top, left + size, top + size)))
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
