@@ -11,7 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #define MIB ((size_t)1 << 20)
@@ -282,6 +284,29 @@ static int put_pending(stk_store *s, MDB_txn *txn)
     return rc;
 }
 
+/* LMDB reports a short write as EIO; say what filled up when we can tell. */
+static int write_fail(stk_store *s, int rc, const char *what, stk_err *err)
+{
+    struct rlimit rl;
+    struct statvfs vfs;
+    if (rc == EIO || rc == EFBIG || rc == ENOSPC) {
+        if (getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+            return stk_fail(err, STK_ENOSPACE,
+                            "%s: %s: %s (the file size limit, ulimit -f, is "
+                            "%llu bytes)",
+                            s->final_dir, what, mdb_strerror(rc),
+                            (unsigned long long)rl.rlim_cur);
+        if (statvfs(s->partial_dir, &vfs) == 0 &&
+            (double)vfs.f_bavail * vfs.f_frsize < 2.0 * s->opts.txn_bytes)
+            return stk_fail(err, STK_ENOSPACE,
+                            "%s: %s: no space left on the device (%.1f MiB "
+                            "free)",
+                            s->final_dir, what,
+                            (double)vfs.f_bavail * vfs.f_frsize / MIB);
+    }
+    return lmdb_fail(err, rc, what, s->final_dir);
+}
+
 static int flush(stk_store *s, stk_err *err)
 {
     if (!s->pend_n)
@@ -302,7 +327,7 @@ static int flush(stk_store *s, stk_err *err)
             continue;
         }
         if (rc)
-            return lmdb_fail(err, rc, "writing records", s->final_dir);
+            return write_fail(s, rc, "writing records", err);
         s->pend_len = s->pend_n = 0;
         return 0;
     }
@@ -395,7 +420,7 @@ static int write_meta(stk_store *s, const stk_meta *meta, stk_err *err)
     free(json);
     if (rc < 0 && err && err->code == rc)
         return rc;
-    return rc ? lmdb_fail(err, rc, "writing metadata", s->final_dir) : 0;
+    return rc ? write_fail(s, rc, "writing metadata", err) : 0;
 }
 
 /* Checks that the counts the caller describes are the ones written. */
@@ -443,11 +468,11 @@ int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
     if (!rc)
         rc = check_counts(s, meta, err);
     if (!rc && (rc = mdb_env_sync(s->env, 1)))
-        rc = lmdb_fail(err, rc, "syncing records", s->final_dir);
+        rc = write_fail(s, rc, "syncing records", err);
     if (!rc)
         rc = write_meta(s, meta, err);
     if (!rc && (rc = mdb_env_sync(s->env, 1)))
-        rc = lmdb_fail(err, rc, "syncing metadata", s->final_dir);
+        rc = write_fail(s, rc, "syncing metadata", err);
     if (rc)
         return rc;
     mdb_env_close(s->env);
