@@ -1,0 +1,299 @@
+/* test_store - record codec, keys, metadata JSON, and the LMDB store:
+ * bytes read back equal bytes written, the map grows, unfinished databases
+ * vanish, readers name split and key in errors. */
+#include "unit.h"
+
+#include "store/store.h"
+
+#include <lmdb.h>
+#include <math.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static void codec_round_trip(void **state)
+{
+    (void)state;
+    uint8_t px[300], buf[STK_RECORD_HEADER + 300];
+    for (int i = 0; i < 300; i++)
+        px[i] = (uint8_t)(i * 7);
+    stk_record_encode(buf, -5, px, 300);
+    assert_int_equal(buf[0], 0xfb); /* -5 little-endian */
+    assert_int_equal(buf[3], 0xff);
+    assert_int_equal(buf[4], 300 & 0xff);
+    assert_int_equal(buf[5], 300 >> 8);
+    stk_record r;
+    assert_int_equal(stk_record_decode(buf, sizeof buf, 300, &r), 0);
+    assert_int_equal(r.label, -5);
+    assert_int_equal(r.nbytes, 300);
+    assert_memory_equal(r.data, px, 300);
+    /* wrong expected size, short value, header/length disagreement */
+    assert_int_equal(stk_record_decode(buf, sizeof buf, 299, &r), STK_EFORMAT);
+    assert_int_equal(stk_record_decode(buf, 7, 300, &r), STK_EFORMAT);
+    assert_int_equal(stk_record_decode(buf, sizeof buf - 1, 300, &r),
+                     STK_EFORMAT);
+}
+
+static void keys_sort_in_index_order(void **state)
+{
+    (void)state;
+    uint64_t vals[] = {0, 1, 255, 256, 65535, 1u << 31, UINT64_MAX - 1};
+    uint8_t prev[8], cur[8];
+    for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) {
+        stk_key_encode(cur, vals[i]);
+        assert_true(stk_key_decode(cur) == vals[i]);
+        if (i)
+            assert_true(memcmp(prev, cur, 8) < 0);
+        memcpy(prev, cur, 8);
+    }
+    stk_key_encode(cur, 0x0102030405060708ull);
+    assert_int_equal(cur[0], 1);
+    assert_int_equal(cur[7], 8);
+}
+
+static stk_meta sample_meta(uint64_t train, uint64_t test)
+{
+    static char *classes[] = {"cat", "dog", "emu"};
+    static uint64_t lc_train[3], lc_test[3];
+    stk_meta m = {0};
+    m.channels = 3;
+    m.height = 4;
+    m.width = 5;
+    m.nclasses = 3;
+    m.classes = classes;
+    m.nsplits = 2;
+    snprintf(m.splits[0].name, 32, "train");
+    snprintf(m.splits[1].name, 32, "test");
+    m.splits[0].count = train;
+    m.splits[1].count = test;
+    for (int c = 0; c < 3; c++) {
+        lc_train[c] = train / 3 + (c < (int)(train % 3));
+        lc_test[c] = test / 3 + (c < (int)(test % 3));
+        m.splits[0].mean[c] = 0.1 * (c + 1);
+        m.splits[0].std[c] = 0.2 + c * 0.01;
+    }
+    m.splits[0].label_counts = lc_train;
+    m.splits[1].label_counts = lc_test;
+    m.source_path = "/raw";
+    m.source_format = "folder";
+    m.tool = "test";
+    m.created = "2026-01-01T00:00:00Z";
+    return m;
+}
+
+static void meta_json_round_trip(void **state)
+{
+    (void)state;
+    stk_meta m = sample_meta(10, 4);
+    m.complete = true;
+    char *json = stk_meta_to_json(&m);
+    assert_non_null(json);
+    stk_meta back;
+    stk_err err = {0};
+    assert_int_equal(stk_meta_from_json(json, strlen(json), &back, &err), 0);
+    assert_int_equal(back.channels, 3);
+    assert_int_equal(back.height, 4);
+    assert_int_equal(back.width, 5);
+    assert_int_equal(back.nclasses, 3);
+    assert_string_equal(back.classes[2], "emu");
+    assert_int_equal(back.nsplits, 2);
+    assert_string_equal(back.splits[1].name, "test");
+    assert_int_equal(back.splits[0].count, 10);
+    assert_int_equal(back.splits[0].label_counts[0], 4);
+    /* cJSON keeps 15 significant digits */
+    assert_true(fabs(back.splits[0].mean[2] - 0.1 * 3) < 1e-12);
+    assert_true(back.complete);
+    assert_string_equal(back.source_format, "folder");
+    stk_meta_free(&back);
+    /* a missing field is named */
+    char *cut = strstr(json, "\"split_order\"");
+    assert_non_null(cut);
+    memcpy(cut, "\"split_xrder\"", 13);
+    assert_int_equal(stk_meta_from_json(json, strlen(json), &back, &err),
+                     STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "split_order"));
+    free(json);
+    assert_int_equal(stk_meta_from_json("{", 1, &back, &err), STK_EFORMAT);
+}
+
+/* Writes n records of varied sizes per split; payload i of split k is a
+ * pattern of (k, i). */
+static void fill(uint8_t *px, int k, uint64_t i, size_t n)
+{
+    for (size_t j = 0; j < n; j++)
+        px[j] = (uint8_t)(k * 31 + i * 7 + j * 13 + (i >> 8));
+}
+
+static void store_bytes_round_trip_with_map_growth(void **state)
+{
+    (void)state;
+    const char *dir = scratch("growth");
+    rmdir(dir); /* the store creates it */
+    stk_store_opts o = {.map_size = 64 << 10, .txn_bytes = 256 << 10};
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, &o, &s, &err), 0);
+    size_t n = 3 * 4 * 5;
+    uint8_t rec[STK_RECORD_HEADER + 60], px[60];
+    uint64_t counts[2] = {5000, 333};
+    const char *names[2] = {"train", "test"};
+    for (int k = 0; k < 2; k++)
+        for (uint64_t i = 0; i < counts[k]; i++) {
+            fill(px, k, i, n);
+            stk_record_encode(rec, (int32_t)(i % 3), px, (uint32_t)n);
+            assert_int_equal(
+                stk_store_append(s, names[k], rec, sizeof rec, &err), 0);
+        }
+    assert_int_equal(stk_store_count(s, "train"), 5000);
+    assert_true(stk_store_map_size(s) > (64u << 10)); /* it grew */
+    /* going back to a finished split is refused */
+    assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err),
+                     STK_EINVAL);
+    stk_meta m = sample_meta(5000, 333);
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+
+    assert_int_equal(stk_store_open(dir, 8, &s, &err), 0);
+    const stk_meta *got = stk_store_meta(s);
+    assert_true(got->complete);
+    assert_int_equal(got->splits[0].count, 5000);
+    for (int k = 0; k < 2; k++) {
+        stk_reader *r;
+        assert_int_equal(stk_reader_open(s, names[k], &r, &err), 0);
+        for (uint64_t i = 0; i < counts[k]; i++) {
+            stk_record rr;
+            assert_int_equal(stk_reader_get(r, i, &rr, &err), 0);
+            fill(px, k, i, n);
+            assert_int_equal(rr.label, (int32_t)(i % 3));
+            assert_memory_equal(rr.data, px, n);
+            if (i % 1000 == 999)
+                stk_reader_release(r); /* renew path */
+        }
+        stk_record rr;
+        assert_int_equal(stk_reader_get(r, counts[k], &rr, &err), STK_ERANGE);
+        assert_non_null(strstr(err.msg, names[k]));
+        stk_reader_close(r);
+    }
+    stk_reader *r;
+    assert_int_equal(stk_reader_open(s, "val", &r, &err), STK_ENOENT);
+    assert_null(r);
+    stk_store_close(s);
+}
+
+static void unfinished_store_leaves_nothing(void **state)
+{
+    (void)state;
+    const char *dir = scratch("unfinished");
+    rmdir(dir);
+    char partial[1100];
+    snprintf(partial, sizeof partial, "%.*s/.unfinished.partial",
+             (int)(strrchr(dir, '/') - dir), dir);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    struct stat st;
+    assert_int_equal(stat(partial, &st), 0); /* work happens beside it */
+    assert_int_not_equal(stat(dir, &st), 0);
+    uint8_t rec[STK_RECORD_HEADER + 60] = {0};
+    rec[4] = 60;
+    assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err), 0);
+    /* a second writer is refused while the first holds the lock */
+    stk_store *other;
+    assert_int_equal(stk_store_create(dir, NULL, &other, &err), STK_EEXIST);
+    assert_non_null(strstr(err.msg, "another prep"));
+    assert_null(other);
+    stk_store_close(s);
+    assert_int_not_equal(stat(partial, &st), 0);
+    assert_int_not_equal(stat(dir, &st), 0);
+}
+
+static void counts_must_match_metadata(void **state)
+{
+    (void)state;
+    const char *dir = scratch("mismatch");
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    uint8_t rec[STK_RECORD_HEADER + 60] = {0};
+    rec[4] = 60;
+    assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err), 0);
+    stk_meta m = sample_meta(2, 0);
+    assert_int_equal(stk_store_finish(s, &m, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "train"));
+    stk_store_close(s);
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), STK_ENOENT);
+}
+
+/* A record of the wrong size is reported with its split and key. */
+static void corrupt_record_names_key(void **state)
+{
+    (void)state;
+    const char *dir = scratch("corrupt");
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    uint8_t rec[STK_RECORD_HEADER + 60] = {0};
+    rec[4] = 60;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(
+            stk_store_append(s, "train", rec, i == 1 ? 50 : sizeof rec, &err),
+            0);
+    stk_meta m = sample_meta(3, 0);
+    m.nsplits = 1;
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    stk_reader *r;
+    stk_record rr;
+    assert_int_equal(stk_reader_open(s, "train", &r, &err), 0);
+    assert_int_equal(stk_reader_get(r, 0, &rr, &err), 0);
+    assert_int_equal(stk_reader_get(r, 1, &rr, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "split \"train\": key 1"));
+    assert_non_null(strstr(err.msg, "50 bytes"));
+    stk_reader_close(r);
+    stk_store_close(s);
+}
+
+/* A database without the completion marker is refused by readers. */
+static void incomplete_database_refused(void **state)
+{
+    (void)state;
+    const char *dir = scratch("incomplete");
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    assert_int_equal(mdb_env_create(&env), 0);
+    mdb_env_set_maxdbs(env, 4);
+    assert_int_equal(mdb_env_open(env, dir, 0, 0664), 0);
+    assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    assert_int_equal(mdb_dbi_open(txn, "meta", MDB_CREATE, &dbi), 0);
+    stk_meta m = sample_meta(0, 0);
+    m.complete = false;
+    char *json = stk_meta_to_json(&m);
+    MDB_val k = {7, "dataset"}, v = {strlen(json), json};
+    assert_int_equal(mdb_put(txn, dbi, &k, &v, 0), 0);
+    assert_int_equal(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+    free(json);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), STK_EINCOMPLETE);
+    assert_non_null(strstr(err.msg, "incomplete"));
+    assert_int_equal(stk_store_open_any(dir, &s, &err), 0);
+    assert_false(stk_store_meta(s)->complete);
+    stk_store_close(s);
+    /* and prep would not replace it silently */
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), STK_EEXIST);
+    assert_non_null(strstr(err.msg, "--force"));
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(codec_round_trip),
+    cmocka_unit_test(keys_sort_in_index_order),
+    cmocka_unit_test(meta_json_round_trip),
+    cmocka_unit_test(store_bytes_round_trip_with_map_growth),
+    cmocka_unit_test(unfinished_store_leaves_nothing),
+    cmocka_unit_test(counts_must_match_metadata),
+    cmocka_unit_test(corrupt_record_names_key),
+    cmocka_unit_test(incomplete_database_refused),
+};
+UNIT_MAIN(tests)

@@ -1,0 +1,39 @@
+/* unit.h - shared by the cmocka unit tests: a main that runs one case when
+ * ctest names it (argv[1]), and scratch directories. */
+#ifndef STK_UNIT_H
+#define STK_UNIT_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+/* A fresh empty directory under the test's scratch area ($STK_TMP). */
+static inline const char *scratch(const char *name)
+{
+    static char path[1024];
+    const char *base = getenv("STK_TMP");
+    base = base ? base : "/tmp/stk-unit";
+    snprintf(path, sizeof path, "%s/%s", base, name);
+    char cmd[4 * 1024 + 64];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s/.%s.partial' && mkdir -p '%s'",
+             path, base, name, path);
+    if (system(cmd) != 0)
+        fail_msg("cannot make %s", path);
+    return path;
+}
+
+#define UNIT_MAIN(tests)                                                       \
+    int main(int argc, char **argv)                                            \
+    {                                                                          \
+        if (argc > 1)                                                          \
+            cmocka_set_test_filter(argv[1]);                                   \
+        return cmocka_run_group_tests(tests, NULL, NULL);                      \
+    }
+
+#endif
