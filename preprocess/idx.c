@@ -145,7 +145,7 @@ static int add_classes(stk_source *s, idx_data *x)
     lower[sizeof lower - 1] = '\0';
     int fashion = top == 9 && strstr(lower, "fashion");
     for (int c = 0; c <= top; c++) {
-        char num[8];
+        char num[12];
         snprintf(num, sizeof num, "%d", c);
         if (stk_source_add_class(s, fashion ? fashion_classes[c] : num))
             return STK_ENOMEM;

@@ -122,12 +122,17 @@ static void cmyk_to_rgb(const uint8_t *cmyk, uint8_t *rgb, size_t n)
 static int decode_jpeg(stk_decoder *d, const uint8_t *data, size_t len,
                        stk_image *out, char *wbuf, size_t wlen)
 {
-    int w, h, subsamp, cs;
+    /* TurboJPEG 2.1 returns success without setting these for a stream that
+     * ends before the frame header (tables only). */
+    int w = 0, h = 0, subsamp = 0, cs = 0;
     if (len > 0x7fffffffUL ||
         tjDecompressHeader3(d->tj, data, (unsigned long)len, &w, &h, &subsamp,
                             &cs) != 0)
         return why(wbuf, wlen, "bad JPEG: %s", tjGetErrorStr2(d->tj));
-    if (w <= 0 || h <= 0 || w > 32768 || h > 32768)
+    if (w <= 0 || h <= 0)
+        return why(wbuf, wlen, "bad JPEG: %s",
+                   "no frame header (truncated or tables only)");
+    if (w > 32768 || h > 32768)
         return why(wbuf, wlen, "bad JPEG: %s", "unreasonable dimensions");
     int cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;
     int pf = cs == TJCS_GRAY ? TJPF_GRAY : cmyk ? TJPF_CMYK : TJPF_RGB;

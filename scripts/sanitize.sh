@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds with sanitizers into build-<name>/ and runs the tests there.
+#   scripts/sanitize.sh address,undefined     ASan + UBSan, all tests
+#   scripts/sanitize.sh thread                TSan, all but the timing-based
+#                                             interrupt test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+san=${1:-address,undefined}
+dir=build-${san//,/-}
+cmake -S . -B "$dir" -DSTK_SANITIZE="$san" -DSTK_CUDA=OFF -DSTK_WERROR=ON \
+  -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build "$dir" -j "$(nproc)"
+cd "$dir"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+skip=()
+[ "$san" = thread ] && skip=(-E interrupt)
+ctest --output-on-failure -j "$(nproc)" "${skip[@]}"
