@@ -37,3 +37,18 @@ awk '/^```python/{f=1;next}/^```/{f=0}f' "$STK_SRC/docs/formats.md" > reader.py
 out=$($PY reader.py db test 0)
 grep -q "^Ankle boot (1, 28, 28)" <<<"$out" || fail "reader.py printed: $out"
 ok "docs/formats.md reader: $out"
+
+# dbinfo: the summary and a contact sheet whose first tile is sample 0
+"$STK_BIN/dbinfo" db --grid sheet.png > info.txt
+grep -q "split train: 60000 records" info.txt || fail "dbinfo: $(cat info.txt)"
+grep -Eq "mean 0\.2860 +std 0\.3530" info.txt || fail "dbinfo mean/std: $(cat info.txt)"
+$PY - <<'PY' || fail "contact sheet"
+import numpy as np, stoke_test as t
+from PIL import Image
+im = np.asarray(Image.open("sheet.png"))
+assert im.shape == (8 * 28 + 9 * 2,) * 2, im.shape
+imgs = t.read_idx("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+assert np.array_equal(im[2:30, 2:30], imgs[0]) and np.array_equal(im[2:30, 32:60], imgs[1])
+assert np.array_equal(im[2 + 7 * 30:30 + 7 * 30, 2 + 7 * 30:30 + 7 * 30], imgs[63])
+print("ok: dbinfo --grid tiles equal samples 0, 1 and 63")
+PY
