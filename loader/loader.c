@@ -1,0 +1,571 @@
+/* loader.c - worker threads filling a ring of batch buffers in sampler
+ * order.
+ *
+ * Batches are numbered by a sequence s = 0, 1, 2, ... from the start
+ * position; batch s lives in ring slot s % K. A worker claims the next
+ * sequence number when its slot is free, copies the batch's indices from the
+ * epoch's shard, and fills the slot outside the lock; the consumer takes
+ * sequence numbers in order and hands slots back with release. So the
+ * output order is fixed whatever the scheduling, and memory is K buffers. */
+#include "loader.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_HELD };
+
+typedef struct slot {
+    int state;
+    uint64_t seq;
+    int n;
+    uint8_t *data;
+    int32_t *labels;
+    uint64_t *indices;
+    int rc;
+    stk_err err;
+} slot;
+
+/* Where samples come from: a database split or a raw source. */
+typedef struct fetch_ops {
+    int (*open)(stk_loader *l, void **ctx, stk_err *err);
+    int (*get)(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+               int32_t *label, stk_err *err);
+    void (*batch_done)(void *ctx);
+    void (*close)(void *ctx);
+} fetch_ops;
+
+/* A shard cached for one epoch; refs counts workers copying from it. */
+typedef struct shard {
+    uint64_t epoch;
+    uint64_t *idx;
+    int refs;
+    struct shard *next;
+} shard;
+
+typedef struct worker {
+    stk_loader *l;
+    int id;
+    pthread_t thread;
+    void *ctx;
+} worker;
+
+struct stk_loader {
+    stk_loader_opts o;
+    const fetch_ops *ops;
+    stk_store *store;
+    const stk_source *src;
+    int src_split;
+    char split[STK_SPLIT_NAME_MAX];
+    stk_sampler sampler;
+    uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
+    size_t sample_bytes;
+
+    pthread_mutex_t mu;
+    pthread_cond_t ready, freed;
+    slot *slots;
+    int nslots;
+    shard *shards;
+    uint64_t claim_seq, take_seq;
+    bool stop, ended, started;
+    int failed;
+    stk_err fail_err;
+    worker *workers;
+    int nworkers;
+    void *inline_ctx;   /* workers == 0: the caller's fetch context */
+
+    double t_open, t_first, wait;
+    uint64_t batches, samples;
+    double busy[STK_LOADER_MAX_WORKERS];
+};
+
+/* ---- fetchers ---------------------------------------------------------- */
+
+static int store_open(stk_loader *l, void **ctx, stk_err *err)
+{
+    return stk_reader_open(l->store, l->split, (stk_reader **)ctx, err);
+}
+
+static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+                     int32_t *label, stk_err *err)
+{
+    stk_record r;
+    int rc = stk_reader_get(ctx, index, &r, err);
+    if (rc)
+        return rc;
+    memcpy(dst, r.data, l->sample_bytes);
+    *label = r.label;
+    return 0;
+}
+
+static void store_batch_done(void *ctx) { stk_reader_release(ctx); }
+static void store_close(void *ctx) { stk_reader_close(ctx); }
+
+static const fetch_ops store_ops = {store_open, store_get, store_batch_done,
+                                    store_close};
+
+static int raw_open(stk_loader *l, void **ctx, stk_err *err)
+{
+    (void)l;
+    return stk_decoder_create((stk_decoder **)ctx, err);
+}
+
+static int raw_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+                   int32_t *label, stk_err *err)
+{
+    return stk_source_load(l->src, ctx, l->src_split, index, label, dst, err);
+}
+
+static void raw_batch_done(void *ctx) { (void)ctx; }
+static void raw_close(void *ctx) { stk_decoder_destroy(ctx); }
+
+static const fetch_ops raw_ops = {raw_open, raw_get, raw_batch_done,
+                                  raw_close};
+
+/* ---- shards ------------------------------------------------------------ */
+
+/* Returns the shard of epoch with a reference taken (mu held). */
+static shard *shard_get(stk_loader *l, uint64_t epoch, int *rc)
+{
+    shard **pp = &l->shards, *unused = NULL;
+    for (shard *s = l->shards; s; s = s->next) {
+        if (s->epoch == epoch) {
+            s->refs++;
+            return s;
+        }
+        if (!s->refs && s->epoch < epoch)
+            unused = s;
+    }
+    shard *s = unused;
+    if (!s) {
+        s = calloc(1, sizeof *s);
+        if (s)
+            s->idx = malloc((l->shard_len ? l->shard_len : 1) * sizeof(uint64_t));
+        if (!s || !s->idx) {
+            if (s)
+                free(s);
+            *rc = STK_ENOMEM;
+            return NULL;
+        }
+        s->next = *pp;
+        *pp = s;
+    }
+    s->epoch = epoch;
+    s->refs = 1;
+    *rc = stk_sampler_shard(&l->sampler, epoch, s->idx);
+    if (*rc) {
+        s->refs = 0;
+        s->epoch = UINT64_MAX;
+        return NULL;
+    }
+    return s;
+}
+
+/* ---- filling ----------------------------------------------------------- */
+
+static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
+                    uint64_t *batch)
+{
+    uint64_t abs = l->first_abs + seq;
+    *epoch = abs / l->nbatches;
+    *batch = abs % l->nbatches;
+}
+
+/* Claims seq into its slot and copies its indices (mu held). */
+static int claim(stk_loader *l, uint64_t seq, slot *sl)
+{
+    uint64_t epoch, batch;
+    seq_pos(l, seq, &epoch, &batch);
+    sl->state = SLOT_FILLING;
+    sl->seq = seq;
+    sl->rc = 0;
+    uint64_t first = batch * (uint64_t)l->o.batch_size;
+    uint64_t left = l->shard_len - first;
+    sl->n = (int)(left < (uint64_t)l->o.batch_size ? left
+                                                   : (uint64_t)l->o.batch_size);
+    int rc;
+    shard *s = shard_get(l, epoch, &rc);
+    if (!s)
+        return rc;
+    memcpy(sl->indices, s->idx + first, (size_t)sl->n * sizeof(uint64_t));
+    s->refs--;
+    return 0;
+}
+
+static void fill(stk_loader *l, void *ctx, slot *sl)
+{
+    for (int i = 0; i < sl->n && !sl->rc; i++) {
+        stk_err e = {0};
+        sl->rc = l->ops->get(l, ctx, sl->indices[i],
+                             sl->data + (size_t)i * l->sample_bytes,
+                             &sl->labels[i], &e);
+        if (sl->rc)
+            sl->err = e;
+    }
+    l->ops->batch_done(ctx);
+}
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    stk_loader *l = w->l;
+    pthread_mutex_lock(&l->mu);
+    while (!l->stop) {
+        slot *sl = &l->slots[l->claim_seq % (uint64_t)l->nslots];
+        if (sl->state != SLOT_FREE) {
+            pthread_cond_wait(&l->freed, &l->mu);
+            continue;
+        }
+        int rc = claim(l, l->claim_seq++, sl);
+        pthread_mutex_unlock(&l->mu);
+        double t0 = stk_now();
+        if (rc)
+            sl->rc = stk_fail(&sl->err, rc, "split \"%s\": cannot build the "
+                              "epoch's sample order", l->split);
+        else if (!w->ctx)
+            sl->rc = l->ops->open(l, &w->ctx, &sl->err);
+        if (!sl->rc)
+            fill(l, w->ctx, sl);
+        double dt = stk_now() - t0;
+        pthread_mutex_lock(&l->mu);
+        l->busy[w->id] += dt;
+        sl->state = SLOT_READY;
+        pthread_cond_broadcast(&l->ready);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+/* ---- opening ----------------------------------------------------------- */
+
+static void *host_alloc(const stk_loader *l, size_t n)
+{
+    if (l->o.host.alloc)
+        return l->o.host.alloc(n, l->o.host.ctx);
+    return aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+}
+
+static int check_opts(stk_loader_opts *o, stk_err *err)
+{
+    if (o->batch_size < 1)
+        return stk_fail(err, STK_EINVAL, "batch size must be >= 1, not %d",
+                        o->batch_size);
+    if (o->workers < 0 || o->workers > STK_LOADER_MAX_WORKERS)
+        return stk_fail(err, STK_EINVAL, "workers must be 0..%d, not %d",
+                        STK_LOADER_MAX_WORKERS, o->workers);
+    if (o->world == 0)
+        o->world = 1;
+    if (o->world < 0 || o->rank < 0 || o->rank >= o->world)
+        return stk_fail(err, STK_EINVAL, "rank %d is not in a world of %d",
+                        o->rank, o->world);
+    if (o->prefetch == 0)
+        o->prefetch = o->workers * 2 > 2 ? o->workers * 2 : 2;
+    if (o->prefetch < 1 || o->prefetch > 1024)
+        return stk_fail(err, STK_EINVAL, "prefetch must be 1..1024, not %d",
+                        o->prefetch);
+    if (!o->split)
+        o->split = "train";
+    return 0;
+}
+
+static int alloc_ring(stk_loader *l, stk_err *err)
+{
+    l->nslots = l->o.prefetch;
+    l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
+    if (!l->slots)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    size_t bytes = (size_t)l->o.batch_size * l->sample_bytes;
+    for (int i = 0; i < l->nslots; i++) {
+        slot *s = &l->slots[i];
+        s->data = host_alloc(l, bytes ? bytes : 1);
+        s->labels = malloc((size_t)l->o.batch_size * sizeof *s->labels);
+        s->indices = malloc((size_t)l->o.batch_size * sizeof *s->indices);
+        if (!s->data || !s->labels || !s->indices)
+            return stk_fail(err, STK_ENOMEM,
+                            "cannot allocate %d batch buffers of %zu bytes",
+                            l->nslots, bytes);
+    }
+    return 0;
+}
+
+static int start_workers(stk_loader *l, stk_err *err)
+{
+    if (!l->o.workers)
+        return l->ops->open(l, &l->inline_ctx, err);
+    l->workers = calloc((size_t)l->o.workers, sizeof *l->workers);
+    if (!l->workers)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    for (; l->nworkers < l->o.workers; l->nworkers++) {
+        worker *w = &l->workers[l->nworkers];
+        w->l = l;
+        w->id = l->nworkers;
+        if (pthread_create(&w->thread, NULL, worker_main, w))
+            return stk_fail(err, STK_ENOMEM, "cannot start loader thread %d",
+                            l->nworkers);
+    }
+    return 0;
+}
+
+/* Shared tail of both opens: sampler, sizes, ring, threads. */
+static int open_common(stk_loader *l, uint64_t n, stk_err *err)
+{
+    l->sampler = (stk_sampler){n, l->o.seed, l->o.rank, l->o.world,
+                               l->o.shuffle, l->o.drop_last, l->o.uneven};
+    l->shard_len = stk_sampler_len(&l->sampler);
+    uint64_t b = (uint64_t)l->o.batch_size;
+    l->nbatches = l->o.drop_last ? l->shard_len / b : (l->shard_len + b - 1) / b;
+    if (!l->nbatches)
+        return stk_fail(err, STK_EINVAL,
+                        "split \"%s\": rank %d gets %llu of %llu samples, not "
+                        "one batch of %d",
+                        l->split, l->o.rank, (unsigned long long)l->shard_len,
+                        (unsigned long long)n, l->o.batch_size);
+    l->first_abs = l->o.start_epoch * l->nbatches + l->o.start_batch;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->ready, NULL);
+    pthread_cond_init(&l->freed, NULL);
+    l->started = true;
+    l->t_open = stk_now();
+    int rc = alloc_ring(l, err);
+    return rc ? rc : start_workers(l, err);
+}
+
+static int finish_open(stk_loader *l, uint64_t n, stk_loader **out,
+                       stk_err *err)
+{
+    int rc = open_common(l, n, err);
+    if (rc) {
+        stk_loader_close(l);
+        return rc;
+    }
+    *out = l;
+    return 0;
+}
+
+static stk_loader *new_loader(const stk_loader_opts *opts, stk_err *err,
+                              int *rc)
+{
+    stk_loader *l = calloc(1, sizeof *l);
+    if (!l) {
+        *rc = stk_fail(err, STK_ENOMEM, "out of memory");
+        return NULL;
+    }
+    l->o = *opts;
+    if ((*rc = check_opts(&l->o, err))) {
+        free(l);
+        return NULL;
+    }
+    snprintf(l->split, sizeof l->split, "%s", l->o.split);
+    return l;
+}
+
+int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
+                    stk_loader **out, stk_err *err)
+{
+    *out = NULL;
+    int rc;
+    stk_loader *l = new_loader(opts, err, &rc);
+    if (!l)
+        return rc;
+    const stk_meta *m = stk_store_meta(store);
+    int k = stk_meta_split(m, l->split);
+    if (k < 0) {
+        rc = stk_fail(err, STK_ENOENT, "no split \"%s\" in the database",
+                      l->split);
+        free(l);
+        return rc;
+    }
+    l->ops = &store_ops;
+    l->store = store;
+    l->sample_bytes = stk_meta_sample_bytes(m);
+    return finish_open(l, m->splits[k].count, out, err);
+}
+
+int stk_loader_open_raw(const stk_source *src, int split,
+                        const stk_loader_opts *opts, stk_loader **out,
+                        stk_err *err)
+{
+    *out = NULL;
+    int rc;
+    stk_loader_opts o = *opts;
+    o.split = stk_source_split_name(src, split);
+    stk_loader *l = new_loader(&o, err, &rc);
+    if (!l)
+        return rc;
+    int c, h, w;
+    stk_source_shape(src, &c, &h, &w);
+    l->ops = &raw_ops;
+    l->src = src;
+    l->src_split = split;
+    l->sample_bytes = (size_t)c * h * w;
+    return finish_open(l, stk_source_split_count(src, split), out, err);
+}
+
+/* ---- consuming --------------------------------------------------------- */
+
+/* Waits until slot holds seq, filling it here when there are no workers
+ * (mu held). */
+static int await_slot(stk_loader *l, slot *sl, uint64_t seq, stk_err *err)
+{
+    if (sl->state == SLOT_HELD || (sl->state != SLOT_FREE && sl->seq != seq &&
+                                   !l->o.workers))
+        return stk_fail(err, STK_EINVAL,
+                        "all %d prefetch buffers are held; release a batch "
+                        "before asking for the next",
+                        l->nslots);
+    if (!l->o.workers) {
+        int rc = claim(l, l->claim_seq++, sl);
+        if (rc)
+            return stk_fail(err, rc, "split \"%s\": cannot build the sample "
+                            "order", l->split);
+        double t0 = stk_now();
+        fill(l, l->inline_ctx, sl);
+        l->busy[0] += stk_now() - t0;
+        return 0;
+    }
+    double t0 = stk_now();
+    while (!(sl->state == SLOT_READY && sl->seq == seq)) {
+        if (sl->state == SLOT_HELD)
+            return stk_fail(err, STK_EINVAL,
+                            "all %d prefetch buffers are held; release a "
+                            "batch before asking for the next",
+                            l->nslots);
+        pthread_cond_wait(&l->ready, &l->mu);
+    }
+    l->wait += stk_now() - t0;
+    return 0;
+}
+
+static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
+{
+    seq_pos(l, sl->seq, &b->epoch, &b->index);
+    b->n = sl->n;
+    b->sample_bytes = l->sample_bytes;
+    b->data = sl->data;
+    b->labels = sl->labels;
+    b->indices = sl->indices;
+    b->slot = (int)(sl - l->slots);
+    l->batches++;
+    l->samples += (uint64_t)sl->n;
+    if (l->batches == 1)
+        l->t_first = stk_now() - l->t_open;
+}
+
+int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
+{
+    pthread_mutex_lock(&l->mu);
+    int rc = l->failed;
+    if (rc) {
+        if (err)
+            *err = l->fail_err;
+        pthread_mutex_unlock(&l->mu);
+        return rc;
+    }
+    uint64_t abs = l->first_abs + l->take_seq;
+    if (abs % l->nbatches == 0 && l->take_seq > 0 && !l->ended) {
+        l->ended = true; /* report the epoch boundary once */
+        pthread_mutex_unlock(&l->mu);
+        return 0;
+    }
+    slot *sl = &l->slots[l->take_seq % (uint64_t)l->nslots];
+    rc = await_slot(l, sl, l->take_seq, err);
+    if (!rc && sl->rc) {
+        rc = l->failed = sl->rc;
+        l->fail_err = sl->err;
+        if (err)
+            *err = sl->err;
+        sl->state = SLOT_FREE;
+    }
+    if (!rc) {
+        l->ended = false;
+        l->take_seq++;
+        sl->state = SLOT_HELD;
+        hand_out(l, sl, b);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return rc ? rc : 1;
+}
+
+void stk_loader_release(stk_loader *l, stk_batch *b)
+{
+    if (!b->data)
+        return;
+    pthread_mutex_lock(&l->mu);
+    l->slots[b->slot].state = SLOT_FREE;
+    pthread_cond_broadcast(&l->freed);
+    pthread_mutex_unlock(&l->mu);
+    b->data = NULL;
+}
+
+uint64_t stk_loader_batches(const stk_loader *l) { return l->nbatches; }
+
+stk_loader_pos stk_loader_position(const stk_loader *l)
+{
+    pthread_mutex_lock((pthread_mutex_t *)&l->mu);
+    uint64_t abs = l->first_abs + l->take_seq;
+    pthread_mutex_unlock((pthread_mutex_t *)&l->mu);
+    return (stk_loader_pos){abs / l->nbatches, abs % l->nbatches};
+}
+
+void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *st)
+{
+    memset(st, 0, sizeof *st);
+    pthread_mutex_lock((pthread_mutex_t *)&l->mu);
+    st->batches = l->batches;
+    st->samples = l->samples;
+    st->bytes = l->samples * l->sample_bytes;
+    st->elapsed = stk_now() - l->t_open;
+    st->first_batch = l->t_first;
+    st->wait = l->wait;
+    st->workers = l->o.workers;
+    for (int i = 0; i < (l->o.workers ? l->o.workers : 1); i++)
+        st->busy[i] = l->busy[i];
+    pthread_mutex_unlock((pthread_mutex_t *)&l->mu);
+    if (st->elapsed > 0) {
+        st->samples_per_s = st->samples / st->elapsed;
+        st->bytes_per_s = st->bytes / st->elapsed;
+        st->stall = st->wait / st->elapsed;
+    }
+}
+
+void stk_loader_close(stk_loader *l)
+{
+    if (!l)
+        return;
+    if (l->started) {
+        pthread_mutex_lock(&l->mu);
+        l->stop = true;
+        pthread_cond_broadcast(&l->freed);
+        pthread_mutex_unlock(&l->mu);
+    }
+    for (int i = 0; i < l->nworkers; i++)
+        pthread_join(l->workers[i].thread, NULL);
+    for (int i = 0; l->workers && i < l->nworkers; i++)
+        if (l->workers[i].ctx)
+            l->ops->close(l->workers[i].ctx);
+    if (l->inline_ctx)
+        l->ops->close(l->inline_ctx);
+    for (int i = 0; l->slots && i < l->nslots; i++) {
+        if (l->o.host.free)
+            l->o.host.free(l->slots[i].data, l->o.host.ctx);
+        else
+            free(l->slots[i].data);
+        free(l->slots[i].labels);
+        free(l->slots[i].indices);
+    }
+    while (l->shards) {
+        shard *s = l->shards;
+        l->shards = s->next;
+        free(s->idx);
+        free(s);
+    }
+    if (l->started) {
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->ready);
+        pthread_cond_destroy(&l->freed);
+    }
+    free(l->workers);
+    free(l->slots);
+    free(l);
+}

@@ -1,0 +1,139 @@
+/* loader.h - batches from a stoke database (or, for comparison, straight
+ * from a raw image folder) through N worker threads into a ring of pinned
+ * host buffers, in sampler order, so the accelerator never waits on the CPU.
+ *
+ *   stk_loader_open(store, &opts, &l)      threads start prefetching
+ *   while ((rc = stk_loader_next(l, &b)) == 1) { use b; stk_loader_release(l, &b); }
+ *   rc == 0: the epoch ended; the next call starts the next epoch
+ *   stk_loader_close(l)                     any time, even mid-epoch
+ *
+ * Order: batch k of epoch e holds the samples the sampler assigns to this
+ * rank, which depend only on (seed, epoch, rank, world, dataset size); the
+ * bytes are the same for any number of workers or prefetch depth. */
+#ifndef STK_LOADER_H
+#define STK_LOADER_H
+
+#include "common/common.h"
+#include "preprocess/preprocess.h"
+#include "store/store.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STK_LOADER_MAX_WORKERS 64
+
+/* ---- sampler (torch.utils.data.DistributedSampler semantics) ----------- */
+
+typedef struct stk_sampler {
+    uint64_t n;           /* dataset size */
+    uint64_t seed;
+    int rank, world;
+    bool shuffle;
+    bool drop_last;       /* trim to equal shards instead of padding */
+    bool uneven;          /* no padding, no trimming: shards differ by <= 1
+                             (evaluation: every sample exactly once) */
+} stk_sampler;
+
+/* Samples in this rank's shard per epoch. */
+uint64_t stk_sampler_len(const stk_sampler *s);
+
+/* Writes this rank's shard for epoch (stk_sampler_len entries) to out.
+ * Shuffled order: Fisher-Yates driven by SplitMix64 keyed by (seed, epoch)
+ * (docs/loader.md); padding repeats the permutation from its start. */
+int stk_sampler_shard(const stk_sampler *s, uint64_t epoch, uint64_t *out);
+
+/* ---- the loader -------------------------------------------------------- */
+
+/* Host memory for the batch ring: page-locked on CUDA (cudaHostAlloc),
+ * aligned memory on CPU. NULL functions mean aligned_alloc / free. */
+typedef struct stk_host_alloc {
+    void *(*alloc)(size_t bytes, void *ctx);
+    void (*free)(void *p, void *ctx);
+    void *ctx;
+} stk_host_alloc;
+
+typedef struct stk_loader_opts {
+    const char *split;    /* default "train" */
+    int batch_size;       /* >= 1 */
+    int workers;          /* 0 = load in the caller's thread */
+    int prefetch;         /* batches in flight (ring size); 0 = 2*workers,
+                             at least 2 */
+    bool shuffle;
+    uint64_t seed;
+    bool drop_last;       /* sampler trims and the last short batch is dropped */
+    bool uneven;          /* see stk_sampler */
+    int rank, world;      /* world 0 means 1 */
+    uint64_t start_epoch; /* resume position (see stk_loader_position) */
+    uint64_t start_batch;
+    stk_host_alloc host;
+} stk_loader_opts;
+
+typedef struct stk_batch {
+    uint64_t epoch, index;  /* which batch this is */
+    int n;                  /* samples in it (<= batch_size) */
+    size_t sample_bytes;    /* C*H*W */
+    uint8_t *data;          /* n samples, CHW uint8 each, contiguous; lives
+                               in a ring buffer until released */
+    int32_t *labels;        /* n */
+    uint64_t *indices;      /* n dataset indices */
+    int slot;               /* internal */
+} stk_batch;
+
+typedef struct stk_loader_pos {
+    uint64_t epoch, batch;  /* the next batch stk_loader_next returns */
+} stk_loader_pos;
+
+typedef struct stk_loader_stats {
+    uint64_t batches, samples, bytes;  /* delivered to the consumer */
+    double elapsed;           /* seconds since open */
+    double first_batch;       /* seconds from open to the first batch */
+    double wait;              /* seconds the consumer spent blocked in next */
+    double samples_per_s, bytes_per_s, stall; /* stall = wait / elapsed */
+    int workers;
+    double busy[STK_LOADER_MAX_WORKERS]; /* seconds each worker filled */
+} stk_loader_stats;
+
+typedef struct stk_loader stk_loader;
+
+/* Opens a loader over a split of a complete database (the store must
+ * outlive the loader) and starts its workers. */
+int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
+                    stk_loader **out, stk_err *err);
+
+/* The same machinery over a raw dataset, decoding every sample on every
+ * epoch (what a PyTorch ImageFolder does); for `sweep --raw`. split indexes
+ * the source's splits. The source must outlive the loader. */
+int stk_loader_open_raw(const stk_source *src, int split,
+                        const stk_loader_opts *opts, stk_loader **out,
+                        stk_err *err);
+
+/* Next batch in order: returns 1 and fills b, 0 at the end of an epoch (the
+ * following call starts the next one), or a negative code with err naming
+ * the split and key of the sample that failed. */
+int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err);
+
+/* Gives a batch's buffer back to the ring. */
+void stk_loader_release(stk_loader *l, stk_batch *b);
+
+/* Batches per epoch for this rank. */
+uint64_t stk_loader_batches(const stk_loader *l);
+
+/* Where the loader stands: reopening with start_epoch/start_batch set to
+ * this continues with exactly the batches an uninterrupted run would get. */
+stk_loader_pos stk_loader_position(const stk_loader *l);
+
+void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *out);
+
+/* Stops the workers (mid-epoch is fine) and frees everything. NULL is a
+ * no-op. Batches not released become invalid. */
+void stk_loader_close(stk_loader *l);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
