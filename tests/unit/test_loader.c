@@ -1,0 +1,459 @@
+/* test_loader - sampler properties (DistributedSampler semantics), and the
+ * loader: batches hold exactly the stored bytes in sampler order, the same
+ * for any workers/prefetch; resume equals an uninterrupted run; a corrupt
+ * record is an error naming its key; closing mid-epoch is clean. */
+#include "unit.h"
+
+#include "loader/loader.h"
+
+#define N 1000
+#define C 3
+#define HW 8
+#define SB (C * HW * HW)
+
+static const char *db_dir;
+
+/* Sample i: label i % 10, pixel j = i * 7 + j * 3 + (i >> 8). */
+static void pattern(uint64_t i, uint8_t *px)
+{
+    for (int j = 0; j < SB; j++)
+        px[j] = (uint8_t)(i * 7 + j * 3 + (i >> 8));
+}
+
+static void make_db(const char *dir, uint64_t corrupt)
+{
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    static uint64_t lc[10];
+    uint8_t rec[STK_RECORD_HEADER + SB], px[SB];
+    for (uint64_t i = 0; i < N; i++) {
+        pattern(i, px);
+        stk_record_encode(rec, (int32_t)(i % 10), px, SB);
+        size_t len = i == corrupt ? sizeof rec - 5 : sizeof rec;
+        assert_int_equal(stk_store_append(s, "train", rec, len, &err), 0);
+        lc[i % 10]++;
+    }
+    char *classes[10] = {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
+    stk_meta m = {.channels = C, .height = HW, .width = HW, .nclasses = 10,
+                  .classes = classes, .nsplits = 1, .source_path = "x",
+                  .source_format = "test", .tool = "t", .created = ""};
+    snprintf(m.splits[0].name, 32, "train");
+    m.splits[0].count = N;
+    m.splits[0].label_counts = lc;
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    static char dir[1100];
+    snprintf(dir, sizeof dir, "%s", scratch("db"));
+    rmdir(dir);
+    make_db(dir, UINT64_MAX);
+    db_dir = dir;
+    return 0;
+}
+
+/* ---- sampler ----------------------------------------------------------- */
+
+static void sampler_covers_every_index_once(void **state)
+{
+    (void)state;
+    uint64_t sizes[] = {1, 7, 103, 1000};
+    int worlds[] = {1, 2, 3, 5};
+    for (size_t a = 0; a < 4; a++)
+        for (size_t b = 0; b < 4; b++) {
+            uint64_t n = sizes[a];
+            int w = worlds[b];
+            int *seen = calloc(n, sizeof *seen);
+            uint64_t total = 0, len0 = 0;
+            for (int r = 0; r < w; r++) {
+                stk_sampler s = {n, 42, r, w, true, false, true};
+                uint64_t len = stk_sampler_len(&s);
+                uint64_t *out = malloc((len + 1) * sizeof *out);
+                assert_int_equal(stk_sampler_shard(&s, 3, out), 0);
+                for (uint64_t j = 0; j < len; j++)
+                    seen[out[j]]++;
+                total += len;
+                free(out);
+                /* padded mode: equal shards of ceil(n/w) */
+                stk_sampler p = s;
+                p.uneven = false;
+                if (r == 0)
+                    len0 = stk_sampler_len(&p);
+                assert_int_equal(stk_sampler_len(&p), len0);
+                assert_int_equal(len0, (n + w - 1) / w);
+                p.drop_last = true;
+                assert_int_equal(stk_sampler_len(&p), n / w);
+            }
+            assert_int_equal(total, n);
+            for (uint64_t i = 0; i < n; i++)
+                assert_int_equal(seen[i], 1);
+            free(seen);
+        }
+}
+
+static void sampler_padding_wraps_and_drop_trims(void **state)
+{
+    (void)state;
+    /* n = 10, world 4: padded to 12 with positions 10, 11 = perm[0], perm[1] */
+    uint64_t all[12], one[3];
+    stk_sampler w1 = {10, 9, 0, 1, true, false, false};
+    uint64_t perm[10];
+    assert_int_equal(stk_sampler_shard(&w1, 0, perm), 0);
+    for (int r = 0; r < 4; r++) {
+        stk_sampler s = {10, 9, r, 4, true, false, false};
+        assert_int_equal(stk_sampler_len(&s), 3);
+        assert_int_equal(stk_sampler_shard(&s, 0, one), 0);
+        for (int j = 0; j < 3; j++)
+            all[r + 4 * j] = one[j];
+    }
+    for (int g = 0; g < 12; g++)
+        assert_int_equal(all[g], perm[g % 10]);
+    /* drop_last: 2 each, the first 8 positions, no duplicates */
+    for (int r = 0; r < 4; r++) {
+        stk_sampler s = {10, 9, r, 4, true, true, false};
+        assert_int_equal(stk_sampler_len(&s), 2);
+        assert_int_equal(stk_sampler_shard(&s, 0, one), 0);
+        assert_int_equal(one[0], perm[r]);
+        assert_int_equal(one[1], perm[r + 4]);
+    }
+}
+
+static void sampler_order_depends_on_seed_and_epoch(void **state)
+{
+    (void)state;
+    uint64_t a[N], b[N];
+    stk_sampler s = {N, 1, 0, 1, true, false, false};
+    assert_int_equal(stk_sampler_shard(&s, 0, a), 0);
+    assert_int_equal(stk_sampler_shard(&s, 0, b), 0);
+    assert_memory_equal(a, b, sizeof a);            /* same seed, same order */
+    assert_int_equal(stk_sampler_shard(&s, 1, b), 0);
+    assert_memory_not_equal(a, b, sizeof a);        /* epochs differ */
+    s.seed = 2;
+    assert_int_equal(stk_sampler_shard(&s, 0, b), 0);
+    assert_memory_not_equal(a, b, sizeof a);        /* seeds differ */
+    int seen[N] = {0};
+    for (int i = 0; i < N; i++)
+        seen[a[i]]++;
+    for (int i = 0; i < N; i++)
+        assert_int_equal(seen[i], 1);               /* a permutation */
+    s.shuffle = false;
+    s.rank = 1;
+    s.world = 3;
+    assert_int_equal(stk_sampler_shard(&s, 5, b), 0);
+    for (int j = 0; j < 5; j++)
+        assert_int_equal(b[j], 1 + 3 * j);          /* rank-strided */
+}
+
+/* ---- loader ------------------------------------------------------------ */
+
+typedef struct trace {
+    uint8_t *bytes;
+    size_t len, cap;
+} trace;
+
+static void record(trace *t, const void *p, size_t n)
+{
+    if (t->len + n > t->cap) {
+        t->cap = (t->len + n) * 2;
+        t->bytes = realloc(t->bytes, t->cap);
+    }
+    memcpy(t->bytes + t->len, p, n);
+    t->len += n;
+}
+
+/* Checks a batch against the stored samples and appends it to t. */
+static void check_batch(const stk_batch *b, trace *t)
+{
+    uint8_t px[SB];
+    for (int i = 0; i < b->n; i++) {
+        pattern(b->indices[i], px);
+        assert_memory_equal(b->data + (size_t)i * SB, px, SB);
+        assert_int_equal(b->labels[i], (int32_t)(b->indices[i] % 10));
+    }
+    record(t, &b->epoch, sizeof b->epoch);
+    record(t, &b->index, sizeof b->index);
+    record(t, b->indices, (size_t)b->n * sizeof *b->indices);
+    record(t, b->data, (size_t)b->n * SB);
+}
+
+/* Runs `batches` batches (crossing epochs) and returns their trace. */
+static trace run(stk_store *s, stk_loader_opts o, int batches)
+{
+    trace t = {0};
+    stk_loader *l;
+    stk_err err = {0};
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch b;
+    int got = 0, ends = 0;
+    while (got < batches) {
+        int rc = stk_loader_next(l, &b, &err);
+        assert_true(rc >= 0);
+        if (rc == 0) {
+            ends++;
+            continue;
+        }
+        check_batch(&b, &t);
+        stk_loader_release(l, &b);
+        got++;
+    }
+    uint64_t nb = stk_loader_batches(l);
+    assert_int_equal(ends, (int)((o.start_batch + batches - 1) / nb));
+    stk_loader_close(l);
+    return t;
+}
+
+static void batches_identical_for_any_workers_and_prefetch(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 64, .shuffle = true, .seed = 5,
+                         .prefetch = 1};
+    trace ref = run(s, o, 40); /* 16 batches per epoch: 2.5 epochs */
+    int workers[] = {0, 1, 3, 8}, prefetch[] = {1, 4};
+    for (int w = 0; w < 4; w++)
+        for (int p = 0; p < 2; p++) {
+            o.workers = workers[w];
+            o.prefetch = prefetch[p];
+            trace t = run(s, o, 40);
+            assert_int_equal(t.len, ref.len);
+            assert_memory_equal(t.bytes, ref.bytes, ref.len);
+            free(t.bytes);
+        }
+    free(ref.bytes);
+    stk_store_close(s);
+}
+
+static void resume_equals_uninterrupted(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 100, .shuffle = true, .seed = 11,
+                         .workers = 3, .rank = 1, .world = 2};
+    /* 500 samples per rank, 5 batches per epoch */
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch b;
+    trace whole = {0}, head = {0};
+    int taken = 0;
+    stk_loader_pos at = {0};
+    while (taken < 17) {
+        int rc = stk_loader_next(l, &b, &err);
+        if (rc == 0)
+            continue;
+        check_batch(&b, taken < 8 ? &head : &whole);
+        stk_loader_release(l, &b);
+        if (++taken == 8)
+            at = stk_loader_position(l);
+    }
+    stk_loader_close(l);
+    assert_int_equal(at.epoch, 1);
+    assert_int_equal(at.batch, 3);
+    o.start_epoch = at.epoch;
+    o.start_batch = at.batch;
+    o.workers = 2; /* a different worker count changes nothing */
+    trace resumed = run(s, o, 9);
+    assert_int_equal(resumed.len, whole.len);
+    assert_memory_equal(resumed.bytes, whole.bytes, whole.len);
+    free(whole.bytes);
+    free(head.bytes);
+    free(resumed.bytes);
+    stk_store_close(s);
+}
+
+static void drop_last_and_short_batches(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 300, .workers = 2};
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    assert_int_equal(stk_loader_batches(l), 4);
+    stk_batch b;
+    int sizes[4], k = 0;
+    while (stk_loader_next(l, &b, &err) == 1) {
+        sizes[k++] = b.n;
+        stk_loader_release(l, &b);
+    }
+    assert_int_equal(sizes[3], 100);
+    stk_loader_close(l);
+    o.drop_last = true;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    assert_int_equal(stk_loader_batches(l), 3);
+    stk_loader_close(l);
+    o.batch_size = 2000; /* not one batch: refused with a reason */
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "not one batch"));
+    assert_null(l);
+    stk_store_close(s);
+}
+
+static void corrupt_record_is_an_error_naming_its_key(void **state)
+{
+    (void)state;
+    const char *dir = scratch("corrupt");
+    rmdir(dir);
+    make_db(dir, 500);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    for (int w = 0; w <= 4; w += 4) {
+        stk_loader_opts o = {.batch_size = 50, .workers = w};
+        stk_loader *l;
+        assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+        stk_batch b;
+        int rc, good = 0;
+        while ((rc = stk_loader_next(l, &b, &err)) == 1) {
+            good++;
+            stk_loader_release(l, &b);
+        }
+        assert_int_equal(good, 10); /* batches before key 500 */
+        assert_int_equal(rc, STK_EFORMAT);
+        assert_non_null(strstr(err.msg, "split \"train\": key 500"));
+        /* it stays failed, and does not hang */
+        assert_int_equal(stk_loader_next(l, &b, &err), STK_EFORMAT);
+        stk_loader_close(l);
+    }
+    stk_store_close(s);
+}
+
+static int allocs, frees;
+static void *counting_alloc(size_t n, void *ctx)
+{
+    (void)ctx;
+    allocs++;
+    return aligned_alloc(64, (n + 63) / 64 * 64);
+}
+static void counting_free(void *p, void *ctx)
+{
+    (void)ctx;
+    frees++;
+    free(p);
+}
+
+static void close_mid_epoch_and_held_buffers(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 10, .workers = 4, .prefetch = 3,
+                         .shuffle = true,
+                         .host = {counting_alloc, counting_free, NULL}};
+    allocs = frees = 0;
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    assert_int_equal(allocs, 3); /* the ring comes from the host allocator */
+    stk_batch b[4];
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(stk_loader_next(l, &b[i], &err), 1);
+    /* all three buffers held: an error, not a deadlock */
+    assert_int_equal(stk_loader_next(l, &b[3], &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "prefetch buffers are held"));
+    stk_loader_release(l, &b[1]);
+    stk_loader_close(l); /* workers blocked on a full ring must exit */
+    assert_int_equal(frees, 3);
+    stk_loader_stats st;
+    (void)st;
+    stk_store_close(s);
+}
+
+static void stats_count_what_was_delivered(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 64, .workers = 2};
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch b;
+    while (stk_loader_next(l, &b, &err) == 1)
+        stk_loader_release(l, &b);
+    stk_loader_stats st;
+    stk_loader_stats_get(l, &st);
+    assert_int_equal(st.samples, N);
+    assert_int_equal(st.batches, 16);
+    assert_int_equal(st.bytes, (uint64_t)N * SB);
+    assert_true(st.first_batch > 0 && st.first_batch <= st.elapsed);
+    assert_true(st.wait >= 0 && st.wait <= st.elapsed);
+    assert_true(st.busy[0] > 0 && st.busy[1] > 0);
+    assert_true(st.samples_per_s > 0);
+    stk_loader_close(l);
+    stk_store_close(s);
+}
+
+static void raw_folder_equals_its_database(void **state)
+{
+    (void)state;
+    const char *raw = scratch("raw");
+    for (int i = 0; i < 40; i++) {
+        char path[1200], cmd[1300];
+        snprintf(path, sizeof path, "%s/c%d", raw, i % 3);
+        snprintf(cmd, sizeof cmd, "mkdir -p '%s'", path);
+        assert_int_equal(system(cmd), 0);
+        snprintf(path + strlen(path), 40, "/%02d.png", i);
+        uint8_t px[10 * 14 * 3];
+        for (int j = 0; j < (int)sizeof px; j++)
+            px[j] = (uint8_t)(i * 13 + j * 5);
+        assert_int_equal(stk_png_write(path, px, 14, 10, 3, NULL), 0);
+    }
+    char db[1100];
+    snprintf(db, sizeof db, "%s.db", raw);
+    stk_prep_opts po = {.workers = 2, .force = true, .source = {.size = 8}};
+    stk_err err = {0};
+    assert_int_equal(stk_prep_run(raw, db, &po, NULL, &err), 0);
+    stk_store *s;
+    stk_source *src;
+    assert_int_equal(stk_store_open(db, 0, &s, &err), 0);
+    assert_int_equal(stk_source_open(raw, &po.source, &src, &err), 0);
+    stk_loader_opts o = {.batch_size = 7, .workers = 2, .shuffle = true};
+    stk_loader *a, *b;
+    assert_int_equal(stk_loader_open(s, &o, &a, &err), 0);
+    assert_int_equal(stk_loader_open_raw(src, 0, &o, &b, &err), 0);
+    stk_batch x, y;
+    int rc;
+    while ((rc = stk_loader_next(a, &x, &err)) == 1) {
+        assert_int_equal(stk_loader_next(b, &y, &err), 1);
+        assert_int_equal(x.n, y.n);
+        assert_memory_equal(x.indices, y.indices, x.n * sizeof *x.indices);
+        assert_memory_equal(x.labels, y.labels, x.n * sizeof *x.labels);
+        assert_memory_equal(x.data, y.data, x.n * x.sample_bytes);
+        stk_loader_release(a, &x);
+        stk_loader_release(b, &y);
+    }
+    assert_int_equal(rc, 0);
+    stk_loader_close(a);
+    stk_loader_close(b);
+    stk_source_close(src);
+    stk_store_close(s);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(sampler_covers_every_index_once),
+    cmocka_unit_test(sampler_padding_wraps_and_drop_trims),
+    cmocka_unit_test(sampler_order_depends_on_seed_and_epoch),
+    cmocka_unit_test(batches_identical_for_any_workers_and_prefetch),
+    cmocka_unit_test(resume_equals_uninterrupted),
+    cmocka_unit_test(drop_last_and_short_batches),
+    cmocka_unit_test(corrupt_record_is_an_error_naming_its_key),
+    cmocka_unit_test(close_mid_epoch_and_held_buffers),
+    cmocka_unit_test(stats_count_what_was_delivered),
+    cmocka_unit_test(raw_folder_equals_its_database),
+};
+
+int main(int argc, char **argv)
+{
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, setup, NULL);
+}
