@@ -421,7 +421,9 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, stk_err *err)
                             "order", l->split);
         double t0 = stk_now();
         fill(l, l->inline_ctx, sl);
-        l->busy[0] += stk_now() - t0;
+        double dt = stk_now() - t0;
+        l->busy[0] += dt;
+        l->wait += dt; /* the consumer waits for data while it loads it */
         return 0;
     }
     double t0 = stk_now();

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# sweep times each worker count over a real database (and the raw folder
+# side by side), prints a table and a recommendation, writes JSON and SVG,
+# and refuses bad flags and incomplete databases with clear messages.
+source "$STK_SRC/tests/e2e/lib.sh"
+S="$STK_BIN/sweep"
+$PY "$STK_SRC/tests/e2e/make_folder.py" raw 600 48
+"$STK_BIN/prep" --quiet --size 32 raw db
+"$S" --db db --workers 0,1,2 --batch 64 --epochs 2 --raw raw --consume-ms 0.2 \
+  --json out.json --plot out.svg > table.txt
+cat table.txt
+grep -Eq "^lmdb +2 " table.txt || fail "no lmdb row for 2 workers"
+grep -Eq "^raw +1 " table.txt || fail "no raw row"
+grep -Eq "^recommendation: --workers [012] " table.txt || fail "no recommendation"
+$PY - <<'PY' || fail "sweep JSON/SVG"
+import json, xml.dom.minidom
+j = json.load(open("out.json"))
+rows = j["results"]
+assert [(r["source"], r["workers"]) for r in rows] == [("lmdb", 0), ("lmdb", 1), ("lmdb", 2), ("raw", 0), ("raw", 1), ("raw", 2)], rows
+for r in rows:
+    assert r["samples"] == 2 * 600, r           # two whole epochs each
+    assert r["samples_per_s"] > 0 and 0 < r["first_batch_s"] < r["elapsed_s"]
+    assert 0 <= r["stall"] <= 1 and len(r["busy_s"]) == max(1, r["workers"])
+    assert abs(r["bytes_per_s"] / r["samples_per_s"] - 3 * 32 * 32) < 1e-6 * r["bytes_per_s"]
+best = max(r["samples_per_s"] for r in rows if r["source"] == "lmdb")
+pick = min(r["workers"] for r in rows if r["source"] == "lmdb" and r["samples_per_s"] >= 0.95 * best)
+assert j["recommended_workers"] == pick, (j["recommended_workers"], pick)
+assert j["shape"] == [3, 32, 32] and j["batch"] == 64
+svg = xml.dom.minidom.parse("out.svg")
+assert len(svg.getElementsByTagName("polyline")) == 2
+print("ok: JSON holds every run; recommendation is the fewest workers within 5% of the best; SVG parses")
+PY
+expect_fail "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
+expect_fail "--db DB_DIR is required" "$S" --workers 1
+expect_fail "unknown option '--turbo'" "$S" --db db --turbo
+expect_fail "--split: no split \"test\"" "$S" --db db --split test
+expect_fail "nodb: not a stoke database" "$S" --db nodb
+mkdir half && cp db/data.mdb half/ && $PY - <<'PY'
+import lmdb, json
+env = lmdb.open("half", max_dbs=4)
+meta = env.open_db(b"meta")
+with env.begin(write=True, db=meta) as txn:
+    j = json.loads(txn.get(b"dataset")); j["complete"] = False
+    txn.put(b"dataset", json.dumps(j).encode())
+PY
+expect_fail "half: database is incomplete" "$S" --db half
