@@ -122,6 +122,7 @@ run_one() { # rep dataset workers tool
 }
 
 TOOLS=(prep pool+pickle pool+lmdb)
+load0=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$EPOCHREALTIME
 for ((rep = 1; rep <= REPS; rep++)); do
     for ds in idx folder; do
@@ -133,6 +134,7 @@ for ((rep = 1; rep <= REPS; rep++)); do
     done
 done
 elapsed=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.0f", b - a }')
+load1=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # Same pixels and labels as the Python peers (checked once, untimed).
 [ ! -e "$OUT" ] || mv "$OUT" "$TRASH/$(date +%s%N)"
@@ -150,7 +152,8 @@ $(. /etc/os-release && echo "$PRETTY_NAME"), kernel $(uname -r), $(df -T "$WORK"
 Versions: $("$PY" -c 'import sys, PIL, numpy, lmdb; print("python %s, Pillow %s, numpy %s, python3-lmdb %s (liblmdb %s)" % (sys.version.split()[0], PIL.__version__, numpy.__version__, lmdb.__version__, ".".join(map(str, lmdb.version()))))'), \
 libjpeg-turbo $(ver libjpeg62-turbo) (libturbojpeg $(ver libturbojpeg0)), \
 stoke $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo '?')
-Runs: $REPS per configuration, interleaved, median shown; $elapsed s in all. Output check: $same
+Runs: $REPS per configuration, interleaved, median shown; $elapsed s in all; load average $load0 before, $load1 after.
+Output check: $same
 
 EOF
 "$PY" - "$RESULTS" "$REPS" <<'EOF'

@@ -2,16 +2,27 @@
 // is checked; errors come back as STK_E* codes with the call's text.
 #include "kernels.h"
 
+#include <climits>
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #define CUDA_TRY(call, what)                                                   \
     do {                                                                       \
         cudaError_t e_ = (call);                                               \
         if (e_ != cudaSuccess) {                                               \
-            rc = stk_fail(err, STK_ENODEV, "%s: %s (%s)", what,                \
+            rc = stk_fail(err, STK_EIO, "%s: %s (%s)", what,                   \
                           cudaGetErrorString(e_), cudaGetErrorName(e_));       \
             goto out;                                                          \
         }                                                                      \
+    } while (0)
+
+// Frees and reports the first failure without hiding an earlier one.
+#define CUDA_FREE(call, what)                                                  \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess && !rc)                                          \
+            rc = stk_fail(err, STK_EIO, "%s: %s", what,                        \
+                          cudaGetErrorString(e_));                             \
     } while (0)
 
 extern "C" bool stk_cuda_built(void) { return true; }
@@ -21,8 +32,15 @@ extern "C" int stk_cuda_device_count(int *count, stk_err *err)
     *count = 0;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
+    // No device, or a driver too old with no NVIDIA device node at all:
+    // this machine has no GPU. Anything else is a broken GPU setup.
+    bool absent = e == cudaErrorNoDevice ||
+                  (e == cudaErrorInsufficientDriver &&
+                   access("/dev/nvidiactl", F_OK) != 0);
     if (e != cudaSuccess)
-        return stk_fail(err, STK_ENODEV, "no CUDA device: %s (%s)",
+        return stk_fail(err, absent ? STK_ENODEV : STK_EIO,
+                        "%s: %s (%s)",
+                        absent ? "no CUDA device" : "CUDA is broken here",
                         cudaGetErrorString(e), cudaGetErrorName(e));
     if (n == 0)
         return stk_fail(err, STK_ENODEV, "no CUDA device found");
@@ -41,6 +59,8 @@ extern "C" int stk_cuda_selftest(int device, int n, stk_err *err)
 {
     int rc = 0;
     float *dev = NULL, *host = NULL;
+    if (n <= 0 || n > INT_MAX - 255)
+        return stk_fail(err, STK_EINVAL, "selftest size %d out of range", n);
     CUDA_TRY(cudaSetDevice(device), "cudaSetDevice");
     CUDA_TRY(cudaMalloc((void **)&dev, (size_t)n * sizeof(float)),
              "cudaMalloc");
@@ -61,8 +81,8 @@ extern "C" int stk_cuda_selftest(int device, int n, stk_err *err)
         }
 out:
     if (dev)
-        cudaFree(dev);
+        CUDA_FREE(cudaFree(dev), "cudaFree");
     if (host)
-        cudaFreeHost(host);
+        CUDA_FREE(cudaFreeHost(host), "cudaFreeHost");
     return rc;
 }

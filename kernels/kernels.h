@@ -16,8 +16,9 @@ extern "C" {
 /* True when this build contains the CUDA backend. */
 bool stk_cuda_built(void);
 
-/* Number of usable CUDA devices. Returns STK_ENODEV with a reason (no CUDA
- * in this build, no driver, no device) when there are none. */
+/* Number of usable CUDA devices. Returns STK_ENODEV with a reason when this
+ * machine has none (no CUDA in this build, no device, no NVIDIA driver),
+ * STK_EIO when a GPU is there but CUDA fails (say, a driver too old). */
 int stk_cuda_device_count(int *count, stk_err *err);
 
 /* Selects device and runs a fill kernel and a host round trip on n floats,

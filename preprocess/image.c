@@ -45,6 +45,10 @@ void stk_image_free(stk_image *im)
     }
 }
 
+/* Images above this many pixels are refused, as PIL refuses twice its
+ * MAX_IMAGE_PIXELS: a few KB of PNG or JPEG must not claim gigabytes. */
+#define MAX_PIXELS 178956970ull
+
 static int why(char *buf, size_t n, const char *fmt, const char *detail)
 {
     snprintf(buf, n, fmt, detail);
@@ -61,11 +65,19 @@ static int decode_png(const uint8_t *data, size_t len, stk_image *out,
         return STK_ENOMEM;
     struct spng_ihdr ihdr;
     size_t need = 0;
+    /* libspng's limits are unlimited by default; its guide for untrusted
+     * files asks for image and chunk limits. */
     int rc = spng_set_png_buffer(ctx, data, len);
     if (!rc)
+        rc = spng_set_image_limits(ctx, 65535, 65535);
+    if (!rc)
+        rc = spng_set_chunk_limits(ctx, 16u << 20, 64u << 20);
+    if (!rc)
         rc = spng_get_ihdr(ctx, &ihdr);
-    if (!rc && (ihdr.width > 32768 || ihdr.height > 32768))
-        rc = SPNG_EWIDTH;
+    if (!rc && (uint64_t)ihdr.width * ihdr.height > MAX_PIXELS) {
+        spng_ctx_free(ctx);
+        return why(wbuf, wlen, "bad PNG: %s", "more pixels than allowed");
+    }
     int gray = !rc && (ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE ||
                        ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE_ALPHA);
     /* Gray decodes as RGB8 too (libspng's G8 covers <= 8-bit gray only);
@@ -78,11 +90,9 @@ static int decode_png(const uint8_t *data, size_t len, stk_image *out,
     if (!rc)
         rc = spng_decode_image(ctx, rgb, need, SPNG_FMT_RGB8, 0);
     spng_ctx_free(ctx);
-    if (rc) {
+    if (rc) { /* SPNG_EMEM is also how a chunk over the limits shows */
         free(rgb);
-        return rc == SPNG_EMEM ? STK_ENOMEM
-                               : why(wbuf, wlen, "bad PNG: %s",
-                                     spng_strerror(rc));
+        return why(wbuf, wlen, "bad PNG: %s", spng_strerror(rc));
     }
     out->w = (int)ihdr.width;
     out->h = (int)ihdr.height;
@@ -132,17 +142,22 @@ static int decode_jpeg(stk_decoder *d, const uint8_t *data, size_t len,
     if (w <= 0 || h <= 0)
         return why(wbuf, wlen, "bad JPEG: %s",
                    "no frame header (truncated or tables only)");
-    if (w > 32768 || h > 32768)
-        return why(wbuf, wlen, "bad JPEG: %s", "unreasonable dimensions");
+    if ((uint64_t)w * h > MAX_PIXELS)
+        return why(wbuf, wlen, "bad JPEG: %s", "more pixels than allowed");
     int cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;
     int pf = cs == TJCS_GRAY ? TJPF_GRAY : cmyk ? TJPF_CMYK : TJPF_RGB;
     int c = tjPixelSize[pf];
     uint8_t *px = malloc((size_t)w * h * c);
     if (!px)
         return STK_ENOMEM;
-    /* Warnings (a truncated stream) fail too, as PIL refuses such files. */
-    if (tjDecompress2(d->tj, data, (unsigned long)len, px, w, 0, h, pf, 0) !=
-        0) {
+    /* TurboJPEG returns -1 on warnings too. A truncated stream is refused
+     * (as PIL refuses it); other warnings, such as extraneous bytes before
+     * a marker, leave a complete image that PIL loads, and so do we.
+     * TJFLAG_LIMITSCANS stops progressive-scan bombs. */
+    if (tjDecompress2(d->tj, data, (unsigned long)len, px, w, 0, h, pf,
+                      TJFLAG_LIMITSCANS) != 0 &&
+        (tjGetErrorCode(d->tj) != TJERR_WARNING ||
+         strstr(tjGetErrorStr2(d->tj), "Premature end"))) {
         free(px);
         return why(wbuf, wlen, "bad JPEG: %s", tjGetErrorStr2(d->tj));
     }

@@ -161,34 +161,77 @@ static int check_target(const char *dir, bool force, stk_err *err)
                     dir);
 }
 
-/* Creates and locks the partial directory, removing a stale one left by a
- * killed run. A live run holds the lock, and we refuse to touch its work. */
+/* Opens and exclusively locks path; returns the fd, or -1 with errno
+ * EWOULDBLOCK when another process holds the lock. The lock is only good
+ * if path still names the locked directory (it may have been replaced). */
+static int lock_dir(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    struct stat a, b;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &a) != 0 ||
+        stat(path, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        int e = errno == EWOULDBLOCK ? EWOULDBLOCK : EAGAIN;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+/* Creates and locks the partial directory. A stale one (its lock free: the
+ * run that made it was killed) is emptied and removed while we hold its
+ * lock; a locked one belongs to a live run, whose work we never touch. */
 static int make_partial(stk_store *s, stk_err *err)
 {
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (mkdir(s->partial_dir, 0775) == 0)
-            break;
-        if (errno != EEXIST || attempt == 1)
+    for (int attempt = 0; attempt < 8; attempt++) {
+        if (mkdir(s->partial_dir, 0775) != 0 && errno != EEXIST)
             return stk_fail(err, stk_from_errno(errno), "%s: cannot create: %s",
                             s->partial_dir, strerror(errno));
-        int fd = open(s->partial_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
-            close(fd);
+        int fd = lock_dir(s->partial_dir);
+        if (fd < 0 && errno == EWOULDBLOCK)
             return stk_fail(err, STK_EEXIST,
                             "%s: another prep is writing this database "
                             "(%s is locked)",
                             s->final_dir, s->partial_dir);
+        if (fd < 0)
+            continue; /* replaced under us: look again */
+        DIR *d = opendir(s->partial_dir);
+        int empty = 1;
+        struct dirent *de;
+        while (d && (de = readdir(d)))
+            if (strcmp(de->d_name, ".") && strcmp(de->d_name, ".."))
+                empty = 0;
+        if (d)
+            closedir(d);
+        if (empty) {
+            s->lock_fd = fd; /* ours, fresh */
+            return 0;
         }
-        if (fd >= 0)
-            close(fd);
-        int rc = stk_remove_flat_dir(s->partial_dir, err);
+        int rc = stk_remove_flat_dir(s->partial_dir, err); /* stale */
+        close(fd);
         if (rc)
             return rc;
     }
-    s->lock_fd = open(s->partial_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (s->lock_fd < 0 || flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0)
-        return stk_fail(err, STK_EIO, "%s: cannot lock: %s", s->partial_dir,
-                        strerror(errno));
+    return stk_fail(err, STK_EIO, "%s: cannot take the partial directory",
+                    s->partial_dir);
+}
+
+/* The final directory must be on the same file system as its parent, or
+ * the rename that publishes the database fails after all the work. */
+static int check_same_fs(const char *dir, const char *partial, stk_err *err)
+{
+    struct stat a, b;
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", partial);
+    if (stat(dir, &a) != 0)
+        return 0;
+    if (stat(dirname(parent), &b) == 0 && a.st_dev != b.st_dev)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: is a mount point; a database cannot be renamed "
+                        "onto it (use a directory inside it)",
+                        dir);
     return 0;
 }
 
@@ -233,6 +276,8 @@ int stk_store_create(const char *dir, const stk_store_opts *opts,
         rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
     if (!rc)
         rc = check_target(dir, s->opts.force, err);
+    if (!rc)
+        rc = check_same_fs(dir, s->partial_dir, err);
     if (!rc)
         rc = make_partial(s, err);
     if (!rc)
@@ -418,14 +463,21 @@ static int write_meta(stk_store *s, const stk_meta *meta, stk_err *err)
             break;
     }
     free(json);
-    if (rc < 0 && err && err->code == rc)
+    if (rc < 0) /* grow_map already described the failure */
         return rc;
     return rc ? write_fail(s, rc, "writing metadata", err) : 0;
 }
 
-/* Checks that the counts the caller describes are the ones written. */
+/* Checks that the counts the caller describes are the ones written, and
+ * that every written split is described. */
 static int check_counts(stk_store *s, const stk_meta *meta, stk_err *err)
 {
+    for (int i = 0; i < s->ncounts; i++)
+        if (stk_meta_split(meta, s->counts[i].name) < 0)
+            return stk_fail(err, STK_EINVAL,
+                            "%s: split \"%s\" was written but the metadata "
+                            "does not describe it",
+                            s->final_dir, s->counts[i].name);
     for (int i = 0; i < meta->nsplits; i++) {
         uint64_t have = stk_store_count(s, meta->splits[i].name);
         if (have != meta->splits[i].count)
@@ -439,25 +491,26 @@ static int check_counts(stk_store *s, const stk_meta *meta, stk_err *err)
     return 0;
 }
 
-/* Moves the finished partial directory to the final name. An existing
- * database there (allowed by --force) is swapped out atomically, then
- * removed. */
-static int publish(stk_store *s, stk_err *err)
+/* Moves the finished partial directory to the final name and makes the
+ * rename durable. An existing database there (allowed by --force) is
+ * swapped out atomically; *old_left is set when it still has to be removed
+ * (from the partial path) after the parent directory is synced. */
+static int publish(stk_store *s, bool *old_left, stk_err *err)
 {
-    enum dir_kind kind = classify_dir(s->final_dir);
-    if (kind == DIR_LMDB) {
-        if (renameat2(AT_FDCWD, s->partial_dir, AT_FDCWD, s->final_dir,
-                      RENAME_EXCHANGE) != 0)
-            return stk_fail(err, stk_from_errno(errno),
-                            "%s: cannot replace: %s", s->final_dir,
-                            strerror(errno));
-        return stk_remove_flat_dir(s->partial_dir, err);
-    }
-    if (rename(s->partial_dir, s->final_dir) != 0)
+    *old_left = classify_dir(s->final_dir) == DIR_LMDB;
+    int rc = *old_left ? renameat2(AT_FDCWD, s->partial_dir, AT_FDCWD,
+                                   s->final_dir, RENAME_EXCHANGE)
+                       : rename(s->partial_dir, s->final_dir);
+    if (rc != 0) {
+        *old_left = false;
         return stk_fail(err, stk_from_errno(errno),
                         "%s: cannot move %s into place: %s", s->final_dir,
                         s->partial_dir, strerror(errno));
-    return 0;
+    }
+    s->finished = true;
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", s->partial_dir);
+    return stk_fsync_dir(dirname(parent), err);
 }
 
 int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
@@ -477,13 +530,14 @@ int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
         return rc;
     mdb_env_close(s->env);
     s->env = NULL;
-    char parent[4096];
-    snprintf(parent, sizeof parent, "%s", s->partial_dir);
-    rc = publish(s, err);
-    if (!rc)
-        rc = stk_fsync_dir(dirname(parent), err);
-    if (!rc)
-        s->finished = true;
+    if (fsync(s->lock_fd) != 0) /* the entries of data.mdb and lock.mdb */
+        return stk_fail(err, stk_from_errno(errno), "%s: fsync failed: %s",
+                        s->partial_dir, strerror(errno));
+    bool old_left;
+    rc = publish(s, &old_left, err);
+    /* the new database is in place even if removing the old one fails */
+    if (old_left && stk_remove_flat_dir(s->partial_dir, rc ? NULL : err))
+        rc = rc ? rc : STK_EIO;
     return rc;
 }
 
@@ -573,7 +627,11 @@ int stk_store_open(const char *dir, int max_readers, stk_store **out,
     if (!s)
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
     bool any = max_readers < 0;
-    int rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS,
+    /* A published database is never written again (a --force rebuild
+     * writes new files), so readers need no lock table: MDB_NOLOCK lifts
+     * the reader-slot limit shared with other processes, leaves no stale
+     * slots when a rank dies and opens where lock.mdb is not writable. */
+    int rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK,
                       max_readers > 0 ? max_readers : 512, err);
     if (!rc)
         rc = load_meta(s, dir, err);

@@ -126,8 +126,11 @@ uint64_t stk_store_count(const stk_store *s, const char *split);
  * moves the database into place. The store must still be closed after. */
 int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err);
 
-/* Opens a complete database read-only (MDB_RDONLY | MDB_NOTLS, reader slots
- * for max_readers threads; 0 = 512). Refuses an incomplete one. */
+/* Opens a complete database read-only (MDB_RDONLY | MDB_NOTLS |
+ * MDB_NOLOCK: a published database is never written again, so any number
+ * of threads and processes read it without a shared reader table; the
+ * max_readers hint is kept for a future locked mode, 0 = 512). Refuses an
+ * incomplete one. */
 int stk_store_open(const char *dir, int max_readers, stk_store **out,
                    stk_err *err);
 

@@ -8,9 +8,14 @@ int main(void)
 {
     stk_err err = {0};
     int n = 0;
-    if (stk_cuda_device_count(&n, &err)) {
+    int rc = stk_cuda_device_count(&n, &err);
+    if (rc == STK_ENODEV) {
         printf("SKIP: %s\n", err.msg);
         return 77;
+    }
+    if (rc) { /* a GPU is there but CUDA does not work: that is a failure */
+        printf("FAIL: %s\n", err.msg);
+        return 1;
     }
     for (int d = 0; d < n; d++) {
         if (stk_cuda_selftest(d, 1 << 20, &err)) {

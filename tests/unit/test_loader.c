@@ -386,7 +386,9 @@ static void stats_count_what_was_delivered(void **state)
     assert_int_equal(st.bytes, (uint64_t)N * SB);
     assert_true(st.first_batch > 0 && st.first_batch <= st.elapsed);
     assert_true(st.wait >= 0 && st.wait <= st.elapsed);
-    assert_true(st.busy[0] > 0 && st.busy[1] > 0);
+    /* which worker filled how much depends on scheduling; together, some */
+    assert_true(st.busy[0] >= 0 && st.busy[1] >= 0);
+    assert_true(st.busy[0] + st.busy[1] > 0);
     assert_true(st.samples_per_s > 0);
     stk_loader_close(l);
     stk_store_close(s);
