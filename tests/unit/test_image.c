@@ -88,6 +88,17 @@ static void jpeg_decode(void **state)
         worst = d > worst ? d : worst;
     }
     assert_true(worst <= 3);
+    /* junk before the EOI marker is a libjpeg warning, not a broken image:
+     * accepted (as PIL does), same pixels */
+    unsigned char *junk = malloc(len + 3);
+    memcpy(junk, jpg, len - 2);
+    memcpy(junk + len - 2, "\x01\x02\x03\xff\xd9", 5);
+    stk_image im2;
+    assert_int_equal(stk_image_decode(dec, junk, len + 3, &im2, why, sizeof why),
+                     0);
+    assert_memory_equal(im2.px, im.px, (size_t)w * h * 3);
+    stk_image_free(&im2);
+    free(junk);
     stk_image_free(&im);
     /* gray JPEG stays one channel */
     tjFree(jpg);
