@@ -14,6 +14,7 @@
 #include <string.h>
 
 #define PRECISION_BITS 22
+#define STK_MAX_CHANNELS_FIT 3
 
 /* Filter taps of one output position: weights for in[first..first+n). */
 typedef struct taps {
@@ -82,19 +83,55 @@ static void coeffs_free(coeffs *c)
     free(c->w);
 }
 
-static uint8_t clip8(int64_t acc)
+static uint8_t clip8(int32_t acc)
 {
     acc >>= PRECISION_BITS;
     return (uint8_t)(acc < 0 ? 0 : acc > 255 ? 255 : acc);
 }
 
-/* Applies taps along a line of n samples spaced stride apart, per channel. */
-static uint8_t tap(const uint8_t *in, size_t stride, const taps *t)
+/* Filter taps applied along a line whose samples are stride bytes apart,
+ * for 1 or 3 interleaved channels. Weights are >= 0 and sum to 1 << 22, so
+ * 255 * (1 << 22) plus the rounding half fits an int32, as in PIL. */
+#define HALF (1 << (PRECISION_BITS - 1))
+
+static inline void tap1(const uint8_t *p, size_t stride, const taps *t,
+                        uint8_t *out)
 {
-    int64_t acc = (int64_t)1 << (PRECISION_BITS - 1);
-    for (int x = 0; x < t->n; x++)
-        acc += (int64_t)in[(size_t)(t->first + x) * stride] * t->w[x];
-    return clip8(acc);
+    int32_t a = HALF;
+    p += (size_t)t->first * stride;
+    for (int x = 0; x < t->n; x++, p += stride)
+        a += p[0] * t->w[x];
+    out[0] = clip8(a);
+}
+
+static inline void tap3(const uint8_t *p, size_t stride, const taps *t,
+                        uint8_t *out)
+{
+    int32_t a = HALF, b = HALF, c = HALF;
+    p += (size_t)t->first * stride;
+    for (int x = 0; x < t->n; x++, p += stride) {
+        int32_t w = t->w[x];
+        a += p[0] * w;
+        b += p[1] * w;
+        c += p[2] * w;
+    }
+    out[0] = clip8(a);
+    out[1] = clip8(b);
+    out[2] = clip8(c);
+}
+
+/* One output line: n outputs, output i from taps t[i] (or one tap set for
+ * all outputs when ts is NULL, with in advancing by step per output). */
+static void tap_line(const uint8_t *in, size_t stride, size_t step, int c,
+                     const taps *t, const taps *one, int n, uint8_t *out)
+{
+    for (int i = 0; i < n; i++, out += c, in += step) {
+        const taps *ti = one ? one : &t[i];
+        if (c == 3)
+            tap3(in, stride, ti, out);
+        else
+            tap1(in, stride, ti, out);
+    }
 }
 
 /* Python's round() of d/2 for d >= 0: halves go to the even neighbour. */
@@ -125,7 +162,8 @@ static uint8_t *convert(const stk_image *src, int out_c)
 }
 
 /* Resizes w x h (c channels) to ow x oh and keeps the window
- * [left, left+cw) x [top, top+ch) as HWC in out. */
+ * [left, left+cw) x [top, top+ch) as HWC in out. The horizontal pass runs
+ * only over the rows the vertical pass reads. */
 static int resample(const uint8_t *in, int w, int h, int c, int ow, int oh,
                     int left, int top, int cw, int ch, uint8_t *out)
 {
@@ -136,20 +174,27 @@ static int resample(const uint8_t *in, int w, int h, int c, int ow, int oh,
         rc = coeffs_make(&cx, w, ow, left, cw);
     if (!rc && oh != h)
         rc = coeffs_make(&cy, h, oh, top, ch);
-    for (int y = 0; !rc && y < h; y++) /* horizontal pass, every row */
-        for (int x = 0; x < cw; x++)
-            for (int k = 0; k < c; k++)
-                mid[((size_t)y * cw + x) * c + k] =
-                    ow != w ? tap(in + (size_t)y * w * c + k, (size_t)c,
-                                  &cx.t[x])
-                            : in[((size_t)y * w + left + x) * c + k];
-    for (int y = 0; !rc && y < ch; y++) /* vertical pass, cropped rows */
-        for (int x = 0; x < cw; x++)
-            for (int k = 0; k < c; k++)
-                out[((size_t)y * cw + x) * c + k] =
-                    oh != h ? tap(mid + (size_t)x * c + k, (size_t)cw * c,
-                                  &cy.t[y])
-                            : mid[((size_t)(top + y) * cw + x) * c + k];
+    int y0 = top, y1 = top + ch; /* rows of in that the output needs */
+    if (!rc && oh != h) {
+        y0 = cy.t[0].first;
+        y1 = cy.t[ch - 1].first + cy.t[ch - 1].n;
+    }
+    size_t row = (size_t)cw * c;
+    for (int y = y0; !rc && y < y1; y++) {
+        const uint8_t *src = in + (size_t)y * w * c;
+        uint8_t *dst = mid + (size_t)y * row;
+        if (ow == w)
+            memcpy(dst, src + (size_t)left * c, row);
+        else
+            tap_line(src, (size_t)c, 0, c, cx.t, NULL, cw, dst);
+    }
+    for (int y = 0; !rc && y < ch; y++) {
+        uint8_t *dst = out + (size_t)y * row;
+        if (oh == h)
+            memcpy(dst, mid + (size_t)(top + y) * row, row);
+        else
+            tap_line(mid, row, (size_t)c, c, NULL, &cy.t[y], cw, dst);
+    }
     coeffs_free(&cx);
     coeffs_free(&cy);
     free(mid);
