@@ -3,6 +3,7 @@
 (bench/loader_bench.sh).
 
     /usr/bin/python3 bench/loader_peers.py make IDX_DIR WORK_DIR
+    /usr/bin/python3 bench/loader_peers.py check STOKE_DB WORK_DIR
     /usr/bin/python3 bench/loader_peers.py time MODE WORKERS WORK_DIR [--batch 256] [--seed 0]
 
 make   writes the Fashion-MNIST train split (60000 samples) twice under
@@ -13,6 +14,10 @@ make   writes the Fashion-MNIST train split (60000 samples) twice under
        array is numpy uint8 of shape (1, 28, 28), label a Python int. Each is
        built under a temporary name and renamed into place when complete;
        one that is already there is kept.
+
+check  compares the train split of a stoke database (prep of the same IDX
+       files) with peer-lmdb record by record, and with every 97th file of
+       peer-pkl, so that every loader is timed on the same samples.
 
 time   runs one epoch of
          DataLoader(dataset, batch_size=256, shuffle=True, num_workers=WORKERS,
@@ -93,6 +98,36 @@ def make(idx_dir, work):
         os.rename(tmp, db)
         print("loader_peers: wrote %s (%d records) in %.1f s" % (db, n, time.perf_counter() - t0),
               file=sys.stderr)
+
+
+def check(stoke_db, work):
+    import lmdb
+    a = lmdb.open(stoke_db, readonly=True, lock=False, max_dbs=64)
+    b = lmdb.open(os.path.join(work, "peer-lmdb"), readonly=True, lock=False)
+    n = bad = 0
+    with a.begin() as ta, b.begin() as tb:
+        meta = json.loads(ta.get(b"dataset", db=a.open_db(b"meta", txn=ta)))
+        shape = tuple(meta["record"]["shape"])
+        hdr = meta["record"]["header_bytes"]
+        count = meta["splits"]["train"]["count"]
+        dt = a.open_db(b"train", txn=ta)
+        for i in range(count):
+            rec = ta.get(i.to_bytes(8, "big"), db=dt)
+            label = int.from_bytes(rec[:4], "little", signed=True)
+            px = np.frombuffer(rec, dtype=np.uint8, offset=hdr).reshape(shape)
+            arr, lab = pickle.loads(tb.get(key(i)))
+            same = lab == label and np.array_equal(arr, px)
+            if i % 97 == 0:
+                with open(os.path.join(work, "peer-pkl", "train", "%d.pkl" % i), "rb") as f:
+                    parr, plab = pickle.load(f)
+                same = same and plab == label and np.array_equal(parr, px)
+            n += 1
+            bad += not same
+        if int(tb.get(b"__len__")) != count:
+            bad += 1
+    print("check: %d train samples, %d differ between the stoke database and the peers' data"
+          % (n, bad))
+    return 1 if bad else 0
 
 
 # ------------------------------------------------------------------- time
@@ -191,6 +226,8 @@ def main(argv):
     if len(argv) == 3 and argv[0] == "make":
         make(argv[1], argv[2])
         return
+    if len(argv) == 3 and argv[0] == "check":
+        sys.exit(check(argv[1], argv[2]))
     if len(argv) >= 4 and argv[0] == "time":
         mode, workers, work = argv[1], int(argv[2]), argv[3]
         opts = {"--batch": 256, "--seed": 0}

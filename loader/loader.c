@@ -32,7 +32,7 @@ typedef struct fetch_ops {
     int (*open)(stk_loader *l, void **ctx, stk_err *err);
     int (*get)(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
                int32_t *label, stk_err *err);
-    void (*batch_done)(void *ctx);
+    void (*prefetch)(void *ctx, uint64_t index); /* may be NULL */
     void (*close)(void *ctx);
 } fetch_ops;
 
@@ -55,6 +55,7 @@ struct stk_loader {
     stk_loader_opts o;
     const fetch_ops *ops;
     stk_store *store;
+    stk_view *view;
     const stk_source *src;
     int src_split;
     char split[STK_SPLIT_NAME_MAX];
@@ -82,16 +83,21 @@ struct stk_loader {
 
 /* ---- fetchers ---------------------------------------------------------- */
 
+/* Database samples come through one shared view (a snapshot with every
+ * record's address), so a worker needs no state of its own and a batch's
+ * records can be prefetched before they are copied. */
 static int store_open(stk_loader *l, void **ctx, stk_err *err)
 {
-    return stk_reader_open(l->store, l->split, (stk_reader **)ctx, err);
+    (void)err;
+    *ctx = l->view;
+    return 0;
 }
 
 static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
                      int32_t *label, stk_err *err)
 {
     stk_record r;
-    int rc = stk_reader_get(ctx, index, &r, err);
+    int rc = stk_view_get(ctx, index, &r, err);
     if (rc)
         return rc;
     memcpy(dst, r.data, l->sample_bytes);
@@ -99,10 +105,14 @@ static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
     return 0;
 }
 
-static void store_batch_done(void *ctx) { stk_reader_release(ctx); }
-static void store_close(void *ctx) { stk_reader_close(ctx); }
+static void store_prefetch(void *ctx, uint64_t index)
+{
+    stk_view_prefetch(ctx, index);
+}
 
-static const fetch_ops store_ops = {store_open, store_get, store_batch_done,
+static void store_close(void *ctx) { (void)ctx; }
+
+static const fetch_ops store_ops = {store_open, store_get, store_prefetch,
                                     store_close};
 
 static int raw_open(stk_loader *l, void **ctx, stk_err *err)
@@ -117,11 +127,9 @@ static int raw_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
     return stk_source_load(l->src, ctx, l->src_split, index, label, dst, err);
 }
 
-static void raw_batch_done(void *ctx) { (void)ctx; }
 static void raw_close(void *ctx) { stk_decoder_destroy(ctx); }
 
-static const fetch_ops raw_ops = {raw_open, raw_get, raw_batch_done,
-                                  raw_close};
+static const fetch_ops raw_ops = {raw_open, raw_get, NULL, raw_close};
 
 /* ---- shards ------------------------------------------------------------ */
 
@@ -195,6 +203,10 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
 
 static void fill(stk_loader *l, void *ctx, slot *sl)
 {
+    /* Start every record's cache misses before the first copy waits on
+     * one: lookups are already done, so the batch's loads overlap. */
+    for (int i = 0; l->ops->prefetch && i < sl->n; i++)
+        l->ops->prefetch(ctx, sl->indices[i]);
     for (int i = 0; i < sl->n && !sl->rc; i++) {
         stk_err e = {0};
         sl->rc = l->ops->get(l, ctx, sl->indices[i],
@@ -203,7 +215,6 @@ static void fill(stk_loader *l, void *ctx, slot *sl)
         if (sl->rc)
             sl->err = e;
     }
-    l->ops->batch_done(ctx);
 }
 
 static void *worker_main(void *arg)
@@ -326,7 +337,8 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
     pthread_cond_init(&l->ready, NULL);
     pthread_cond_init(&l->freed, NULL);
     l->started = true;
-    l->t_open = stk_now();
+    if (!l->t_open)
+        l->t_open = stk_now();
     int rc = alloc_ring(l, err);
     return rc ? rc : start_workers(l, err);
 }
@@ -379,6 +391,11 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     l->ops = &store_ops;
     l->store = store;
     l->sample_bytes = stk_meta_sample_bytes(m);
+    l->t_open = stk_now(); /* indexing the split counts toward first batch */
+    if ((rc = stk_view_open(store, l->split, &l->view, err))) {
+        free(l);
+        return rc;
+    }
     return finish_open(l, m->splits[k].count, out, err);
 }
 
@@ -567,6 +584,7 @@ void stk_loader_close(stk_loader *l)
         pthread_cond_destroy(&l->ready);
         pthread_cond_destroy(&l->freed);
     }
+    stk_view_close(l->view);
     free(l->workers);
     free(l->slots);
     free(l);

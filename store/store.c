@@ -752,3 +752,112 @@ void stk_reader_close(stk_reader *r)
         mdb_txn_abort(r->txn);
     free(r);
 }
+
+/* ---- views ------------------------------------------------------------- */
+
+typedef struct view_entry {
+    const uint8_t *data;
+    size_t len;
+} view_entry;
+
+struct stk_view {
+    MDB_txn *txn;
+    uint64_t count;
+    uint32_t expect;
+    view_entry *e;
+    char split[STK_SPLIT_NAME_MAX];
+};
+
+/* Walks the split's keys in order, checking they are dense from 0. */
+static int view_index(stk_view *v, MDB_dbi dbi, stk_err *err)
+{
+    MDB_cursor *cur;
+    int rc = mdb_cursor_open(v->txn, dbi, &cur);
+    if (rc)
+        return stk_fail(err, STK_ESTORE, "split \"%s\": %s", v->split,
+                        mdb_strerror(rc));
+    MDB_val k, d;
+    uint64_t i = 0;
+    for (rc = mdb_cursor_get(cur, &k, &d, MDB_FIRST); !rc && i < v->count;
+         rc = mdb_cursor_get(cur, &k, &d, MDB_NEXT), i++) {
+        if (k.mv_size != 8 || stk_key_decode(k.mv_data) != i)
+            break;
+        v->e[i].data = d.mv_data;
+        v->e[i].len = d.mv_size;
+    }
+    mdb_cursor_close(cur);
+    if (i != v->count)
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu is missing or out of order",
+                        v->split, (unsigned long long)i);
+    return 0;
+}
+
+int stk_view_open(stk_store *s, const char *split, stk_view **out,
+                  stk_err *err)
+{
+    *out = NULL;
+    int k = stk_meta_split(&s->meta, split);
+    if (k < 0)
+        return stk_fail(err, STK_ENOENT, "split \"%s\" is not in the database",
+                        split);
+    stk_view *v = calloc(1, sizeof *v);
+    if (!v)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    snprintf(v->split, sizeof v->split, "%s", split);
+    v->count = s->meta.splits[k].count;
+    v->expect = stk_meta_sample_bytes(&s->meta);
+    v->e = malloc((v->count ? v->count : 1) * sizeof *v->e);
+    int rc = v->e ? mdb_txn_begin(s->env, NULL, MDB_RDONLY, &v->txn)
+                  : STK_ENOMEM;
+    if (rc)
+        rc = stk_fail(err, rc == STK_ENOMEM ? rc : STK_ESTORE,
+                      "split \"%s\": cannot open a snapshot", split);
+    else if (v->count)
+        rc = view_index(v, s->split_dbi[k], err);
+    if (rc) {
+        stk_view_close(v);
+        return rc;
+    }
+    *out = v;
+    return 0;
+}
+
+uint64_t stk_view_count(const stk_view *v) { return v->count; }
+
+int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
+                 stk_err *err)
+{
+    if (index >= v->count)
+        return stk_fail(err, STK_ERANGE,
+                        "split \"%s\": key %llu is out of range (%llu records)",
+                        v->split, (unsigned long long)index,
+                        (unsigned long long)v->count);
+    const view_entry *e = &v->e[index];
+    if (stk_record_decode(e->data, e->len, v->expect, rec))
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu: record is %zu bytes, "
+                        "expected %u (%d-byte header + %u pixels)",
+                        v->split, (unsigned long long)index, e->len,
+                        STK_RECORD_HEADER + v->expect, STK_RECORD_HEADER,
+                        v->expect);
+    return 0;
+}
+
+void stk_view_prefetch(const stk_view *v, uint64_t index)
+{
+    if (index < v->count) {
+        __builtin_prefetch(v->e[index].data);
+        __builtin_prefetch(v->e[index].data + 64);
+    }
+}
+
+void stk_view_close(stk_view *v)
+{
+    if (!v)
+        return;
+    if (v->txn)
+        mdb_txn_abort(v->txn);
+    free(v->e);
+    free(v);
+}

@@ -148,6 +148,32 @@ size_t stk_store_map_size(const stk_store *s);
  * partial directory is removed. NULL is a no-op. */
 void stk_store_close(stk_store *s);
 
+/* ---- views: a whole split, addressed by index, for many threads ------- */
+
+typedef struct stk_view stk_view;
+
+/* Takes one read-only snapshot of split for the view's lifetime and indexes
+ * the address and length of every record with one cursor walk (the records
+ * themselves are not read). A published database never changes, so the
+ * snapshot costs nothing to hold. Any number of threads may call
+ * stk_view_get and stk_view_prefetch at once. */
+int stk_view_open(stk_store *s, const char *split, stk_view **out,
+                  stk_err *err);
+
+uint64_t stk_view_count(const stk_view *v);
+
+/* Record index, zero-copy: rec->data points into the map and stays valid
+ * until stk_view_close. A record of the wrong size is an error naming the
+ * split and key. */
+int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
+                 stk_err *err);
+
+/* Hints that record index is read soon: starts loading its first bytes. */
+void stk_view_prefetch(const stk_view *v, uint64_t index);
+
+/* NULL is a no-op. */
+void stk_view_close(stk_view *v);
+
 /* ---- readers: one per thread ------------------------------------------- */
 
 typedef struct stk_reader stk_reader;
