@@ -1,5 +1,5 @@
 /* cuda_none.c - the CUDA entry points of a build without the toolkit. */
-#include "kernels.h"
+#include "backend_impl.h"
 
 bool stk_cuda_built(void) { return false; }
 
@@ -16,4 +16,13 @@ int stk_cuda_selftest(int device, int n, stk_err *err)
     (void)device;
     (void)n;
     return stk_fail(err, STK_ENODEV, "this stoke was built without CUDA");
+}
+
+int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err)
+{
+    (void)be;
+    (void)device;
+    return stk_fail(err, STK_ENODEV,
+                    "--device cuda: this stoke was built without CUDA "
+                    "(rebuild where the CUDA toolkit is installed)");
 }

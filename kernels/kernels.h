@@ -1,17 +1,28 @@
-/* kernels.h - compute backends. For now: finding CUDA devices and proving
- * that the CUDA layer is built, linked and (where a GPU exists) runs. The
- * op interface (GEMM, element-wise, conv helpers) joins this header with the
- * trainer. */
+/* kernels.h - compute backends: one op API, a CPU implementation (OpenBLAS
+ * and C loops, the readable reference) and a CUDA one (cuBLAS and kernels)
+ * built when the toolkit is found. The element-wise bodies both run are in
+ * ops_inline.h.
+ *
+ * Pointers passed to ops are backend memory (stk_dev_alloc); on the CPU
+ * that is host memory. Tensors are float32, NCHW, row-major. Ops are
+ * asynchronous on CUDA (one stream per backend): stk_sync waits. Every op
+ * returns 0 or a negative STK_E* code with err (when non-NULL) naming the
+ * op and the cause. */
 #ifndef STK_KERNELS_H
 #define STK_KERNELS_H
 
 #include "common/common.h"
+#include "kernels/ops_inline.h"
 
 #include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---- devices ---------------------------------------------------------- */
 
 /* True when this build contains the CUDA backend. */
 bool stk_cuda_built(void);
@@ -24,6 +35,107 @@ int stk_cuda_device_count(int *count, stk_err *err);
 /* Selects device and runs a fill kernel and a host round trip on n floats,
  * checking every element: the smallest proof that kernels execute. */
 int stk_cuda_selftest(int device, int n, stk_err *err);
+
+/* ---- backends ----------------------------------------------------------- */
+
+typedef enum stk_device_kind { STK_DEV_CPU = 0, STK_DEV_CUDA = 1 } stk_device_kind;
+
+typedef struct stk_backend stk_backend;
+
+/* CPU: threads for BLAS (0 = leave OpenBLAS's default). CUDA: selects
+ * device before any other CUDA call, creates a stream and a cuBLAS handle;
+ * fails at once with a clear message where there is no GPU. */
+int stk_backend_create(stk_device_kind kind, int device, int threads,
+                       stk_backend **out, stk_err *err);
+void stk_backend_destroy(stk_backend *be); /* NULL is a no-op */
+stk_device_kind stk_backend_kind(const stk_backend *be);
+const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
+
+/* ---- memory --------------------------------------------------------------- */
+
+void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err);
+void stk_dev_free(stk_backend *be, void *p);
+/* Page-locked host memory on CUDA (cudaHostAlloc), aligned memory on CPU:
+ * what the loader's batch ring is made of (see stk_host_alloc). */
+void *stk_host_alloc(stk_backend *be, size_t bytes);
+void stk_host_free(stk_backend *be, void *p);
+int stk_copy_to_dev(stk_backend *be, void *dst, const void *src, size_t n,
+                    stk_err *err);
+int stk_copy_to_host(stk_backend *be, void *dst, const void *src, size_t n,
+                     stk_err *err);
+int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err);
+int stk_sync(stk_backend *be, stk_err *err);
+
+/* ---- GEMM --------------------------------------------------------------- */
+
+/* Row-major C[m,n] = alpha * op(A) op(B) + beta * C, op(X) = X or X^T;
+ * lda, ldb, ldc are row strides of A, B, C as stored. */
+int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+             float alpha, const float *a, int lda, const float *b, int ldb,
+             float beta, float *c, int ldc, stk_err *err);
+
+/* ---- ops ---------------------------------------------------------------- */
+
+int stk_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
+                 stk_err *err);
+/* dx = dy where y > 0 (y is the forward output); dx may alias dy. */
+int stk_relu_bwd(stk_backend *be, const float *y, const float *dy, float *dx,
+                 size_t n, stk_err *err);
+
+/* y[r, c, i] += b[c] for y of shape [rows, cols, inner]. */
+int stk_bias_add(stk_backend *be, float *y, const float *b, int rows, int cols,
+                 int inner, stk_err *err);
+/* db[c] += sum over r, i of dy[r, c, i]. */
+int stk_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
+                  int cols, int inner, stk_err *err);
+
+/* Columns of one sample: col[c*kh*kw, oh*ow]. */
+int stk_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
+               float *col, stk_err *err);
+/* dx[c, h, w] = sum of the col entries that read each pixel (overwrites). */
+int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
+               float *dx, stk_err *err);
+
+/* k x k max-pool with stride st over planes [planes, h, w]; arg keeps the
+ * winner's index within its plane for the backward pass. */
+int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
+                    int k, int st, float *y, int32_t *arg, stk_err *err);
+/* dx (planes*h*w, overwritten) gets dy at each winner. */
+int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
+                    int planes, int h, int w, int oh, int ow, float *dx,
+                    stk_err *err);
+
+/* In place: x[i] *= stk_dropout_scale1(key, stream, i, group, p). The same
+ * call on the gradient is the backward pass. */
+int stk_dropout(stk_backend *be, float *x, size_t n, size_t group, float p,
+                stk_philox_key key, uint64_t stream, stk_err *err);
+
+/* Mean softmax cross-entropy of logits [n, c]: *loss (host) and dlogits
+ * (device, may be NULL). */
+int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
+             int n, int c, float *loss, float *dlogits, stk_err *err);
+
+/* uint8 batch [n, c, h, w] -> normalised float, with the transform's random
+ * crop and flip keyed by sample_ids (n entries, device memory). */
+int stk_transform_batch(stk_backend *be, const uint8_t *x,
+                        const uint64_t *sample_ids, int n,
+                        const stk_transform *t, float *y, stk_err *err);
+
+/* y += alpha * x */
+int stk_axpy(stk_backend *be, size_t n, float alpha, const float *x, float *y,
+             stk_err *err);
+/* x *= alpha */
+int stk_scale(stk_backend *be, size_t n, float alpha, float *x, stk_err *err);
+/* *out (host) = sum of x[i]^2, accumulated in double */
+int stk_sumsq(stk_backend *be, const float *x, size_t n, double *out,
+              stk_err *err);
+
+/* One optimizer step over n parameters (buffers are device memory). */
+int stk_sgd_step(stk_backend *be, float *w, const float *g, float *buf,
+                 size_t n, const stk_sgd_cfg *cfg, stk_err *err);
+int stk_adamw_step(stk_backend *be, float *w, const float *g, float *m,
+                   float *v, size_t n, const stk_adamw_cfg *cfg,
+                   stk_err *err);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,232 @@
+/* backend.c - creating backends and dispatching the op API to them. */
+#include "backend_impl.h"
+
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* OpenBLAS's own thread count control (not part of CBLAS proper). */
+void openblas_set_num_threads(int n);
+
+int stk_backend_create(stk_device_kind kind, int device, int threads,
+                       stk_backend **out, stk_err *err)
+{
+    *out = NULL;
+    stk_backend *be = calloc(1, sizeof *be);
+    if (!be)
+        return stk_fail(err, STK_ENOMEM, "backend: out of memory");
+    be->kind = kind;
+    be->device = device;
+    int rc = 0;
+    if (kind == STK_DEV_CPU) {
+        be->ops = &stk_cpu_ops;
+        snprintf(be->name, sizeof be->name, "cpu");
+        if (threads > 0)
+            openblas_set_num_threads(threads);
+    } else {
+        snprintf(be->name, sizeof be->name, "cuda:%d", device);
+        rc = stk_cuda_backend_init(be, device, err);
+    }
+    if (rc) {
+        free(be);
+        return rc;
+    }
+    *out = be;
+    return 0;
+}
+
+void stk_backend_destroy(stk_backend *be)
+{
+    if (!be)
+        return;
+    if (be->ops)
+        be->ops->destroy(be);
+    free(be);
+}
+
+stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }
+const char *stk_backend_name(const stk_backend *be) { return be->name; }
+
+void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err)
+{
+    return be->ops->alloc(be, bytes, err);
+}
+
+void stk_dev_free(stk_backend *be, void *p)
+{
+    if (p)
+        be->ops->free(be, p);
+}
+
+void *stk_host_alloc(stk_backend *be, size_t bytes)
+{
+    return be->ops->host_alloc(be, bytes);
+}
+
+void stk_host_free(stk_backend *be, void *p)
+{
+    if (p)
+        be->ops->host_free(be, p);
+}
+
+int stk_copy_to_dev(stk_backend *be, void *dst, const void *src, size_t n,
+                    stk_err *err)
+{
+    return be->ops->copy(be, dst, src, n, 1, err);
+}
+
+int stk_copy_to_host(stk_backend *be, void *dst, const void *src, size_t n,
+                     stk_err *err)
+{
+    return be->ops->copy(be, dst, src, n, 0, err);
+}
+
+int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
+{
+    return be->ops->memzero(be, p, n, err);
+}
+
+int stk_sync(stk_backend *be, stk_err *err) { return be->ops->sync(be, err); }
+
+int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+             float alpha, const float *a, int lda, const float *b, int ldb,
+             float beta, float *c, int ldc, stk_err *err)
+{
+    if (m < 0 || n < 0 || k < 0 || lda < (ta ? m : k) ||
+        ldb < (tb ? k : n) || ldc < n)
+        return stk_fail(err, STK_EINVAL,
+                        "gemm: bad shape m=%d n=%d k=%d lda=%d ldb=%d ldc=%d",
+                        m, n, k, lda, ldb, ldc);
+    if (!m || !n)
+        return 0;
+    return be->ops->gemm(be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                         ldc, err);
+}
+
+int stk_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
+                 stk_err *err)
+{
+    return be->ops->relu_fwd(be, x, y, n, err);
+}
+
+int stk_relu_bwd(stk_backend *be, const float *y, const float *dy, float *dx,
+                 size_t n, stk_err *err)
+{
+    return be->ops->relu_bwd(be, y, dy, dx, n, err);
+}
+
+int stk_bias_add(stk_backend *be, float *y, const float *b, int rows, int cols,
+                 int inner, stk_err *err)
+{
+    return be->ops->bias_add(be, y, b, rows, cols, inner, err);
+}
+
+int stk_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
+                  int cols, int inner, stk_err *err)
+{
+    return be->ops->bias_grad(be, dy, db, rows, cols, inner, err);
+}
+
+static int check_conv(const stk_conv_shape *s, stk_err *err)
+{
+    if (s->c < 1 || s->kh < 1 || s->kw < 1 || s->sh < 1 || s->sw < 1 ||
+        s->ph < 0 || s->pw < 0 ||
+        s->oh != (s->h + 2 * s->ph - s->kh) / s->sh + 1 ||
+        s->ow != (s->w + 2 * s->pw - s->kw) / s->sw + 1 || s->oh < 1 ||
+        s->ow < 1)
+        return stk_fail(err, STK_EINVAL,
+                        "conv: inconsistent shape (in %dx%dx%d, kernel "
+                        "%dx%d, stride %dx%d, pad %dx%d, out %dx%d)",
+                        s->c, s->h, s->w, s->kh, s->kw, s->sh, s->sw, s->ph,
+                        s->pw, s->oh, s->ow);
+    return 0;
+}
+
+int stk_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
+               float *col, stk_err *err)
+{
+    int rc = check_conv(s, err);
+    return rc ? rc : be->ops->im2col(be, x, s, col, err);
+}
+
+int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
+               float *dx, stk_err *err)
+{
+    int rc = check_conv(s, err);
+    return rc ? rc : be->ops->col2im(be, col, s, dx, err);
+}
+
+int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
+                    int k, int st, float *y, int32_t *arg, stk_err *err)
+{
+    if (k < 1 || st < 1 || h < k || w < k)
+        return stk_fail(err, STK_EINVAL,
+                        "max-pool: kernel %d stride %d does not fit %dx%d", k,
+                        st, h, w);
+    return be->ops->maxpool_fwd(be, x, planes, h, w, k, st, y, arg, err);
+}
+
+int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
+                    int planes, int h, int w, int oh, int ow, float *dx,
+                    stk_err *err)
+{
+    return be->ops->maxpool_bwd(be, dy, arg, planes, h, w, oh, ow, dx, err);
+}
+
+int stk_dropout(stk_backend *be, float *x, size_t n, size_t group, float p,
+                stk_philox_key key, uint64_t stream, stk_err *err)
+{
+    if (!(p >= 0.0f && p < 1.0f) || group < 1)
+        return stk_fail(err, STK_EINVAL,
+                        "dropout: p must be in [0, 1), not %g", (double)p);
+    if (p == 0.0f)
+        return 0;
+    return be->ops->dropout(be, x, n, group, p, key, stream, err);
+}
+
+int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
+             int n, int c, float *loss, float *dlogits, stk_err *err)
+{
+    if (n < 1 || c < 1)
+        return stk_fail(err, STK_EINVAL, "cross-entropy: %d rows of %d", n, c);
+    return be->ops->xent(be, logits, labels, n, c, loss, dlogits, err);
+}
+
+int stk_transform_batch(stk_backend *be, const uint8_t *x,
+                        const uint64_t *sample_ids, int n,
+                        const stk_transform *t, float *y, stk_err *err)
+{
+    if (t->c < 1 || t->c > 4 || t->pad < 0 || t->pad > t->h || t->pad > t->w)
+        return stk_fail(err, STK_EINVAL,
+                        "transform: %d channels, padding %d", t->c, t->pad);
+    return be->ops->transform(be, x, sample_ids, n, t, y, err);
+}
+
+int stk_axpy(stk_backend *be, size_t n, float alpha, const float *x, float *y,
+             stk_err *err)
+{
+    return be->ops->axpy(be, n, alpha, x, y, err);
+}
+
+int stk_scale(stk_backend *be, size_t n, float alpha, float *x, stk_err *err)
+{
+    return be->ops->scale(be, n, alpha, x, err);
+}
+
+int stk_sumsq(stk_backend *be, const float *x, size_t n, double *out,
+              stk_err *err)
+{
+    return be->ops->sumsq(be, x, n, out, err);
+}
+
+int stk_sgd_step(stk_backend *be, float *w, const float *g, float *buf,
+                 size_t n, const stk_sgd_cfg *cfg, stk_err *err)
+{
+    return be->ops->sgd(be, w, g, buf, n, cfg, err);
+}
+
+int stk_adamw_step(stk_backend *be, float *w, const float *g, float *m,
+                   float *v, size_t n, const stk_adamw_cfg *cfg, stk_err *err)
+{
+    return be->ops->adamw(be, w, g, m, v, n, cfg, err);
+}

@@ -1,0 +1,78 @@
+/* backend_impl.h - private: the table each backend fills. The public
+ * functions in backend.c check arguments once and dispatch here. */
+#ifndef STK_BACKEND_IMPL_H
+#define STK_BACKEND_IMPL_H
+
+#include "kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct backend_ops {
+    void (*destroy)(stk_backend *be);
+    void *(*alloc)(stk_backend *be, size_t bytes, stk_err *err);
+    void (*free)(stk_backend *be, void *p);
+    void *(*host_alloc)(stk_backend *be, size_t bytes);
+    void (*host_free)(stk_backend *be, void *p);
+    int (*copy)(stk_backend *be, void *dst, const void *src, size_t n,
+                int to_dev, stk_err *err);
+    int (*memzero)(stk_backend *be, void *p, size_t n, stk_err *err);
+    int (*sync)(stk_backend *be, stk_err *err);
+    int (*gemm)(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+                float alpha, const float *a, int lda, const float *b, int ldb,
+                float beta, float *c, int ldc, stk_err *err);
+    int (*relu_fwd)(stk_backend *be, const float *x, float *y, size_t n,
+                    stk_err *err);
+    int (*relu_bwd)(stk_backend *be, const float *y, const float *dy,
+                    float *dx, size_t n, stk_err *err);
+    int (*bias_add)(stk_backend *be, float *y, const float *b, int rows,
+                    int cols, int inner, stk_err *err);
+    int (*bias_grad)(stk_backend *be, const float *dy, float *db, int rows,
+                     int cols, int inner, stk_err *err);
+    int (*im2col)(stk_backend *be, const float *x, const stk_conv_shape *s,
+                  float *col, stk_err *err);
+    int (*col2im)(stk_backend *be, const float *col, const stk_conv_shape *s,
+                  float *dx, stk_err *err);
+    int (*maxpool_fwd)(stk_backend *be, const float *x, int planes, int h,
+                       int w, int k, int st, float *y, int32_t *arg,
+                       stk_err *err);
+    int (*maxpool_bwd)(stk_backend *be, const float *dy, const int32_t *arg,
+                       int planes, int h, int w, int oh, int ow, float *dx,
+                       stk_err *err);
+    int (*dropout)(stk_backend *be, float *x, size_t n, size_t group, float p,
+                   stk_philox_key key, uint64_t stream, stk_err *err);
+    int (*xent)(stk_backend *be, const float *logits, const int32_t *labels,
+                int n, int c, float *loss, float *dlogits, stk_err *err);
+    int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,
+                     int n, const stk_transform *t, float *y, stk_err *err);
+    int (*axpy)(stk_backend *be, size_t n, float alpha, const float *x,
+                float *y, stk_err *err);
+    int (*scale)(stk_backend *be, size_t n, float alpha, float *x,
+                 stk_err *err);
+    int (*sumsq)(stk_backend *be, const float *x, size_t n, double *out,
+                 stk_err *err);
+    int (*sgd)(stk_backend *be, float *w, const float *g, float *buf, size_t n,
+               const stk_sgd_cfg *cfg, stk_err *err);
+    int (*adamw)(stk_backend *be, float *w, const float *g, float *m, float *v,
+                 size_t n, const stk_adamw_cfg *cfg, stk_err *err);
+} backend_ops;
+
+struct stk_backend {
+    const backend_ops *ops;
+    stk_device_kind kind;
+    int device;
+    char name[16];
+    void *impl; /* the backend's own state (CUDA: stream, cuBLAS handle) */
+};
+
+extern const backend_ops stk_cpu_ops;
+/* Fills be for CUDA device `device`; defined in cuda_ops.cu, or in
+ * cuda_none.c where it reports that CUDA is not built. */
+int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

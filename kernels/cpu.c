@@ -1,0 +1,275 @@
+/* cpu.c - the CPU backend: OpenBLAS SGEMM and C loops over the shared
+ * element-wise bodies of ops_inline.h. This is the reference the CUDA
+ * backend is tested against. */
+#include "backend_impl.h"
+
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void cpu_destroy(stk_backend *be) { (void)be; }
+
+static void *cpu_alloc(stk_backend *be, size_t bytes, stk_err *err)
+{
+    (void)be;
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    if (!p)
+        stk_fail(err, STK_ENOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    return p;
+}
+
+static void cpu_free(stk_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
+static void *cpu_host_alloc(stk_backend *be, size_t bytes)
+{
+    return cpu_alloc(be, bytes, NULL);
+}
+
+static int cpu_copy(stk_backend *be, void *dst, const void *src, size_t n,
+                    int to_dev, stk_err *err)
+{
+    (void)be;
+    (void)to_dev;
+    (void)err;
+    if (n)
+        memmove(dst, src, n);
+    return 0;
+}
+
+static int cpu_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    memset(p, 0, n);
+    return 0;
+}
+
+static int cpu_sync(stk_backend *be, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    return 0;
+}
+
+static int cpu_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+                    float alpha, const float *a, int lda, const float *b,
+                    int ldb, float beta, float *c, int ldc, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb,
+                beta, c, ldc);
+    return 0;
+}
+
+static int cpu_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
+                        stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        y[i] = stk_relu1(x[i]);
+    return 0;
+}
+
+static int cpu_relu_bwd(stk_backend *be, const float *y, const float *dy,
+                        float *dx, size_t n, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        dx[i] = stk_relu_grad1(y[i], dy[i]);
+    return 0;
+}
+
+static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
+                        int cols, int inner, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float *p = y + ((size_t)r * cols + c) * inner;
+            for (int i = 0; i < inner; i++)
+                p[i] += b[c];
+        }
+    return 0;
+}
+
+static int cpu_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
+                         int cols, int inner, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int c = 0; c < cols; c++) {
+        double s = 0.0;
+        for (int r = 0; r < rows; r++) {
+            const float *p = dy + ((size_t)r * cols + c) * inner;
+            for (int i = 0; i < inner; i++)
+                s += p[i];
+        }
+        db[c] += (float)s;
+    }
+    return 0;
+}
+
+static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
+                      float *col, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    size_t n = (size_t)s->c * s->kh * s->kw * s->oh * s->ow;
+    for (size_t j = 0; j < n; j++)
+        col[j] = stk_im2col1(x, s, j);
+    return 0;
+}
+
+static int cpu_col2im(stk_backend *be, const float *col,
+                      const stk_conv_shape *s, float *dx, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    size_t n = (size_t)s->c * s->h * s->w;
+    for (size_t i = 0; i < n; i++)
+        dx[i] = stk_col2im1(col, s, i);
+    return 0;
+}
+
+static int cpu_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
+                           int w, int k, int st, float *y, int32_t *arg,
+                           stk_err *err)
+{
+    (void)be;
+    (void)err;
+    int oh = (h - k) / st + 1, ow = (w - k) / st + 1;
+    size_t n = (size_t)planes * oh * ow;
+    for (size_t j = 0; j < n; j++)
+        y[j] = stk_maxpool1(x, h, w, k, st, oh, ow, j, &arg[j]);
+    return 0;
+}
+
+static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
+                           const int32_t *arg, int planes, int h, int w,
+                           int oh, int ow, float *dx, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    memset(dx, 0, (size_t)planes * h * w * sizeof *dx);
+    for (int p = 0; p < planes; p++)
+        for (int j = 0; j < oh * ow; j++) {
+            size_t o = (size_t)p * oh * ow + j;
+            dx[(size_t)p * h * w + arg[o]] += dy[o];
+        }
+    return 0;
+}
+
+static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t group,
+                       float p, stk_philox_key key, uint64_t stream,
+                       stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        x[i] *= stk_dropout_scale1(key, stream, i, group, p);
+    return 0;
+}
+
+static int cpu_xent(stk_backend *be, const float *logits,
+                    const int32_t *labels, int n, int c, float *loss,
+                    float *dlogits, stk_err *err)
+{
+    (void)be;
+    for (int r = 0; r < n; r++)
+        if (labels[r] < 0 || labels[r] >= c)
+            return stk_fail(err, STK_ERANGE,
+                            "cross-entropy: label %d of row %d is not in "
+                            "0..%d",
+                            labels[r], r, c - 1);
+    double sum = 0.0;
+    for (int r = 0; r < n; r++)
+        sum += stk_xent_row(logits, labels, n, c, r, dlogits);
+    *loss = (float)(sum / n);
+    return 0;
+}
+
+static int cpu_transform(stk_backend *be, const uint8_t *x,
+                         const uint64_t *ids, int n, const stk_transform *t,
+                         float *y, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    size_t per = (size_t)t->c * t->h * t->w;
+    for (int s = 0; s < n; s++)
+        for (size_t j = 0; j < per; j++)
+            y[(size_t)s * per + j] = stk_transform1(x, t, ids[s],
+                                                    (size_t)s * per + j);
+    return 0;
+}
+
+static int cpu_axpy(stk_backend *be, size_t n, float alpha, const float *x,
+                    float *y, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        y[i] += alpha * x[i];
+    return 0;
+}
+
+static int cpu_scale(stk_backend *be, size_t n, float alpha, float *x,
+                     stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        x[i] *= alpha;
+    return 0;
+}
+
+static int cpu_sumsq(stk_backend *be, const float *x, size_t n, double *out,
+                     stk_err *err)
+{
+    (void)be;
+    (void)err;
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)x[i] * x[i];
+    *out = s;
+    return 0;
+}
+
+static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
+                   size_t n, const stk_sgd_cfg *cfg, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        stk_sgd1(w, g, buf, i, cfg);
+    return 0;
+}
+
+static int cpu_adamw(stk_backend *be, float *w, const float *g, float *m,
+                     float *v, size_t n, const stk_adamw_cfg *cfg,
+                     stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t i = 0; i < n; i++)
+        stk_adamw1(w, g, m, v, i, cfg);
+    return 0;
+}
+
+const backend_ops stk_cpu_ops = {
+    cpu_destroy,  cpu_alloc,       cpu_free,        cpu_host_alloc,
+    cpu_free,     cpu_copy,        cpu_memzero,     cpu_sync,
+    cpu_gemm,     cpu_relu_fwd,    cpu_relu_bwd,    cpu_bias_add,
+    cpu_bias_grad, cpu_im2col,     cpu_col2im,      cpu_maxpool_fwd,
+    cpu_maxpool_bwd, cpu_dropout,  cpu_xent,        cpu_transform,
+    cpu_axpy,     cpu_scale,       cpu_sumsq,       cpu_sgd,
+    cpu_adamw,
+};

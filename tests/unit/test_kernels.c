@@ -1,0 +1,573 @@
+/* test_kernels - the CPU backend (the reference every backend is compared
+ * with): Philox known answers, GEMM against a double loop, and every op's
+ * backward against finite differences of a double-precision reference
+ * forward. */
+#include "unit.h"
+
+#include "kernels/kernels.h"
+
+#include <math.h>
+
+static stk_backend *be;
+
+static int setup(void **state)
+{
+    (void)state;
+    stk_err err;
+    return stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err);
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    stk_backend_destroy(be);
+    return 0;
+}
+
+static double frand(uint64_t *s) /* deterministic, in [-1, 1) */
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(*s >> 11) / (double)(1ull << 52) - 1.0;
+}
+
+static void fill(float *x, size_t n, uint64_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)frand(&seed);
+}
+
+/* |a - b| <= tol * max(1, |b|) for every element, else a failure naming i */
+static void near(const float *a, const double *b, size_t n, double tol,
+                 const char *what)
+{
+    for (size_t i = 0; i < n; i++) {
+        double scale = fabs(b[i]) > 1.0 ? fabs(b[i]) : 1.0;
+        if (!(fabs(a[i] - b[i]) <= tol * scale))
+            fail_msg("%s[%zu]: %.7g, expected %.7g", what, i, a[i], b[i]);
+    }
+}
+
+static void philox_known_answers(void **state)
+{
+    (void)state;
+    /* Random123's kat_vectors for philox4x32 10 */
+    struct {
+        uint32_t ctr[4], key[2], out[4];
+    } kat[] = {
+        {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
+        {{~0u, ~0u, ~0u, ~0u}, {~0u, ~0u},
+         {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
+        {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+         {0xa4093822, 0x299f31d0},
+         {0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}},
+    };
+    for (int t = 0; t < 3; t++) {
+        uint32_t c[4];
+        memcpy(c, kat[t].ctr, sizeof c);
+        stk_philox4x32_10(c, (stk_philox_key){kat[t].key[0], kat[t].key[1]});
+        assert_memory_equal(c, kat[t].out, sizeof c);
+    }
+}
+
+static void gemm_all_transposes(void **state)
+{
+    (void)state;
+    int m = 7, n = 5, k = 9, pad = 3;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad,
+                ldc = n + pad;
+            float a[(9 + 3) * 9], b[(9 + 3) * 9], c[7 * 8];
+            fill(a, sizeof a / 4, 1 + ta);
+            fill(b, sizeof b / 4, 3 + tb);
+            fill(c, sizeof c / 4, 5);
+            double want[7 * 8];
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++) {
+                    double s = 0;
+                    for (int p = 0; p < k; p++)
+                        s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
+                             (tb ? b[j * ldb + p] : b[p * ldb + j]);
+                    want[i * ldc + j] = 1.5 * s - 0.5 * c[i * ldc + j];
+                }
+            stk_err err;
+            assert_int_equal(stk_gemm(be, ta, tb, m, n, k, 1.5f, a, lda, b,
+                                      ldb, -0.5f, c, ldc, &err),
+                             0);
+            for (int i = 0; i < m; i++)
+                near(c + i * ldc, want + i * ldc, (size_t)n, 1e-5, "gemm");
+        }
+    stk_err err;
+    float x[4];
+    assert_int_equal(stk_gemm(be, false, false, 2, 2, 2, 1, x, 1, x, 2, 0, x,
+                              2, &err),
+                     STK_EINVAL);
+}
+
+/* ---- finite differences ----------------------------------------------- */
+
+/* Numerical gradient of a double function of x (n entries) at x. */
+typedef double (*scalar_fn)(const double *x, void *ctx);
+
+static void numgrad(scalar_fn f, double *x, size_t n, void *ctx, double *g)
+{
+    for (size_t i = 0; i < n; i++) {
+        double keep = x[i], h = 1e-6 * (fabs(keep) > 1 ? fabs(keep) : 1);
+        x[i] = keep + h;
+        double up = f(x, ctx);
+        x[i] = keep - h;
+        double down = f(x, ctx);
+        x[i] = keep;
+        g[i] = (up - down) / (2 * h);
+    }
+}
+
+static void to_double(const float *a, double *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        b[i] = a[i];
+}
+
+/* ReLU: L = sum g * relu(x) */
+typedef struct { const float *g; size_t n; } relu_ctx;
+static double relu_loss(const double *x, void *ctx)
+{
+    relu_ctx *c = ctx;
+    double s = 0;
+    for (size_t i = 0; i < c->n; i++)
+        s += c->g[i] * (x[i] > 0 ? x[i] : 0);
+    return s;
+}
+
+static void relu_backward_matches_fd(void **state)
+{
+    (void)state;
+    enum { N = 64 };
+    float x[N], y[N], g[N], dx[N];
+    double xd[N], num[N];
+    fill(x, N, 11);
+    fill(g, N, 12);
+    for (int i = 0; i < N; i++) /* keep away from the kink */
+        if (fabsf(x[i]) < 1e-3f)
+            x[i] = 0.5f;
+    stk_err err;
+    assert_int_equal(stk_relu_fwd(be, x, y, N, &err), 0);
+    assert_int_equal(stk_relu_bwd(be, y, g, dx, N, &err), 0);
+    to_double(x, xd, N);
+    relu_ctx c = {g, N};
+    numgrad(relu_loss, xd, N, &c, num);
+    near(dx, num, N, 1e-6, "relu dx");
+}
+
+/* Linear y = x W^T + b through gemm + bias: L = sum g * y */
+typedef struct { int n, in, out; const float *g; double *w, *b, *x; int wrt; } lin_ctx;
+static double lin_loss(const double *v, void *ctx)
+{
+    lin_ctx *c = ctx;
+    const double *x = c->wrt == 0 ? v : c->x, *w = c->wrt == 1 ? v : c->w,
+                 *b = c->wrt == 2 ? v : c->b;
+    double s = 0;
+    for (int r = 0; r < c->n; r++)
+        for (int o = 0; o < c->out; o++) {
+            double y = b[o];
+            for (int i = 0; i < c->in; i++)
+                y += x[r * c->in + i] * w[o * c->in + i];
+            s += c->g[r * c->out + o] * y;
+        }
+    return s;
+}
+
+static void linear_backward_matches_fd(void **state)
+{
+    (void)state;
+    enum { B = 3, IN = 6, OUT = 4 };
+    float x[B * IN], w[OUT * IN], b[OUT], g[B * OUT];
+    fill(x, B * IN, 21);
+    fill(w, OUT * IN, 22);
+    fill(b, OUT, 23);
+    fill(g, B * OUT, 24);
+    float dx[B * IN], dw[OUT * IN] = {0}, db[OUT] = {0};
+    stk_err err;
+    /* dx = g W; dW = g^T x; db = column sums of g */
+    assert_int_equal(stk_gemm(be, false, false, B, IN, OUT, 1, g, OUT, w, IN,
+                              0, dx, IN, &err), 0);
+    assert_int_equal(stk_gemm(be, true, false, OUT, IN, B, 1, g, OUT, x, IN,
+                              1, dw, IN, &err), 0);
+    assert_int_equal(stk_bias_grad(be, g, db, B, OUT, 1, &err), 0);
+    double xd[B * IN], wd[OUT * IN], bd[OUT], num[OUT * IN];
+    to_double(x, xd, B * IN);
+    to_double(w, wd, OUT * IN);
+    to_double(b, bd, OUT);
+    lin_ctx c = {B, IN, OUT, g, wd, bd, xd, 0};
+    numgrad(lin_loss, xd, B * IN, &c, num);
+    near(dx, num, B * IN, 1e-5, "linear dx");
+    c.wrt = 1;
+    numgrad(lin_loss, wd, OUT * IN, &c, num);
+    near(dw, num, OUT * IN, 1e-5, "linear dW");
+    c.wrt = 2;
+    numgrad(lin_loss, bd, OUT, &c, num);
+    near(db, num, OUT, 1e-5, "linear db");
+}
+
+/* Conv2d of one sample via im2col + GEMM + bias; backward via GEMMs and
+ * col2im; against a direct double convolution. */
+typedef struct { stk_conv_shape s; int cout; const float *g; double *x, *w, *b; int wrt; } conv_ctx;
+static double conv_loss(const double *v, void *ctx)
+{
+    conv_ctx *c = ctx;
+    const stk_conv_shape *s = &c->s;
+    const double *x = c->wrt == 0 ? v : c->x, *w = c->wrt == 1 ? v : c->w,
+                 *b = c->wrt == 2 ? v : c->b;
+    double L = 0;
+    for (int o = 0; o < c->cout; o++)
+        for (int oy = 0; oy < s->oh; oy++)
+            for (int ox = 0; ox < s->ow; ox++) {
+                double y = b[o];
+                for (int ci = 0; ci < s->c; ci++)
+                    for (int ky = 0; ky < s->kh; ky++)
+                        for (int kx = 0; kx < s->kw; kx++) {
+                            int iy = oy * s->sh - s->ph + ky,
+                                ix = ox * s->sw - s->pw + kx;
+                            if (iy < 0 || iy >= s->h || ix < 0 || ix >= s->w)
+                                continue;
+                            y += x[(ci * s->h + iy) * s->w + ix] *
+                                 w[((o * s->c + ci) * s->kh + ky) * s->kw + kx];
+                        }
+                L += c->g[(o * s->oh + oy) * s->ow + ox] * y;
+            }
+    return L;
+}
+
+static void conv_backward_matches_fd(void **state)
+{
+    (void)state;
+    stk_conv_shape shapes[] = {
+        {2, 7, 6, 3, 3, 1, 1, 0, 0, 5, 4},  /* valid, the cnn's case */
+        {3, 6, 7, 3, 2, 2, 1, 1, 1, 3, 8},  /* stride 2x1, padding */
+    };
+    for (int t = 0; t < 2; t++) {
+        stk_conv_shape s = shapes[t];
+        int cout = 4, K = s.c * s.kh * s.kw, HW = s.oh * s.ow;
+        size_t nx = (size_t)s.c * s.h * s.w;
+        float *x = malloc(nx * 4), *w = malloc((size_t)cout * K * 4),
+              b[4], *g = malloc((size_t)cout * HW * 4),
+              *col = malloc((size_t)K * HW * 4),
+              *dcol = malloc((size_t)K * HW * 4), *dx = malloc(nx * 4),
+              *dw = calloc((size_t)cout * K, 4), db[4] = {0},
+              *y = malloc((size_t)cout * HW * 4);
+        fill(x, nx, 31 + t);
+        fill(w, (size_t)cout * K, 32);
+        fill(b, 4, 33);
+        fill(g, (size_t)cout * HW, 34);
+        stk_err err;
+        /* forward, to check it too */
+        assert_int_equal(stk_im2col(be, x, &s, col, &err), 0);
+        assert_int_equal(stk_gemm(be, false, false, cout, HW, K, 1, w, K, col,
+                                  HW, 0, y, HW, &err), 0);
+        assert_int_equal(stk_bias_add(be, y, b, 1, cout, HW, &err), 0);
+        /* backward */
+        assert_int_equal(stk_gemm(be, false, true, cout, K, HW, 1, g, HW, col,
+                                  HW, 1, dw, K, &err), 0);
+        assert_int_equal(stk_bias_grad(be, g, db, 1, cout, HW, &err), 0);
+        assert_int_equal(stk_gemm(be, true, false, K, HW, cout, 1, w, K, g, HW,
+                                  0, dcol, HW, &err), 0);
+        assert_int_equal(stk_col2im(be, dcol, &s, dx, &err), 0);
+        double *xd = malloc(nx * 8), *wd = malloc((size_t)cout * K * 8),
+               bd[4], *num = malloc(((size_t)cout * K + nx) * 8);
+        to_double(x, xd, nx);
+        to_double(w, wd, (size_t)cout * K);
+        to_double(b, bd, 4);
+        conv_ctx c = {s, cout, g, xd, wd, bd, 0};
+        /* the forward value: L from y equals the reference L */
+        double L = 0;
+        for (int i = 0; i < cout * HW; i++)
+            L += (double)g[i] * y[i];
+        assert_true(fabs(L - conv_loss(xd, &c)) < 1e-4);
+        numgrad(conv_loss, xd, nx, &c, num);
+        near(dx, num, nx, 1e-5, "conv dx");
+        c.wrt = 1;
+        numgrad(conv_loss, wd, (size_t)cout * K, &c, num);
+        near(dw, num, (size_t)cout * K, 1e-5, "conv dW");
+        c.wrt = 2;
+        numgrad(conv_loss, bd, 4, &c, num);
+        near(db, num, 4, 1e-5, "conv db");
+        free(x), free(w), free(g), free(col), free(dcol), free(dx), free(dw);
+        free(y), free(xd), free(wd), free(num);
+    }
+}
+
+/* Max-pool 2x2 stride 2 over 2 planes of 5x6 (odd edge dropped). */
+typedef struct { int planes, h, w; const float *g; } pool_ctx;
+static double pool_loss(const double *x, void *ctx)
+{
+    pool_ctx *c = ctx;
+    int oh = c->h / 2, ow = c->w / 2;
+    double L = 0;
+    for (int p = 0; p < c->planes; p++)
+        for (int oy = 0; oy < oh; oy++)
+            for (int ox = 0; ox < ow; ox++) {
+                double m = -INFINITY;
+                for (int d = 0; d < 4; d++) {
+                    double v = x[(p * c->h + oy * 2 + d / 2) * c->w + ox * 2 +
+                                 d % 2];
+                    m = v > m ? v : m;
+                }
+                L += c->g[(p * oh + oy) * ow + ox] * m;
+            }
+    return L;
+}
+
+static void maxpool_backward_matches_fd(void **state)
+{
+    (void)state;
+    enum { P = 2, H = 5, W = 6, OH = 2, OW = 3 };
+    float x[P * H * W], y[P * OH * OW], g[P * OH * OW], dx[P * H * W];
+    int32_t arg[P * OH * OW];
+    fill(x, P * H * W, 41); /* distinct values: no ties at the max */
+    fill(g, P * OH * OW, 42);
+    stk_err err;
+    assert_int_equal(stk_maxpool_fwd(be, x, P, H, W, 2, 2, y, arg, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(be, g, arg, P, H, W, OH, OW, dx, &err), 0);
+    double xd[P * H * W], num[P * H * W];
+    to_double(x, xd, P * H * W);
+    pool_ctx c = {P, H, W, g};
+    numgrad(pool_loss, xd, P * H * W, &c, num);
+    near(dx, num, P * H * W, 1e-6, "maxpool dx");
+    assert_int_equal(stk_maxpool_fwd(be, x, P, H, W, 7, 1, y, arg, &err),
+                     STK_EINVAL);
+}
+
+/* Mean softmax cross-entropy */
+typedef struct { int n, c; const int32_t *labels; } xent_ctx;
+static double xent_loss(const double *z, void *ctx)
+{
+    xent_ctx *c = ctx;
+    double L = 0;
+    for (int r = 0; r < c->n; r++) {
+        double m = -INFINITY, s = 0;
+        for (int j = 0; j < c->c; j++)
+            m = z[r * c->c + j] > m ? z[r * c->c + j] : m;
+        for (int j = 0; j < c->c; j++)
+            s += exp(z[r * c->c + j] - m);
+        L += m + log(s) - z[r * c->c + c->labels[r]];
+    }
+    return L / c->n;
+}
+
+static void xent_matches_reference_and_fd(void **state)
+{
+    (void)state;
+    enum { N = 5, C = 7 };
+    float z[N * C], dz[N * C], loss;
+    int32_t labels[N] = {0, 6, 3, 3, 1};
+    fill(z, N * C, 51);
+    for (int i = 0; i < N * C; i++)
+        z[i] *= 4; /* a spread that makes the softmax non-trivial */
+    stk_err err;
+    assert_int_equal(stk_xent(be, z, labels, N, C, &loss, dz, &err), 0);
+    double zd[N * C], num[N * C];
+    to_double(z, zd, N * C);
+    xent_ctx c = {N, C, labels};
+    assert_true(fabs(loss - xent_loss(zd, &c)) < 1e-5);
+    numgrad(xent_loss, zd, N * C, &c, num);
+    near(dz, num, N * C, 1e-5, "xent dlogits");
+    labels[2] = 7;
+    assert_int_equal(stk_xent(be, z, labels, N, C, &loss, dz, &err),
+                     STK_ERANGE);
+    assert_non_null(strstr(err.msg, "label 7 of row 2"));
+}
+
+static void dropout_rates_and_groups(void **state)
+{
+    (void)state;
+    enum { N = 100000 };
+    float *x = malloc(N * 4), *g = malloc(N * 4);
+    for (int i = 0; i < N; i++)
+        x[i] = g[i] = 1.0f;
+    stk_philox_key k = {7, 9};
+    stk_err err;
+    assert_int_equal(stk_dropout(be, x, N, 1, 0.3f, k, 5, &err), 0);
+    int kept = 0;
+    for (int i = 0; i < N; i++) {
+        assert_true(x[i] == 0.0f || fabsf(x[i] - 1 / 0.7f) < 1e-6f);
+        kept += x[i] != 0.0f;
+    }
+    assert_true(fabs(kept / (double)N - 0.7) < 0.01);
+    /* backward: the same call on the gradient drops the same elements */
+    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 5, &err), 0);
+    assert_memory_equal(x, g, N * 4);
+    /* another stream (step) draws another mask */
+    for (int i = 0; i < N; i++)
+        g[i] = 1.0f;
+    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 6, &err), 0);
+    assert_memory_not_equal(x, g, N * 4);
+    /* dropout2d: whole groups of 25 */
+    for (int i = 0; i < N; i++)
+        x[i] = 1.0f;
+    assert_int_equal(stk_dropout(be, x, N, 25, 0.5f, k, 1, &err), 0);
+    for (int i = 0; i < N; i += 25)
+        for (int j = 1; j < 25; j++)
+            assert_true(x[i + j] == x[i]);
+    assert_int_equal(stk_dropout(be, x, N, 1, 1.0f, k, 1, &err), STK_EINVAL);
+    free(x);
+    free(g);
+}
+
+static void transform_normalises_crops_and_flips(void **state)
+{
+    (void)state;
+    enum { N = 64, C = 2, H = 4, W = 5 };
+    uint8_t x[N * C * H * W];
+    for (int i = 0; i < N * C * H * W; i++)
+        x[i] = (uint8_t)(i * 7);
+    uint64_t ids[N];
+    for (int i = 0; i < N; i++)
+        ids[i] = 1000 + i;
+    stk_transform t = {C, H, W, {0.5f, 0.25f}, {2.0f, 4.0f}, 0, 0, {1, 2}, 3};
+    float y[N * C * H * W];
+    stk_err err;
+    assert_int_equal(stk_transform_batch(be, x, ids, N, &t, y, &err), 0);
+    for (int i = 0; i < N * C * H * W; i++) {
+        int c = i / (H * W) % C;
+        float want = (x[i] / 255.0f - t.mean[c]) * t.inv_std[c];
+        assert_true(fabsf(y[i] - want) < 1e-6f);
+    }
+    /* flip only: each sample is itself or its mirror, both happen */
+    t.flip = 1;
+    assert_int_equal(stk_transform_batch(be, x, ids, N, &t, y, &err), 0);
+    int flips = 0;
+    for (int s = 0; s < N; s++) {
+        int same = 1, mirror = 1;
+        for (int c = 0; c < C; c++)
+            for (int r = 0; r < H; r++)
+                for (int q = 0; q < W; q++) {
+                    size_t o = ((size_t)(s * C + c) * H + r) * W;
+                    float v = y[o + q];
+                    float a = (x[o + q] / 255.0f - t.mean[c]) * t.inv_std[c];
+                    float b = (x[o + W - 1 - q] / 255.0f - t.mean[c]) *
+                              t.inv_std[c];
+                    same &= fabsf(v - a) < 1e-6f;
+                    mirror &= fabsf(v - b) < 1e-6f;
+                }
+        assert_true(same || mirror);
+        flips += !same;
+    }
+    assert_true(flips > 10 && flips < 54);
+    /* crop with padding 1: every output is a shifted input or the padding */
+    t.flip = 0;
+    t.pad = 1;
+    assert_int_equal(stk_transform_batch(be, x, ids, N, &t, y, &err), 0);
+    float pad0 = (0 - t.mean[0]) * t.inv_std[0];
+    int shifted = 0;
+    for (int s = 0; s < N; s++) {
+        int found = 0;
+        for (int dy = -1; dy <= 1 && !found; dy++)
+            for (int dx = -1; dx <= 1 && !found; dx++) {
+                int ok = 1;
+                for (int r = 0; r < H && ok; r++)
+                    for (int q = 0; q < W && ok; q++) {
+                        int sy = r + dy, sx = q + dx;
+                        float v = y[((size_t)s * C * H + r) * W + q];
+                        float want = sy < 0 || sy >= H || sx < 0 || sx >= W
+                                         ? pad0
+                                         : (x[((size_t)s * C * H + sy) * W + sx] /
+                                                255.0f - t.mean[0]) *
+                                               t.inv_std[0];
+                        ok = fabsf(v - want) < 1e-6f;
+                    }
+                found = ok;
+                shifted += ok && (dy || dx);
+            }
+        assert_true(found);
+    }
+    assert_true(shifted > 20);
+}
+
+static void optimizers_follow_pytorch_rules(void **state)
+{
+    (void)state;
+    /* two steps by hand, PyTorch's formulas */
+    float w[2] = {1.0f, -2.0f}, g[2] = {0.5f, 0.25f}, buf[2];
+    stk_sgd_cfg s = {0.1f, 0.9f, 0.01f, 0, 1};
+    stk_err err;
+    assert_int_equal(stk_sgd_step(be, w, g, buf, 2, &s, &err), 0);
+    double d0 = 0.5 + 0.01 * 1.0, w0 = 1.0 - 0.1 * d0;
+    assert_true(fabs(w[0] - w0) < 1e-6);
+    s.first = 0;
+    assert_int_equal(stk_sgd_step(be, w, g, buf, 2, &s, &err), 0);
+    double d1 = 0.5 + 0.01 * w0, b1 = 0.9 * d0 + d1;
+    assert_true(fabs(w[0] - (w0 - 0.1 * b1)) < 1e-6);
+    /* nesterov */
+    float wn[1] = {1.0f}, bn[1];
+    stk_sgd_cfg sn = {0.1f, 0.9f, 0.0f, 1, 1};
+    assert_int_equal(stk_sgd_step(be, wn, g, bn, 1, &sn, &err), 0);
+    assert_true(fabs(wn[0] - (1.0 - 0.1 * (0.5 + 0.9 * 0.5))) < 1e-6);
+    /* AdamW, step 1: w = w(1 - lr wd) - lr * m1/(1-b1) / (sqrt(v1/(1-b2)) + eps) */
+    float wa[1] = {1.0f}, m[1] = {0}, v[1] = {0};
+    stk_adamw_cfg a = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 1 - 0.9f,
+                       sqrtf(1 - 0.999f)};
+    assert_int_equal(stk_adamw_step(be, wa, g, m, v, 1, &a, &err), 0);
+    double mm = 0.1 * 0.5, vv = 0.001 * 0.25;
+    double want = 1.0 * (1 - 0.01 * 0.1) -
+                  0.01 / 0.1 * mm / (sqrt(vv) / sqrt(0.001) + 1e-8);
+    assert_true(fabs(wa[0] - want) < 1e-6);
+}
+
+static void reductions(void **state)
+{
+    (void)state;
+    float x[1000], y[1000];
+    for (int i = 0; i < 1000; i++)
+        x[i] = y[i] = (float)i / 100;
+    double s;
+    stk_err err;
+    assert_int_equal(stk_sumsq(be, x, 1000, &s, &err), 0);
+    double want = 0;
+    for (int i = 0; i < 1000; i++)
+        want += (double)x[i] * x[i];
+    assert_true(fabs(s - want) < 1e-9 * want);
+    assert_int_equal(stk_axpy(be, 1000, -2.0f, x, y, &err), 0);
+    assert_int_equal(stk_scale(be, 1000, -1.0f, y, &err), 0);
+    for (int i = 0; i < 1000; i++)
+        assert_true(y[i] == x[i]);
+}
+
+static void cuda_without_gpu_fails_clearly(void **state)
+{
+    (void)state;
+    stk_backend *cu;
+    stk_err err = {0};
+    int rc = stk_backend_create(STK_DEV_CUDA, 0, 0, &cu, &err);
+    int n;
+    stk_err e2;
+    if (stk_cuda_device_count(&n, &e2) == 0) {
+        assert_int_equal(rc, 0); /* a GPU is here: it must work */
+        stk_backend_destroy(cu);
+        return;
+    }
+    assert_int_not_equal(rc, 0);
+    assert_null(cu);
+    assert_non_null(strstr(err.msg, "--device cuda"));
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(philox_known_answers),
+    cmocka_unit_test(gemm_all_transposes),
+    cmocka_unit_test(relu_backward_matches_fd),
+    cmocka_unit_test(linear_backward_matches_fd),
+    cmocka_unit_test(conv_backward_matches_fd),
+    cmocka_unit_test(maxpool_backward_matches_fd),
+    cmocka_unit_test(xent_matches_reference_and_fd),
+    cmocka_unit_test(dropout_rates_and_groups),
+    cmocka_unit_test(transform_normalises_crops_and_flips),
+    cmocka_unit_test(optimizers_follow_pytorch_rules),
+    cmocka_unit_test(reductions),
+    cmocka_unit_test(cuda_without_gpu_fails_clearly),
+};
+
+int main(int argc, char **argv)
+{
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
