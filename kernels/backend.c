@@ -58,12 +58,12 @@ void stk_dev_free(stk_backend *be, void *p)
         be->ops->free(be, p);
 }
 
-void *stk_host_alloc(stk_backend *be, size_t bytes)
+void *stk_pinned_alloc(stk_backend *be, size_t bytes)
 {
     return be->ops->host_alloc(be, bytes);
 }
 
-void stk_host_free(stk_backend *be, void *p)
+void stk_pinned_free(stk_backend *be, void *p)
 {
     if (p)
         be->ops->host_free(be, p);
@@ -143,17 +143,29 @@ static int check_conv(const stk_conv_shape *s, stk_err *err)
 }
 
 int stk_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
-               float *col, stk_err *err)
+               int n, float *col, stk_err *err)
 {
     int rc = check_conv(s, err);
-    return rc ? rc : be->ops->im2col(be, x, s, col, err);
+    if (!rc && n < 1)
+        rc = stk_fail(err, STK_EINVAL, "im2col: %d samples", n);
+    return rc ? rc : be->ops->im2col(be, x, s, n, col, err);
 }
 
 int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
-               float *dx, stk_err *err)
+               int n, float *dx, stk_err *err)
 {
     int rc = check_conv(s, err);
-    return rc ? rc : be->ops->col2im(be, col, s, dx, err);
+    if (!rc && n < 1)
+        rc = stk_fail(err, STK_EINVAL, "col2im: %d samples", n);
+    return rc ? rc : be->ops->col2im(be, col, s, n, dx, err);
+}
+
+int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,
+               size_t b, size_t inner, stk_err *err)
+{
+    if (src == dst)
+        return stk_fail(err, STK_EINVAL, "swap01: dst aliases src");
+    return be->ops->swap01(be, src, dst, a, b, inner, err);
 }
 
 int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,

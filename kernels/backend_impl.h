@@ -31,9 +31,11 @@ typedef struct backend_ops {
     int (*bias_grad)(stk_backend *be, const float *dy, float *db, int rows,
                      int cols, int inner, stk_err *err);
     int (*im2col)(stk_backend *be, const float *x, const stk_conv_shape *s,
-                  float *col, stk_err *err);
+                  int n, float *col, stk_err *err);
     int (*col2im)(stk_backend *be, const float *col, const stk_conv_shape *s,
-                  float *dx, stk_err *err);
+                  int n, float *dx, stk_err *err);
+    int (*swap01)(stk_backend *be, const float *src, float *dst, size_t a,
+                  size_t b, size_t inner, stk_err *err);
     int (*maxpool_fwd)(stk_backend *be, const float *x, int planes, int h,
                        int w, int k, int st, float *y, int32_t *arg,
                        stk_err *err);

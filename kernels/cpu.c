@@ -118,25 +118,58 @@ static int cpu_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
     return 0;
 }
 
+/* Loops in column order with the shared body of each element; no index
+ * divisions per element. */
 static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
-                      float *col, stk_err *err)
+                      int n, float *col, stk_err *err)
 {
     (void)be;
     (void)err;
-    size_t n = (size_t)s->c * s->kh * s->kw * s->oh * s->ow;
-    for (size_t j = 0; j < n; j++)
-        col[j] = stk_im2col1(x, s, j);
+    for (int c = 0; c < s->c; c++)
+        for (int ky = 0; ky < s->kh; ky++)
+            for (int kx = 0; kx < s->kw; kx++)
+                for (int smp = 0; smp < n; smp++)
+                    for (int oy = 0; oy < s->oh; oy++)
+                        for (int ox = 0; ox < s->ow; ox++)
+                            *col++ = stk_im2col_at(x, s, (size_t)smp, c, ky, kx,
+                                                   oy, ox);
     return 0;
 }
 
+/* The transpose of im2col as a scatter, row by row: each pixel receives
+ * its terms in the same (ky, kx) order as stk_col2im1's gather. */
 static int cpu_col2im(stk_backend *be, const float *col,
-                      const stk_conv_shape *s, float *dx, stk_err *err)
+                      const stk_conv_shape *s, int n, float *dx, stk_err *err)
 {
     (void)be;
     (void)err;
-    size_t n = (size_t)s->c * s->h * s->w;
-    for (size_t i = 0; i < n; i++)
-        dx[i] = stk_col2im1(col, s, i);
+    memset(dx, 0, (size_t)n * s->c * s->h * s->w * sizeof *dx);
+    for (int c = 0; c < s->c; c++)
+        for (int ky = 0; ky < s->kh; ky++)
+            for (int kx = 0; kx < s->kw; kx++)
+                for (int smp = 0; smp < n; smp++) {
+                    float *img = dx + ((size_t)smp * s->c + c) * s->h * s->w;
+                    for (int oy = 0; oy < s->oh; oy++) {
+                        int y = oy * s->sh - s->ph + ky;
+                        for (int ox = 0; ox < s->ow; ox++, col++) {
+                            int xx = ox * s->sw - s->pw + kx;
+                            if (y >= 0 && y < s->h && xx >= 0 && xx < s->w)
+                                img[y * s->w + xx] += *col;
+                        }
+                    }
+                }
+    return 0;
+}
+
+static int cpu_swap01(stk_backend *be, const float *src, float *dst, size_t a,
+                      size_t b, size_t inner, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (size_t bi = 0; bi < b; bi++)
+        for (size_t ai = 0; ai < a; ai++)
+            memcpy(dst + (bi * a + ai) * inner, src + (ai * b + bi) * inner,
+                   inner * sizeof *dst);
     return 0;
 }
 
@@ -147,9 +180,10 @@ static int cpu_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
     (void)be;
     (void)err;
     int oh = (h - k) / st + 1, ow = (w - k) / st + 1;
-    size_t n = (size_t)planes * oh * ow;
-    for (size_t j = 0; j < n; j++)
-        y[j] = stk_maxpool1(x, h, w, k, st, oh, ow, j, &arg[j]);
+    for (int p = 0; p < planes; p++, x += (size_t)h * w)
+        for (int oy = 0; oy < oh; oy++)
+            for (int ox = 0; ox < ow; ox++)
+                *y++ = stk_maxpool_at(x, h, w, k, st, oy, ox, arg++);
     return 0;
 }
 
@@ -168,14 +202,24 @@ static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
     return 0;
 }
 
+/* One draw per group (dropout2d) or per element, four elements per Philox
+ * block, the same numbers stk_dropout_scale1 draws. */
 static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t group,
                        float p, stk_philox_key key, uint64_t stream,
                        stk_err *err)
 {
     (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        x[i] *= stk_dropout_scale1(key, stream, i, group, p);
+    uint32_t r[4];
+    size_t groups = (n + group - 1) / group;
+    for (size_t g = 0; g < groups; g++) {
+        if (g % 4 == 0)
+            stk_philox_block(key, stream, g / 4, r);
+        float scale = stk_dropout_keep(stk_u01(r[g % 4]), p);
+        size_t end = (g + 1) * group < n ? (g + 1) * group : n;
+        for (size_t i = g * group; i < end; i++)
+            x[i] *= scale;
+    }
     return 0;
 }
 
@@ -268,7 +312,8 @@ const backend_ops stk_cpu_ops = {
     cpu_destroy,  cpu_alloc,       cpu_free,        cpu_host_alloc,
     cpu_free,     cpu_copy,        cpu_memzero,     cpu_sync,
     cpu_gemm,     cpu_relu_fwd,    cpu_relu_bwd,    cpu_bias_add,
-    cpu_bias_grad, cpu_im2col,     cpu_col2im,      cpu_maxpool_fwd,
+    cpu_bias_grad, cpu_im2col,     cpu_col2im,      cpu_swap01,
+    cpu_maxpool_fwd,
     cpu_maxpool_bwd, cpu_dropout,  cpu_xent,        cpu_transform,
     cpu_axpy,     cpu_scale,       cpu_sumsq,       cpu_sgd,
     cpu_adamw,

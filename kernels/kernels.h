@@ -56,9 +56,9 @@ const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err);
 void stk_dev_free(stk_backend *be, void *p);
 /* Page-locked host memory on CUDA (cudaHostAlloc), aligned memory on CPU:
- * what the loader's batch ring is made of (see stk_host_alloc). */
-void *stk_host_alloc(stk_backend *be, size_t bytes);
-void stk_host_free(stk_backend *be, void *p);
+ * what the loader's batch ring is made of (stk_host_alloc in loader.h). */
+void *stk_pinned_alloc(stk_backend *be, size_t bytes);
+void stk_pinned_free(stk_backend *be, void *p);
 int stk_copy_to_dev(stk_backend *be, void *dst, const void *src, size_t n,
                     stk_err *err);
 int stk_copy_to_host(stk_backend *be, void *dst, const void *src, size_t n,
@@ -89,12 +89,16 @@ int stk_bias_add(stk_backend *be, float *y, const float *b, int rows, int cols,
 int stk_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
                   int cols, int inner, stk_err *err);
 
-/* Columns of one sample: col[c*kh*kw, oh*ow]. */
+/* Columns of n samples x [n, c, h, w]: col[c*kh*kw, n*oh*ow]. */
 int stk_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
-               float *col, stk_err *err);
-/* dx[c, h, w] = sum of the col entries that read each pixel (overwrites). */
+               int n, float *col, stk_err *err);
+/* dx[n, c, h, w] = sum of the col entries that read each pixel
+ * (overwrites). */
 int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
-               float *dx, stk_err *err);
+               int n, float *dx, stk_err *err);
+/* dst[b, a, inner] = src[a, b, inner] (dst must not alias src). */
+int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,
+               size_t b, size_t inner, stk_err *err);
 
 /* k x k max-pool with stride st over planes [planes, h, w]; arg keeps the
  * winner's index within its plane for the backward pass. */

@@ -50,15 +50,23 @@ STK_HD void stk_philox4x32_10(uint32_t c[4], stk_philox_key k)
 /* Uniform float in [0, 1) from 24 random bits. */
 STK_HD float stk_u01(uint32_t x) { return (float)(x >> 8) * (1.0f / 16777216.0f); }
 
-/* The four uniforms of block `block` in stream `stream` (a 64-bit counter
- * each), so element i draws from block i / 4, lane i % 4. */
+/* The four random words of block `block` in stream `stream`. */
+STK_HD void stk_philox_block(stk_philox_key k, uint64_t stream,
+                             uint64_t block, uint32_t out[4])
+{
+    out[0] = (uint32_t)block;
+    out[1] = (uint32_t)(block >> 32);
+    out[2] = (uint32_t)stream;
+    out[3] = (uint32_t)(stream >> 32);
+    stk_philox4x32_10(out, k);
+}
+
+/* Uniform number i of a stream: block i / 4, lane i % 4. */
 STK_HD float stk_philox_uniform(stk_philox_key k, uint64_t stream,
                                 uint64_t i)
 {
-    uint64_t block = i >> 2;
-    uint32_t c[4] = {(uint32_t)block, (uint32_t)(block >> 32),
-                     (uint32_t)stream, (uint32_t)(stream >> 32)};
-    stk_philox4x32_10(c, k);
+    uint32_t c[4];
+    stk_philox_block(k, stream, i >> 2, c);
     return stk_u01(c[i & 3]);
 }
 
@@ -73,14 +81,19 @@ STK_HD float stk_relu_grad1(float y, float dy) { return y > 0.0f ? dy : 0.0f; }
  * 1 / (1 - p). group > 1 drops whole groups (dropout2d: a group is one
  * channel of one sample, H*W elements). Forward and backward both call
  * this, so no mask is stored. */
-STK_HD float stk_dropout_scale1(stk_philox_key k, uint64_t stream, size_t i,
-                                size_t group, float p)
+STK_HD float stk_dropout_keep(float u, float p)
 {
-    float u = stk_philox_uniform(k, stream, (uint64_t)(i / group));
     return u >= p ? 1.0f / (1.0f - p) : 0.0f;
 }
 
-/* ---- im2col / col2im (NCHW, one sample) ---------------------------------- */
+STK_HD float stk_dropout_scale1(stk_philox_key k, uint64_t stream, size_t i,
+                                size_t group, float p)
+{
+    return stk_dropout_keep(stk_philox_uniform(k, stream, (uint64_t)(i / group)),
+                            p);
+}
+
+/* ---- im2col / col2im (NCHW batches) -------------------------------------- */
 
 typedef struct stk_conv_shape {
     int c, h, w;      /* input channels and size */
@@ -88,28 +101,42 @@ typedef struct stk_conv_shape {
     int oh, ow;       /* output size */
 } stk_conv_shape;
 
-/* Element j of col (rows c*kh*kw, columns oh*ow): the input pixel it
- * reads, or 0 in the padding. */
-STK_HD float stk_im2col1(const float *x, const stk_conv_shape *s, size_t j)
+/* Element j of the columns of n samples: col[c*kh*kw, n*oh*ow], column
+ * (sample * oh*ow + output pixel), so one GEMM convolves the batch. The
+ * input pixel it reads, or 0 in the padding. */
+/* The value at (sample, c, ky, kx, oy, ox) of the columns. */
+STK_HD float stk_im2col_at(const float *x, const stk_conv_shape *s,
+                           size_t sample, int c, int ky, int kx, int oy, int ox)
 {
-    size_t cols = (size_t)s->oh * s->ow;
-    size_t row = j / cols, col = j % cols;
-    int kx = (int)(row % s->kw), ky = (int)(row / s->kw % s->kh);
-    int c = (int)(row / ((size_t)s->kw * s->kh));
-    int oy = (int)(col / s->ow), ox = (int)(col % s->ow);
     int y = oy * s->sh - s->ph + ky, xx = ox * s->sw - s->pw + kx;
     if (y < 0 || y >= s->h || xx < 0 || xx >= s->w)
         return 0.0f;
-    return x[((size_t)c * s->h + y) * s->w + xx];
+    return x[((sample * s->c + c) * s->h + y) * s->w + xx];
 }
 
-/* Input gradient at pixel i (c, y, x) of one sample: the sum of the col
- * entries that read it (a gather, so no atomics are needed). */
-STK_HD float stk_col2im1(const float *col, const stk_conv_shape *s, size_t i)
+STK_HD float stk_im2col1(const float *x, const stk_conv_shape *s, int n,
+                         size_t j)
+{
+    size_t hw = (size_t)s->oh * s->ow, cols = hw * (size_t)n;
+    size_t row = j / cols, col = j % cols;
+    size_t sample = col / hw, p = col % hw;
+    int kx = (int)(row % s->kw), ky = (int)(row / s->kw % s->kh);
+    int c = (int)(row / ((size_t)s->kw * s->kh));
+    return stk_im2col_at(x, s, sample, c, ky, kx, (int)(p / s->ow),
+                         (int)(p % s->ow));
+}
+
+/* Input gradient at element i (sample, c, y, x) of n samples: the sum of
+ * the column entries that read it (a gather, so no atomics are needed),
+ * added in (ky, kx) order starting from 0, which is also the order of the
+ * CPU's row-by-row scatter: the two give the same floats. */
+STK_HD float stk_col2im1(const float *col, const stk_conv_shape *s, int n,
+                         size_t i)
 {
     int xx = (int)(i % s->w), y = (int)(i / s->w % s->h);
-    int c = (int)(i / ((size_t)s->w * s->h));
-    size_t cols = (size_t)s->oh * s->ow;
+    int c = (int)(i / ((size_t)s->w * s->h) % s->c);
+    size_t sample = i / ((size_t)s->w * s->h * s->c);
+    size_t hw = (size_t)s->oh * s->ow, cols = hw * (size_t)n;
     float sum = 0.0f;
     for (int ky = 0; ky < s->kh; ky++) {
         int ty = y + s->ph - ky;
@@ -126,22 +153,28 @@ STK_HD float stk_col2im1(const float *col, const stk_conv_shape *s, size_t i)
             if (ox >= s->ow)
                 continue;
             size_t row = ((size_t)c * s->kh + ky) * s->kw + kx;
-            sum += col[row * cols + (size_t)oy * s->ow + ox];
+            sum += col[row * cols + sample * hw + (size_t)oy * s->ow + ox];
         }
     }
     return sum;
 }
 
+/* Element j of dst[b, a, inner] = src[a, b, inner]: swaps the two outer
+ * axes (NCHW <-> CNHW around the batched convolution GEMM). */
+STK_HD float stk_swap01_1(const float *src, size_t a, size_t b, size_t inner,
+                          size_t j)
+{
+    size_t in = j % inner, ai = j / inner % a, bi = j / (inner * a);
+    return src[(ai * b + bi) * inner + in];
+}
+
 /* ---- max-pool ------------------------------------------------------------ */
 
-/* Output element j (n*c plane, oy, ox) of a k x k, stride st max-pool over
- * h x w planes: the maximum and, in *arg, its index within the input. */
-STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
-                          int ow, size_t j, int32_t *arg)
+/* The k x k window at (oy, ox) of plane p (h x w), stride st: its maximum
+ * and, in *arg, the winner's index within the plane. */
+STK_HD float stk_maxpool_at(const float *p, int h, int w, int k, int st,
+                            int oy, int ox, int32_t *arg)
 {
-    int ox = (int)(j % ow), oy = (int)(j / ow % oh);
-    size_t plane = j / ((size_t)ow * oh);
-    const float *p = x + plane * (size_t)h * w;
     float best = -INFINITY;
     int32_t at = -1;
     for (int dy = 0; dy < k; dy++)
@@ -157,6 +190,15 @@ STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
         }
     *arg = at;
     return best;
+}
+
+/* Output element j (plane, oy, ox) of a max-pool over h x w planes. */
+STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
+                          int ow, size_t j, int32_t *arg)
+{
+    int ox = (int)(j % ow), oy = (int)(j / ow % oh);
+    size_t plane = j / ((size_t)ow * oh);
+    return stk_maxpool_at(x + plane * (size_t)h * w, h, w, k, st, oy, ox, arg);
 }
 
 /* ---- softmax cross-entropy ------------------------------------------------ */

@@ -261,7 +261,7 @@ static void conv_backward_matches_fd(void **state)
         fill(g, (size_t)cout * HW, 34);
         stk_err err;
         /* forward, to check it too */
-        assert_int_equal(stk_im2col(be, x, &s, col, &err), 0);
+        assert_int_equal(stk_im2col(be, x, &s, 1, col, &err), 0);
         assert_int_equal(stk_gemm(be, false, false, cout, HW, K, 1, w, K, col,
                                   HW, 0, y, HW, &err), 0);
         assert_int_equal(stk_bias_add(be, y, b, 1, cout, HW, &err), 0);
@@ -271,7 +271,7 @@ static void conv_backward_matches_fd(void **state)
         assert_int_equal(stk_bias_grad(be, g, db, 1, cout, HW, &err), 0);
         assert_int_equal(stk_gemm(be, true, false, K, HW, cout, 1, w, K, g, HW,
                                   0, dcol, HW, &err), 0);
-        assert_int_equal(stk_col2im(be, dcol, &s, dx, &err), 0);
+        assert_int_equal(stk_col2im(be, dcol, &s, 1, dx, &err), 0);
         double *xd = malloc(nx * 8), *wd = malloc((size_t)cout * K * 8),
                bd[4], *num = malloc(((size_t)cout * K + nx) * 8);
         to_double(x, xd, nx);
@@ -315,6 +315,47 @@ static double pool_loss(const double *x, void *ctx)
                 L += c->g[(p * oh + oy) * ow + ox] * m;
             }
     return L;
+}
+
+/* Batched columns equal per-sample columns side by side; swap01 swaps. */
+static void batched_im2col_and_swap(void **state)
+{
+    (void)state;
+    stk_conv_shape s = {2, 5, 4, 3, 2, 1, 2, 1, 0, 5, 2};
+    int n = 3, K = 2 * 3 * 2, hw = 5 * 2;
+    float x[3 * 2 * 5 * 4], one[12 * 10], all[12 * 30], back[3 * 40], b1[40];
+    fill(x, sizeof x / 4, 61);
+    stk_err err;
+    assert_int_equal(stk_im2col(be, x, &s, n, all, &err), 0);
+    for (int smp = 0; smp < n; smp++) {
+        assert_int_equal(stk_im2col(be, x + smp * 40, &s, 1, one, &err), 0);
+        for (int r = 0; r < K; r++)
+            assert_memory_equal(all + r * n * hw + smp * hw, one + r * hw,
+                                hw * sizeof(float));
+    }
+    assert_int_equal(stk_col2im(be, all, &s, n, back, &err), 0);
+    for (int smp = 0; smp < n; smp++) {
+        assert_int_equal(stk_im2col(be, x + smp * 40, &s, 1, one, &err), 0);
+        assert_int_equal(stk_col2im(be, one, &s, 1, b1, &err), 0);
+        assert_memory_equal(back + smp * 40, b1, sizeof b1);
+    }
+    float src[2 * 3 * 4], dst[2 * 3 * 4];
+    for (int i = 0; i < 24; i++)
+        src[i] = (float)i;
+    assert_int_equal(stk_swap01(be, src, dst, 2, 3, 4, &err), 0);
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 3; b++)
+            for (int i = 0; i < 4; i++)
+                assert_true(dst[(b * 2 + a) * 4 + i] == src[(a * 3 + b) * 4 + i]);
+    assert_int_equal(stk_swap01(be, src, src, 2, 3, 4, &err), STK_EINVAL);
+    /* the CPU loops give exactly what the per-element bodies (the CUDA
+     * kernels' arithmetic) give */
+    for (size_t j = 0; j < (size_t)K * n * hw; j++)
+        assert_true(all[j] == stk_im2col1(x, &s, n, j));
+    for (size_t i = 0; i < (size_t)n * 40; i++)
+        assert_true(back[i] == stk_col2im1(all, &s, n, i));
+    for (size_t j = 0; j < 24; j++)
+        assert_true(dst[j] == stk_swap01_1(src, 2, 3, 4, j));
 }
 
 static void maxpool_backward_matches_fd(void **state)
@@ -408,6 +449,13 @@ static void dropout_rates_and_groups(void **state)
     for (int i = 0; i < N; i += 25)
         for (int j = 1; j < 25; j++)
             assert_true(x[i + j] == x[i]);
+    for (int i = 0; i < N; i++) /* the per-element body agrees */
+        assert_true(x[i] == stk_dropout_scale1(k, 1, (size_t)i, 25, 0.5f));
+    for (int i = 0; i < N; i++)
+        g[i] = 1.0f;
+    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 9, &err), 0);
+    for (int i = 0; i < N; i++)
+        assert_true(g[i] == stk_dropout_scale1(k, 9, (size_t)i, 1, 0.3f));
     assert_int_equal(stk_dropout(be, x, N, 1, 1.0f, k, 1, &err), STK_EINVAL);
     free(x);
     free(g);
@@ -556,6 +604,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(relu_backward_matches_fd),
     cmocka_unit_test(linear_backward_matches_fd),
     cmocka_unit_test(conv_backward_matches_fd),
+    cmocka_unit_test(batched_im2col_and_swap),
     cmocka_unit_test(maxpool_backward_matches_fd),
     cmocka_unit_test(xent_matches_reference_and_fd),
     cmocka_unit_test(dropout_rates_and_groups),

@@ -1,0 +1,456 @@
+/* model.c - sequential models over the kernels API: shapes, parameters in
+ * one flat buffer, PyTorch's initialisation, forward and backward. */
+#include "trainer.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct layer {
+    stk_layer_spec s;
+    int c, h, w;        /* input shape */
+    int oc, oh, ow;     /* output shape */
+    int pw, pb;         /* indices of weight and bias params, -1 if none */
+    float *y;           /* output, max_batch * oc*oh*ow (aliases x for
+                           flatten and dropout, which work in place) */
+    int32_t *arg;       /* max-pool winners */
+    float *col;         /* conv: the batch's columns, kept for backward */
+    stk_conv_shape cs;
+} layer;
+
+struct stk_model {
+    stk_backend *be;
+    int nl, np, classes, max_batch;
+    layer l[STK_MAX_LAYERS];
+    stk_param p[2 * STK_MAX_LAYERS];
+    size_t total;
+    float *w, *g;
+    float *tmp;             /* conv outputs/gradients in [C, N, HW] order */
+    float *dcol;            /* conv column gradients */
+    float *grad[2];         /* backward ping-pong, max activation size */
+    float *dlogits;
+    const float *x;         /* the last forward input */
+    int n;                  /* and its batch size */
+};
+
+static size_t out_size(const layer *l) { return (size_t)l->oc * l->oh * l->ow; }
+static size_t in_size(const layer *l) { return (size_t)l->c * l->h * l->w; }
+
+/* ---- shapes and parameters ------------------------------------------------ */
+
+static void add_param(stk_model *m, layer *l, const char *suffix, int ndim,
+                      const int *shape, int *index)
+{
+    stk_param *p = &m->p[m->np];
+    snprintf(p->name, sizeof p->name, "%s.%s", l->s.name, suffix);
+    p->ndim = ndim;
+    p->count = 1;
+    for (int d = 0; d < ndim; d++)
+        p->count *= (size_t)(p->shape[d] = shape[d]);
+    p->offset = m->total;
+    m->total += p->count;
+    *index = m->np++;
+}
+
+static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
+                       stk_err *err)
+{
+    stk_layer_spec *s = &l->s;
+    l->pw = l->pb = -1;
+    l->oc = l->c;
+    l->oh = l->h;
+    l->ow = l->w;
+    switch (s->kind) {
+    case STK_L_CONV:
+        if (!*s->name)
+            snprintf(s->name, sizeof s->name, "conv%d", ++*auto_conv);
+        l->oc = s->out;
+        l->oh = (l->h + 2 * s->pad - s->k) / s->stride + 1;
+        l->ow = (l->w + 2 * s->pad - s->k) / s->stride + 1;
+        if (l->h + 2 * s->pad < s->k || l->w + 2 * s->pad < s->k)
+            return stk_fail(err, STK_EINVAL,
+                            "model: %s: a %dx%d kernel does not fit its "
+                            "%dx%dx%d input",
+                            s->name, s->k, s->k, l->c, l->h, l->w);
+        l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
+                                 s->stride, s->pad, s->pad, l->oh, l->ow};
+        add_param(m, l, "weight", 4, (int[]){s->out, l->c, s->k, s->k}, &l->pw);
+        add_param(m, l, "bias", 1, (int[]){s->out}, &l->pb);
+        break;
+    case STK_L_POOL:
+        if (l->h < s->k || l->w < s->k)
+            return stk_fail(err, STK_EINVAL,
+                            "model: a %dx%d max-pool does not fit its %dx%dx%d "
+                            "input",
+                            s->k, s->k, l->c, l->h, l->w);
+        l->oh = (l->h - s->k) / s->stride + 1;
+        l->ow = (l->w - s->k) / s->stride + 1;
+        break;
+    case STK_L_FLATTEN:
+        l->oc = l->c * l->h * l->w;
+        l->oh = l->ow = 1;
+        break;
+    case STK_L_LINEAR: {
+        if (!*s->name)
+            snprintf(s->name, sizeof s->name, "fc%d", ++*auto_fc);
+        int in = l->c * l->h * l->w, out = s->out ? s->out : m->classes;
+        l->oc = out;
+        l->oh = l->ow = 1;
+        add_param(m, l, "weight", 2, (int[]){out, in}, &l->pw);
+        add_param(m, l, "bias", 1, (int[]){out}, &l->pb);
+        break;
+    }
+    default:
+        break;
+    }
+    return 0;
+}
+
+/* kaiming_uniform_(a=sqrt(5)) and PyTorch's bias rule both give
+ * U(-1/sqrt(fan_in), 1/sqrt(fan_in)); drawn from Philox(seed). */
+static int init_params(stk_model *m, uint64_t seed, stk_err *err)
+{
+    float *host = malloc(m->total * sizeof *host);
+    if (!host)
+        return stk_fail(err, STK_ENOMEM, "model: out of memory");
+    stk_philox_key key = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    for (int l = 0; l < m->nl; l++) {
+        const layer *ly = &m->l[l];
+        if (ly->pw < 0)
+            continue;
+        const stk_param *w = &m->p[ly->pw];
+        size_t fan_in = w->count / (size_t)w->shape[0];
+        float bound = 1.0f / sqrtf((float)fan_in);
+        for (int k = 0; k < 2; k++) {
+            const stk_param *p = &m->p[k ? ly->pb : ly->pw];
+            for (size_t i = 0; i < p->count; i++)
+                host[p->offset + i] =
+                    (2.0f * stk_philox_uniform(key, 1000 + (uint64_t)(k ? ly->pb : ly->pw), i) - 1.0f) *
+                    bound;
+        }
+    }
+    int rc = stk_copy_to_dev(m->be, m->w, host, m->total * sizeof *host, err);
+    if (!rc)
+        rc = stk_sync(m->be, err);
+    free(host);
+    return rc;
+}
+
+/* Device buffers: parameters, gradients, activations, scratch. */
+static int alloc_buffers(stk_model *m, stk_err *err)
+{
+    stk_backend *be = m->be;
+    size_t act = 0, col = 1, B = (size_t)m->max_batch;
+    m->w = stk_dev_alloc(be, m->total * sizeof(float), err);
+    m->g = m->w ? stk_dev_alloc(be, m->total * sizeof(float), err) : NULL;
+    if (!m->g)
+        return STK_ENOMEM;
+    for (int i = 0; i < m->nl; i++) {
+        layer *l = &m->l[i];
+        act = out_size(l) > act ? out_size(l) : act;
+        act = in_size(l) > act ? in_size(l) : act;
+        if (l->s.kind == STK_L_FLATTEN || l->s.kind == STK_L_DROPOUT ||
+            l->s.kind == STK_L_DROPOUT2D)
+            continue; /* in place: y is set at forward time */
+        if (!(l->y = stk_dev_alloc(be, out_size(l) * B * sizeof(float), err)))
+            return STK_ENOMEM;
+        if (l->s.kind == STK_L_POOL &&
+            !(l->arg = stk_dev_alloc(be, out_size(l) * B * sizeof(int32_t), err)))
+            return STK_ENOMEM;
+        if (l->s.kind == STK_L_CONV) {
+            size_t c = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow * B;
+            col = c > col ? c : col;
+            if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
+                return STK_ENOMEM;
+        }
+    }
+    act *= B;
+    m->tmp = stk_dev_alloc(be, act * sizeof(float), err);
+    m->dcol = m->tmp ? stk_dev_alloc(be, col * sizeof(float), err) : NULL;
+    m->grad[0] = m->dcol ? stk_dev_alloc(be, act * sizeof(float), err) : NULL;
+    m->grad[1] = m->grad[0] ? stk_dev_alloc(be, act * sizeof(float), err) : NULL;
+    m->dlogits = m->grad[1] ? stk_dev_alloc(be, B * m->classes * sizeof(float), err)
+                            : NULL;
+    return m->dlogits ? 0 : STK_ENOMEM;
+}
+
+int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
+                     int h, int w, int nclasses, int max_batch, uint64_t seed,
+                     stk_model **out, stk_err *err)
+{
+    *out = NULL;
+    if (spec->n < 1 || max_batch < 1 || nclasses < 1)
+        return stk_fail(err, STK_EINVAL, "model: empty model or batch");
+    stk_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return stk_fail(err, STK_ENOMEM, "model: out of memory");
+    m->be = be;
+    m->nl = spec->n;
+    m->classes = nclasses;
+    m->max_batch = max_batch;
+    int rc = 0, auto_conv = 0, auto_fc = 0;
+    for (int i = 0; i < m->nl && !rc; i++) {
+        layer *l = &m->l[i];
+        l->s = spec->layers[i];
+        l->c = i ? m->l[i - 1].oc : c;
+        l->h = i ? m->l[i - 1].oh : h;
+        l->w = i ? m->l[i - 1].ow : w;
+        rc = shape_layer(m, l, &auto_conv, &auto_fc, err);
+    }
+    const layer *last = &m->l[m->nl - 1];
+    if (!rc && out_size(last) != (size_t)nclasses)
+        rc = stk_fail(err, STK_EINVAL,
+                      "model: ends with %zu outputs (%dx%dx%d) but the data "
+                      "has %d classes",
+                      out_size(last), last->oc, last->oh, last->ow, nclasses);
+    if (!rc && !m->total)
+        rc = stk_fail(err, STK_EINVAL, "model: has no parameters");
+    if (!rc)
+        rc = alloc_buffers(m, err);
+    if (!rc)
+        rc = init_params(m, seed, err);
+    if (rc) {
+        stk_model_destroy(m);
+        return rc;
+    }
+    *out = m;
+    return 0;
+}
+
+void stk_model_destroy(stk_model *m)
+{
+    if (!m)
+        return;
+    for (int i = 0; i < m->nl; i++) {
+        if (m->l[i].s.kind != STK_L_FLATTEN && m->l[i].s.kind != STK_L_DROPOUT &&
+            m->l[i].s.kind != STK_L_DROPOUT2D)
+            stk_dev_free(m->be, m->l[i].y);
+        stk_dev_free(m->be, m->l[i].arg);
+        stk_dev_free(m->be, m->l[i].col);
+    }
+    stk_dev_free(m->be, m->w);
+    stk_dev_free(m->be, m->g);
+    stk_dev_free(m->be, m->tmp);
+    stk_dev_free(m->be, m->dcol);
+    stk_dev_free(m->be, m->grad[0]);
+    stk_dev_free(m->be, m->grad[1]);
+    stk_dev_free(m->be, m->dlogits);
+    free(m);
+}
+
+int stk_model_nparams(const stk_model *m) { return m->np; }
+const stk_param *stk_model_param(const stk_model *m, int i) { return &m->p[i]; }
+size_t stk_model_param_count(const stk_model *m) { return m->total; }
+float *stk_model_weights(stk_model *m) { return m->w; }
+float *stk_model_grads(stk_model *m) { return m->g; }
+float *stk_model_dlogits(stk_model *m) { return m->dlogits; }
+
+void stk_model_describe(const stk_model *m, char *buf, size_t n)
+{
+    static const char *const kinds[] = {"conv", "pool", "relu", "dropout",
+                                        "dropout2d", "flatten", "linear"};
+    size_t used = (size_t)snprintf(buf, n, "%dx%dx%d", m->l[0].c, m->l[0].h,
+                                   m->l[0].w);
+    for (int i = 0; i < m->nl && used < n; i++) {
+        const layer *l = &m->l[i];
+        used += (size_t)snprintf(buf + used, n - used, " -> %s%s%s %dx%dx%d",
+                                 kinds[l->s.kind], *l->s.name ? ":" : "",
+                                 l->s.name, l->oc, l->oh, l->ow);
+    }
+    if (used < n)
+        snprintf(buf + used, n - used, " (%zu parameters)", m->total);
+}
+
+/* ---- forward ------------------------------------------------------------------ */
+
+static uint64_t layer_stream(uint64_t stream, int layer)
+{
+    return stream * STK_MAX_LAYERS + (uint64_t)layer;
+}
+
+/* The batch in one GEMM: columns [K, n*HW], W [cout, K] times them gives
+ * [cout, n, HW], swapped to NCHW. The columns are kept for backward. */
+static int conv_forward(stk_model *m, layer *l, const float *x, int n,
+                        stk_err *err)
+{
+    int K = l->cs.c * l->cs.kh * l->cs.kw, nhw = n * l->oh * l->ow;
+    int rc = stk_im2col(m->be, x, &l->cs, n, l->col, err);
+    if (!rc)
+        rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
+                      m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f, m->tmp,
+                      nhw, err);
+    if (!rc)
+        rc = stk_swap01(m->be, m->tmp, l->y, (size_t)l->oc, (size_t)n,
+                        (size_t)l->oh * l->ow, err);
+    return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset, n,
+                                  l->oc, l->oh * l->ow, err);
+}
+
+static int layer_forward(stk_model *m, int i, const float *x, int n,
+                         bool train, stk_philox_key key, uint64_t stream,
+                         stk_err *err)
+{
+    layer *l = &m->l[i];
+    size_t total = out_size(l) * (size_t)n;
+    switch (l->s.kind) {
+    case STK_L_CONV:
+        return conv_forward(m, l, x, n, err);
+    case STK_L_POOL:
+        return stk_maxpool_fwd(m->be, x, n * l->c, l->h, l->w, l->s.k,
+                               l->s.stride, l->y, l->arg, err);
+    case STK_L_RELU:
+        return stk_relu_fwd(m->be, x, l->y, total, err);
+    case STK_L_FLATTEN:
+        l->y = (float *)x;
+        return 0;
+    case STK_L_DROPOUT:
+    case STK_L_DROPOUT2D:
+        l->y = (float *)x; /* in place (see docs/architecture.md) */
+        if (!train)
+            return 0;
+        return stk_dropout(m->be, l->y, total,
+                           l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1,
+                           l->s.p, key, layer_stream(stream, i), err);
+    case STK_L_LINEAR: {
+        int in = (int)in_size(l);
+        int rc = stk_gemm(m->be, false, true, n, l->oc, in, 1.0f, x, in,
+                          m->w + m->p[l->pw].offset, in, 0.0f, l->y, l->oc,
+                          err);
+        return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset,
+                                      n, l->oc, 1, err);
+    }
+    }
+    return STK_EINVAL;
+}
+
+int stk_model_forward(stk_model *m, const float *x, int n, bool train,
+                      stk_philox_key key, uint64_t stream,
+                      const float **logits, stk_err *err)
+{
+    if (n < 1 || n > m->max_batch)
+        return stk_fail(err, STK_EINVAL, "model: batch of %d, at most %d", n,
+                        m->max_batch);
+    m->x = x;
+    m->n = n;
+    const float *cur = x;
+    for (int i = 0; i < m->nl; i++) {
+        int rc = layer_forward(m, i, cur, n, train, key, stream, err);
+        if (rc)
+            return rc;
+        cur = m->l[i].y;
+    }
+    *logits = cur;
+    return 0;
+}
+
+/* ---- backward -------------------------------------------------------------- */
+
+/* dy [n, cout, HW] swapped to [cout, n*HW]; dW = dy cols^T, db = sums,
+ * dcols = W^T dy, then back to pixels. */
+static int conv_backward(stk_model *m, layer *l, const float *dy, float *dx,
+                         int n, stk_err *err)
+{
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = n * hw;
+    int rc = stk_swap01(m->be, dy, m->tmp, (size_t)n, (size_t)l->oc,
+                        (size_t)hw, err);
+    if (!rc)
+        rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
+                      l->col, nhw, 0.0f, m->g + m->p[l->pw].offset, K, err);
+    if (!rc)
+        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, hw,
+                           err);
+    if (!rc && dx)
+        rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f,
+                      m->w + m->p[l->pw].offset, K, m->tmp, nhw, 0.0f, m->dcol,
+                      nhw, err);
+    if (!rc && dx)
+        rc = stk_col2im(m->be, m->dcol, &l->cs, n, dx, err);
+    return rc;
+}
+
+static int linear_backward(stk_model *m, layer *l, const float *x,
+                           const float *dy, float *dx, int n, stk_err *err)
+{
+    int in = (int)in_size(l);
+    int rc = stk_gemm(m->be, true, false, l->oc, in, n, 1.0f, dy, l->oc, x, in,
+                      1.0f, m->g + m->p[l->pw].offset, in, err);
+    if (!rc)
+        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, 1,
+                           err);
+    if (!rc && dx)
+        rc = stk_gemm(m->be, false, false, n, in, l->oc, 1.0f, dy, l->oc,
+                      m->w + m->p[l->pw].offset, in, 0.0f, dx, in, err);
+    return rc;
+}
+
+/* Writes dx (NULL for the first layer) from dy; may return dy itself for
+ * in-place layers through *dx_out. */
+static int layer_backward(stk_model *m, int i, const float *x, float *dy,
+                          float *dx, float **dx_out, stk_philox_key key,
+                          uint64_t stream, stk_err *err)
+{
+    layer *l = &m->l[i];
+    int n = m->n;
+    size_t total = out_size(l) * (size_t)n;
+    *dx_out = dx;
+    switch (l->s.kind) {
+    case STK_L_CONV:
+        return conv_backward(m, l, dy, dx, n, err);
+    case STK_L_LINEAR:
+        return linear_backward(m, l, x, dy, dx, n, err);
+    case STK_L_POOL:
+        return dx ? stk_maxpool_bwd(m->be, dy, l->arg, n * l->c, l->h, l->w,
+                                    l->oh, l->ow, dx, err)
+                  : 0;
+    case STK_L_RELU:
+        *dx_out = dy;
+        return stk_relu_bwd(m->be, l->y, dy, dy, total, err);
+    case STK_L_FLATTEN:
+        *dx_out = dy;
+        return 0;
+    case STK_L_DROPOUT:
+    case STK_L_DROPOUT2D:
+        *dx_out = dy;
+        return stk_dropout(m->be, dy, total,
+                           l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1,
+                           l->s.p, key, layer_stream(stream, i), err);
+    }
+    return STK_EINVAL;
+}
+
+int stk_model_backward(stk_model *m, const float *dlogits, int n,
+                       stk_philox_key key, uint64_t stream,
+                       void (*after_layer)(int layer, void *arg), void *arg,
+                       stk_err *err)
+{
+    if (n != m->n)
+        return stk_fail(err, STK_EINVAL,
+                        "model: backward of %d samples after a forward of %d",
+                        n, m->n);
+    int rc = stk_memzero(m->be, m->g, m->total * sizeof(float), err);
+    if (rc)
+        return rc;
+    /* the first gradient buffer starts as a copy of dlogits, so that
+     * in-place layers never write into the caller's buffer */
+    size_t nl = (size_t)n * m->classes;
+    float *dy = m->grad[0];
+    if (dlogits != dy) {
+        if ((rc = stk_memzero(m->be, dy, nl * sizeof(float), err)) ||
+            (rc = stk_axpy(m->be, nl, 1.0f, dlogits, dy, err)))
+            return rc;
+    }
+    for (int i = m->nl - 1; i >= 0; i--) {
+        const float *x = i ? m->l[i - 1].y : m->x;
+        float *spare = dy == m->grad[0] ? m->grad[1] : m->grad[0];
+        float *dx;
+        rc = layer_backward(m, i, x, dy, i ? spare : NULL, &dx, key, stream,
+                            err);
+        if (rc)
+            return rc;
+        if (after_layer && m->l[i].pw >= 0)
+            after_layer(i, arg);
+        dy = dx;
+    }
+    return 0;
+}

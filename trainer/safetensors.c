@@ -1,0 +1,162 @@
+/* safetensors.c - reading and writing the safetensors format (an 8-byte
+ * little-endian header length, a JSON header naming each tensor's dtype,
+ * shape and byte range, then the data), so PyTorch loads stoke's weights
+ * with safetensors.torch.load_file and load_state_dict. Writes are atomic:
+ * a temporary file, fsync, rename. */
+#include "checkpoint.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t w = write(fd, b, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        b += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static char *header_json(const stk_tensor *t, int n, const char *meta_json)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON *meta = meta_json ? cJSON_Parse(meta_json) : NULL;
+    cJSON_AddItemToObject(o, "__metadata__", meta ? meta : cJSON_CreateObject());
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddStringToObject(e, "dtype", "F32");
+        cJSON_AddItemToObject(e, "shape", cJSON_CreateIntArray(t[i].shape, t[i].ndim));
+        size_t bytes = t[i].count * sizeof(float);
+        double range[2] = {(double)off, (double)(off + bytes)};
+        cJSON_AddItemToObject(e, "data_offsets", cJSON_CreateDoubleArray(range, 2));
+        cJSON_AddItemToObject(o, t[i].name, e);
+        off += bytes;
+    }
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return s;
+}
+
+int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
+                          const char *meta_json, stk_err *err)
+{
+    char *json = header_json(t, n, meta_json);
+    if (!json)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
+    size_t hl = strlen(json), padded = (hl + 7) / 8 * 8;
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int rc = fd < 0 ? -1 : 0;
+    uint8_t len[8];
+    for (int b = 0; b < 8; b++)
+        len[b] = (uint8_t)((uint64_t)padded >> (8 * b));
+    if (!rc)
+        rc = write_all(fd, len, 8) || write_all(fd, json, hl) ||
+             write_all(fd, "        ", padded - hl);
+    for (int i = 0; !rc && i < n; i++)
+        rc = write_all(fd, t[i].data, t[i].count * sizeof(float));
+    int e = errno;
+    if (!rc && fsync(fd) != 0)
+        rc = -1, e = errno;
+    if (fd >= 0 && close(fd) != 0 && !rc)
+        rc = -1, e = errno;
+    free(json);
+    if (!rc && rename(tmp, path) != 0)
+        rc = -1, e = errno;
+    if (rc) {
+        unlink(tmp);
+        return stk_fail(err, stk_from_errno(e), "%s: cannot write: %s", path,
+                        strerror(e));
+    }
+    return 0;
+}
+
+/* Finds name, or "module." + name (as DDP saves), in the header. */
+static const cJSON *find(const cJSON *hdr, const char *name)
+{
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(hdr, name);
+    if (!e) {
+        char alt[STK_TENSOR_NAME_MAX + 8];
+        snprintf(alt, sizeof alt, "module.%s", name);
+        e = cJSON_GetObjectItemCaseSensitive(hdr, alt);
+    }
+    return e;
+}
+
+static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
+                    size_t dlen, stk_tensor *t, stk_err *err)
+{
+    const cJSON *e = find(hdr, t->name);
+    if (!e)
+        return stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"", path,
+                        t->name);
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+    if (!cJSON_IsString(dt) || strcmp(dt->valuestring, "F32"))
+        return stk_fail(err, STK_EFORMAT, "%s: \"%s\" is not F32", path,
+                        t->name);
+    int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++)
+        same = cJSON_GetArrayItem(sh, d)->valueint == t->shape[d];
+    if (!same) {
+        char want[64] = "";
+        size_t u = 0;
+        for (int d = 0; d < t->ndim && u < sizeof want; d++)
+            u += (size_t)snprintf(want + u, sizeof want - u, "%s%d",
+                                  d ? "," : "", t->shape[d]);
+        char *got = cJSON_PrintUnformatted(sh);
+        int rc = stk_fail(err, STK_EFORMAT,
+                          "%s: \"%s\" has shape %s, the model needs [%s]",
+                          path, t->name, got ? got : "?", want);
+        free(got);
+        return rc;
+    }
+    double b = cJSON_GetArrayItem(off, 0) ? cJSON_GetArrayItem(off, 0)->valuedouble : -1;
+    double en = cJSON_GetArrayItem(off, 1) ? cJSON_GetArrayItem(off, 1)->valuedouble : -1;
+    if (b < 0 || en - b != (double)(t->count * sizeof(float)) || en > (double)dlen)
+        return stk_fail(err, STK_EFORMAT, "%s: \"%s\" has a bad byte range",
+                        path, t->name);
+    memcpy(t->data, data + (size_t)b, t->count * sizeof(float));
+    return 0;
+}
+
+int stk_safetensors_read(const char *path, stk_tensor *t, int n,
+                         char **meta_json, stk_err *err)
+{
+    uint8_t *file;
+    size_t len;
+    int rc = stk_read_file(path, &file, &len, err);
+    if (rc)
+        return rc;
+    uint64_t hl = 0;
+    for (int b = 0; len >= 8 && b < 8; b++)
+        hl |= (uint64_t)file[b] << (8 * b);
+    cJSON *hdr = len >= 8 && hl <= len - 8
+                     ? cJSON_ParseWithLength((const char *)file + 8, (size_t)hl)
+                     : NULL;
+    if (!hdr)
+        rc = stk_fail(err, STK_EFORMAT, "%s: not a safetensors file", path);
+    for (int i = 0; !rc && i < n; i++)
+        rc = load_one(path, hdr, file + 8 + hl, len - 8 - hl, &t[i], err);
+    if (!rc && meta_json) {
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(hdr, "__metadata__");
+        *meta_json = m ? cJSON_PrintUnformatted(m) : NULL;
+    }
+    cJSON_Delete(hdr);
+    free(file);
+    return rc;
+}

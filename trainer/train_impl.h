@@ -1,0 +1,52 @@
+/* train_impl.h - private to the trainer: the state of one training run,
+ * shared by the loop (train.c) and checkpoints (ckpt.c). */
+#ifndef STK_TRAIN_IMPL_H
+#define STK_TRAIN_IMPL_H
+
+#include "loader/loader.h"
+#include "store/store.h"
+#include "trainer.h"
+
+#include <stdio.h>
+
+typedef struct run_state {
+    const stk_train_opts *o;
+    stk_backend *be;
+    stk_store *store;
+    stk_model_spec spec;
+    stk_model *model;
+    int classes;
+    stk_philox_key key;
+    stk_transform transform;
+    stk_host_alloc host;     /* the loader's ring comes from the backend */
+    uint8_t *x_u8;           /* device copies of a batch (CUDA only) */
+    uint64_t *ids;
+    int32_t *labels;
+    const int32_t *dev_labels;
+    float *x_f;              /* the transformed batch */
+    float *host_logits;
+    float *state1, *state2;  /* momentum, or AdamW's m and v */
+    uint64_t step, total_steps, eval_seen, start_batch;
+    int epoch;
+    float lr;
+    double train_loss, train_acc, best_acc;
+    FILE *metrics;
+    int tty;
+} run_state;
+
+float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
+                   int epoch);
+
+/* Writes RUN_DIR/checkpoints/step-N (weights, optimizer, state.json)
+ * atomically, keeps the last o->keep and the best, and updates
+ * RUN_DIR/best.safetensors when is_best. */
+int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err);
+
+/* Restores weights, optimizer state and position from a checkpoint
+ * directory ("auto": the newest in RUN_DIR/checkpoints). */
+int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err);
+
+/* Loads weights only (--init-from). */
+int stk_checkpoint_load_weights(run_state *r, const char *path, stk_err *err);
+
+#endif

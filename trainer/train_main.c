@@ -1,0 +1,187 @@
+/* train - train a model on a stoke database, on the CPU or a GPU. A thin
+ * main over stk_train_run(). */
+#include "trainer/trainer.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static volatile int stop_requested;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+static const char usage[] =
+    "usage: train --db DB_DIR [options]\n"
+    "Train a model on the train split of a stoke database, evaluating on the\n"
+    "test split after every epoch.\n\n"
+    "  --device cpu|cuda   where to train (default cpu); --gpu N picks the GPU\n"
+    "  --model cnn|mlp|FILE  built-in network or a model file (docs/models.md)\n"
+    "  --epochs E          (default 10)      --batch B    (default 64)\n"
+    "  --optim sgd|adamw   (default sgd)     --lr LR      (default 0.02)\n"
+    "  --momentum M        (default 0.9)     --nesterov\n"
+    "  --weight-decay W    (default 0)       --clip NORM  (max grad norm)\n"
+    "  --schedule constant|step|cosine  (default cosine)\n"
+    "  --warmup STEPS      (default 100)     --step-size E --gamma G (step)\n"
+    "  --workers N         loader threads (default 2)\n"
+    "  --threads N         BLAS threads (default: OpenBLAS's)\n"
+    "  --augment           random crop (padding h/8) and horizontal flip\n"
+    "  --no-dropout        turn dropout layers off\n"
+    "  --seed S            (default 1)\n"
+    "  --out RUN_DIR       metrics.jsonl and checkpoints (default runs/train)\n"
+    "  --resume auto|PATH  continue from the newest checkpoint or PATH\n"
+    "  --init-from FILE    start from these safetensors weights\n"
+    "  --log-every N       steps between metric lines (default 50)\n"
+    "  --keep K            checkpoints kept besides the best (default 3)\n"
+    "  --max-steps N       stop after N steps\n"
+    "  --quiet             no progress output\n";
+
+static int bad(const char *flag, const char *want, const char *got)
+{
+    fprintf(stderr, "train: %s: expected %s, got '%s'\n", flag, want, got);
+    return -1;
+}
+
+static int num_i(const char *flag, const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        char want[64];
+        snprintf(want, sizeof want, "a whole number %ld..%ld", lo, hi);
+        return bad(flag, want, s);
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int num_f(const char *flag, const char *s, double lo, double hi,
+                 float *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= lo && v <= hi)) {
+        char want[64];
+        snprintf(want, sizeof want, "a number in [%g, %g]", lo, hi);
+        return bad(flag, want, s);
+    }
+    *out = (float)v;
+    return 0;
+}
+
+static int choose(const char *flag, const char *s, const char *const *names,
+                  int n, int *out)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(s, names[i]))
+            return (*out = i), 0;
+    char want[128] = "";
+    for (int i = 0; i < n; i++)
+        snprintf(want + strlen(want), sizeof want - strlen(want), "%s%s",
+                 i ? (i == n - 1 ? " or " : ", ") : "", names[i]);
+    return bad(flag, want, s);
+}
+
+static int parse(int argc, char **argv, stk_train_opts *o)
+{
+    enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
+           O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
+           O_MAX, O_QUIET, O_GPU };
+    static const struct option longs[] = {
+        {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
+        {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
+        {"optim", 1, 0, 'o'}, {"momentum", 1, 0, 'M'}, {"workers", 1, 0, 'w'},
+        {"seed", 1, 0, 's'}, {"out", 1, 0, 'O'}, {"nesterov", 0, 0, O_NEST},
+        {"weight-decay", 1, 0, O_WD}, {"clip", 1, 0, O_CLIP},
+        {"schedule", 1, 0, O_SCHED}, {"warmup", 1, 0, O_WARM},
+        {"step-size", 1, 0, O_SS}, {"gamma", 1, 0, O_GAMMA},
+        {"threads", 1, 0, O_THREADS}, {"augment", 0, 0, O_AUG},
+        {"no-dropout", 0, 0, O_NODROP}, {"resume", 1, 0, O_RESUME},
+        {"init-from", 1, 0, O_INIT}, {"log-every", 1, 0, O_LOG},
+        {"keep", 1, 0, O_KEEP}, {"max-steps", 1, 0, O_MAX},
+        {"quiet", 0, 0, O_QUIET}, {"gpu", 1, 0, O_GPU},
+        {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    static const char *const devices[] = {"cpu", "cuda"};
+    static const char *const optims[] = {"sgd", "adamw"};
+    static const char *const scheds[] = {"constant", "step", "cosine"};
+    int ch, rc = 0, v;
+    opterr = 0;
+    while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
+        switch (ch) {
+        case 'd': o->db = optarg; break;
+        case 'D': rc = choose("--device", optarg, devices, 2, &v); o->device = (stk_device_kind)v; break;
+        case 'm': o->model = optarg; break;
+        case 'e': rc = num_i("--epochs", optarg, 1, 100000, &o->epochs); break;
+        case 'b': rc = num_i("--batch", optarg, 1, 1 << 16, &o->batch); break;
+        case 'l': rc = num_f("--lr", optarg, 0, 100, &o->lr); break;
+        case 'o': rc = choose("--optim", optarg, optims, 2, &v); o->optim = (stk_optim)v; break;
+        case 'M': rc = num_f("--momentum", optarg, 0, 0.9999, &o->momentum); break;
+        case 'w': rc = num_i("--workers", optarg, 0, 64, &o->workers); break;
+        case 's': o->seed = strtoull(optarg, NULL, 10); break;
+        case 'O': o->out = optarg; break;
+        case O_NEST: o->nesterov = true; break;
+        case O_WD: rc = num_f("--weight-decay", optarg, 0, 10, &o->weight_decay); break;
+        case O_CLIP: rc = num_f("--clip", optarg, 0, 1e9, &o->clip); break;
+        case O_SCHED: rc = choose("--schedule", optarg, scheds, 3, &v); o->sched = (stk_sched)v; break;
+        case O_WARM: rc = num_i("--warmup", optarg, 0, 1 << 30, &o->warmup); break;
+        case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); break;
+        case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); break;
+        case O_THREADS: rc = num_i("--threads", optarg, 0, 1024, &o->threads); break;
+        case O_AUG: o->augment = true; break;
+        case O_NODROP: o->dropout = false; break;
+        case O_RESUME: o->resume = optarg; break;
+        case O_INIT: o->init_from = optarg; break;
+        case O_LOG: rc = num_i("--log-every", optarg, 1, 1 << 30, &o->log_every); break;
+        case O_KEEP: rc = num_i("--keep", optarg, 1, 1000, &o->keep); break;
+        case O_MAX: rc = num_i("--max-steps", optarg, 1, 1 << 30, &o->max_steps); break;
+        case O_QUIET: o->quiet = true; break;
+        case O_GPU: rc = num_i("--gpu", optarg, 0, 1023, &o->device_id); break;
+        case 'h': fputs(usage, stdout); exit(0);
+        case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
+        default:
+            fprintf(stderr, "train: unknown option '%s' (see train --help)\n", argv[optind - 1]);
+            return -1;
+        }
+    }
+    if (!rc && (optind != argc || !o->db)) {
+        fprintf(stderr, "train: --db DB_DIR is required and takes no other arguments (see train --help)\n");
+        return -1;
+    }
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    stk_train_opts o;
+    stk_train_defaults(&o);
+    o.stop = &stop_requested;
+    if (parse(argc, argv, &o))
+        return 2;
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    stk_train_result res;
+    stk_err err = {0};
+    int rc = stk_train_run(&o, &res, &err);
+    if (rc) {
+        fprintf(stderr, "train: error: %s\n", err.msg);
+        return 1;
+    }
+    if (stop_requested) {
+        fprintf(stderr, "train: stopped at step %llu\n", (unsigned long long)res.steps);
+        return 130;
+    }
+    printf("train: %d epoch(s), %llu steps: test accuracy %.2f%% (best %.2f%%), test loss %.4f\n",
+           res.epochs_done, (unsigned long long)res.steps, 100 * res.test_acc,
+           100 * res.best_acc, res.test_loss);
+    return 0;
+}

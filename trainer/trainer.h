@@ -1,0 +1,152 @@
+/* trainer.h - models, optimizers, schedules, the training loop,
+ * evaluation, metrics and checkpoints.
+ *
+ * A model is a sequence of layers (conv, pool, relu, dropout, dropout2d,
+ * flatten, linear) whose parameters live in one contiguous buffer, in layer
+ * order, with the gradients in a second buffer of the same layout: the
+ * distributed trainer all-reduces that buffer in buckets from its end (last
+ * layers first) while backward runs. Parameter names follow the equivalent
+ * PyTorch module ("conv1.weight", "fc2.bias") so checkpoints load into it. */
+#ifndef STK_TRAINER_H
+#define STK_TRAINER_H
+
+#include "common/common.h"
+#include "kernels/kernels.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STK_MAX_LAYERS 64
+#define STK_NAME_MAX 64
+
+/* ---- models ---------------------------------------------------------------- */
+
+typedef enum stk_layer_kind {
+    STK_L_CONV, STK_L_POOL, STK_L_RELU, STK_L_DROPOUT, STK_L_DROPOUT2D,
+    STK_L_FLATTEN, STK_L_LINEAR
+} stk_layer_kind;
+
+/* A layer as specified, before shapes are known. */
+typedef struct stk_layer_spec {
+    stk_layer_kind kind;
+    char name[STK_NAME_MAX]; /* parameter prefix; "" = automatic */
+    int out;                 /* conv: channels; linear: features (0 = classes) */
+    int k, stride, pad;      /* conv, pool */
+    float p;                 /* dropout */
+} stk_layer_spec;
+
+typedef struct stk_model_spec {
+    int n;
+    stk_layer_spec layers[STK_MAX_LAYERS];
+} stk_model_spec;
+
+/* Built-ins: "cnn" (the PyTorch DDP tutorial network) and "mlp"
+ * (784-256-128-10, adapted to the input and class count). */
+int stk_model_builtin(const char *name, stk_model_spec *out, stk_err *err);
+
+/* Parses the text format of docs/models.md (one layer per line). */
+int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
+                    stk_err *err);
+
+/* One parameter tensor: a view into the model's parameter buffer. */
+typedef struct stk_param {
+    char name[STK_NAME_MAX];
+    int ndim, shape[4];
+    size_t offset, count; /* in floats, within the flat buffers */
+} stk_param;
+
+typedef struct stk_model stk_model;
+
+/* Builds spec for inputs of shape c x h x w and nclasses outputs on the
+ * backend, for batches of up to max_batch samples, initialised as PyTorch
+ * does (kaiming_uniform_(a=sqrt(5)) weights, U(+-1/sqrt(fan_in)) biases)
+ * from seed. A spec that does not fit the shape is an error naming the
+ * layer and the shapes. */
+int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
+                     int h, int w, int nclasses, int max_batch, uint64_t seed,
+                     stk_model **out, stk_err *err);
+void stk_model_destroy(stk_model *m); /* NULL is a no-op */
+
+int stk_model_nparams(const stk_model *m);
+const stk_param *stk_model_param(const stk_model *m, int i);
+size_t stk_model_param_count(const stk_model *m); /* floats */
+float *stk_model_weights(stk_model *m);   /* device memory, flat */
+float *stk_model_grads(stk_model *m);     /* device memory, flat */
+
+/* A one-line description: layers with output shapes and parameter count. */
+void stk_model_describe(const stk_model *m, char *buf, size_t n);
+
+/* Forward pass of n samples x (device, float NCHW) to logits (returned,
+ * device memory owned by the model, n x classes). train enables dropout,
+ * whose masks are keyed by (key, stream). */
+int stk_model_forward(stk_model *m, const float *x, int n, bool train,
+                      stk_philox_key key, uint64_t stream,
+                      const float **logits, stk_err *err);
+
+/* Backward from dlogits (device, n x classes): zeroes, then fills the
+ * gradient buffer. after_layer(l, arg) is called when layer l's gradients
+ * are complete (last layer first), for overlapping communication. */
+int stk_model_backward(stk_model *m, const float *dlogits, int n,
+                       stk_philox_key key, uint64_t stream,
+                       void (*after_layer)(int layer, void *arg), void *arg,
+                       stk_err *err);
+
+/* Scratch of n floats owned by the model (device), for dlogits. */
+float *stk_model_dlogits(stk_model *m);
+
+/* ---- training ---------------------------------------------------------- */
+
+typedef enum stk_optim { STK_OPT_SGD, STK_OPT_ADAMW } stk_optim;
+typedef enum stk_sched { STK_SCHED_CONSTANT, STK_SCHED_STEP, STK_SCHED_COSINE } stk_sched;
+
+typedef struct stk_train_opts {
+    const char *db;           /* database directory (train and test splits) */
+    stk_device_kind device;
+    int device_id, threads;   /* threads: BLAS threads on the CPU, 0 = all */
+    const char *model;        /* "cnn", "mlp" or a model file */
+    int epochs, batch, workers;
+    stk_optim optim;
+    float lr, momentum, weight_decay, clip; /* clip: max grad norm, 0 = off */
+    bool nesterov;
+    stk_sched sched;
+    int warmup;               /* steps of linear warm-up */
+    int step_size;            /* step schedule: epochs per decay */
+    float gamma;
+    bool augment;             /* random crop (pad h/8) + horizontal flip */
+    bool dropout;             /* false turns dropout off (parity tests) */
+    uint64_t seed;
+    const char *out;          /* RUN_DIR: metrics.jsonl, checkpoints/ */
+    const char *resume;       /* NULL, "auto" or a checkpoint directory */
+    const char *init_from;    /* safetensors weights to start from */
+    int log_every;            /* steps between metric lines */
+    int keep;                 /* checkpoints kept besides the best */
+    int max_steps;            /* stop after this many steps (0 = all) */
+    bool quiet;
+    const volatile int *stop; /* non-zero: stop at the next step boundary */
+} stk_train_opts;
+
+/* Fills opts with the defaults that train Fashion-MNIST well. */
+void stk_train_defaults(stk_train_opts *o);
+
+typedef struct stk_train_result {
+    int epochs_done;
+    uint64_t steps;
+    double test_acc, test_loss, train_loss;
+    double best_acc;
+} stk_train_result;
+
+/* Trains and evaluates every epoch; writes RUN_DIR/metrics.jsonl and
+ * checkpoints. Errors (a model that does not fit the data, a checkpoint
+ * that does not fit the model, a NaN loss) name the cause. */
+int stk_train_run(const stk_train_opts *o, stk_train_result *res,
+                  stk_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
