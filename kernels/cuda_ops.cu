@@ -1,0 +1,810 @@
+// cuda_ops.cu - the CUDA backend: the op table of backend_impl.h over
+// cuBLAS (GEMM) and grid-stride kernels that call the element-wise bodies of
+// ops_inline.h, so the GPU runs the arithmetic the CPU tests check (cpu.c is
+// the reference; names and semantics here mirror it).
+//
+// State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
+// handle bound to it, and a small device scratch buffer that grows for the
+// reductions (cross-entropy, sum of squares). Every op is queued on the
+// stream; only xent and sumsq wait, because they return a host value. One
+// backend is driven by one host thread at a time (the scratch is shared);
+// each op selects the backend's device first, so a thread that never called
+// cudaSetDevice still works on the right GPU.
+//
+// Every CUDA runtime and cuBLAS call is checked; failures come back as
+// STK_EIO (STK_ENOMEM for allocations) with a message naming the op and the
+// call. Nothing here prints or exits.
+#include "backend_impl.h"
+
+#include <climits>
+#include <cstdlib>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+static constexpr unsigned THREADS = 256;   // per block, every kernel
+static constexpr size_t MAX_BLOCKS = 4096; // grid-stride loops cover the rest
+
+// Device scratch: a result header, then an array from ARRAY_OFFSET on.
+static constexpr size_t ARRAY_OFFSET = 256;
+
+typedef struct reduce_result {
+    double sum;       // the reduction's total
+    unsigned bad_row; // xent: first row with a label out of range, or ~0u
+} reduce_result;
+
+typedef struct cuda_impl {
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *scratch; // reduce_result + array; idle between calls
+    size_t scratch_bytes;
+} cuda_impl;
+
+static cuda_impl *impl(stk_backend *be)
+{
+    return (cuda_impl *)be->impl;
+}
+
+// ---- error checking -------------------------------------------------------
+
+// 0, or a failure naming op and call. A failed runtime call also sets the
+// thread's "last error"; it is cleared here, once reported, so that it does
+// not resurface as the launch error of a later kernel.
+static int cuda_check(cudaError_t e, const char *op, const char *call,
+                      stk_err *err)
+{
+    if (e == cudaSuccess)
+        return 0;
+    (void)cudaGetLastError();
+    return stk_fail(err, e == cudaErrorMemoryAllocation ? STK_ENOMEM : STK_EIO,
+                    "%s: %s: %s (%s)", op, call, cudaGetErrorString(e),
+                    cudaGetErrorName(e));
+}
+
+static int blas_check(cublasStatus_t s, const char *op, const char *call,
+                      stk_err *err)
+{
+    if (s == CUBLAS_STATUS_SUCCESS)
+        return 0;
+    return stk_fail(err,
+                    s == CUBLAS_STATUS_ALLOC_FAILED ? STK_ENOMEM : STK_EIO,
+                    "%s: %s: %s (%s)", op, call, cublasGetStatusString(s),
+                    cublasGetStatusName(s));
+}
+
+// Returns from the calling op (which has err in scope) when fn fails.
+#define CUDA_TRY(op, fn, args)                                                \
+    do {                                                                      \
+        int rc_ = cuda_check(fn args, op, #fn, err);                          \
+        if (rc_)                                                              \
+            return rc_;                                                       \
+    } while (0)
+
+// For the void entry points (free, destroy): nothing to report to, so the
+// error is only cleared from the thread's last-error slot.
+static void cuda_quiet(cudaError_t e)
+{
+    if (e != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
+// The runtime's current device is per host thread: every entry point selects
+// ours first, so that a thread that never chose one does not create a
+// context on GPU 0 (and kernels and cuBLAS go to the stream's device).
+static int use_device(stk_backend *be, const char *op, stk_err *err)
+{
+    return cuda_check(cudaSetDevice(be->device), op, "cudaSetDevice", err);
+}
+
+// ---- launching -------------------------------------------------------------
+
+static unsigned grid_for(size_t n)
+{
+    size_t blocks = (n + THREADS - 1) / THREADS;
+    return (unsigned)(blocks < MAX_BLOCKS ? blocks : MAX_BLOCKS);
+}
+
+// Grid-stride loops: for (i = first_index(); i < n; i += index_step()).
+static __device__ size_t first_index()
+{
+    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+static __device__ size_t index_step()
+{
+    return (size_t)gridDim.x * blockDim.x;
+}
+
+// Reports a failed kernel launch (bad configuration, no image for this GPU).
+static int launched(const char *op, stk_err *err)
+{
+    return cuda_check(cudaGetLastError(), op, "kernel launch", err);
+}
+
+// Launches kernel over n elements on the backend's stream (nothing when n is
+// 0) and reports a launch failure naming op.
+template <typename... P, typename... A>
+static int launch(stk_backend *be, const char *op, size_t n, stk_err *err,
+                  void (*kernel)(P...), A... args)
+{
+    if (n == 0)
+        return 0;
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    kernel<<<grid_for(n), THREADS, 0, impl(be)->stream>>>(args...);
+    return launched(op, err);
+}
+
+// Sum of v over the block (blockDim.x == THREADS), in a fixed order so that
+// results repeat run to run; every thread gets the total. Once per kernel.
+static __device__ double block_sum(double v)
+{
+    __shared__ double part[THREADS];
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s)
+            part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    return part[0];
+}
+
+// ---- backend state ---------------------------------------------------------
+
+// Releases what init created, in reverse; for a partly built impl too.
+static void impl_release(cuda_impl *cu)
+{
+    if (!cu)
+        return;
+    if (cu->stream)
+        cuda_quiet(cudaStreamSynchronize(cu->stream));
+    if (cu->blas) // void, nothing to report to; it syncs the device itself
+        (void)cublasDestroy(cu->blas);
+    if (cu->scratch)
+        cuda_quiet(cudaFree(cu->scratch));
+    if (cu->stream)
+        cuda_quiet(cudaStreamDestroy(cu->stream));
+    free(cu);
+}
+
+static void cuda_destroy(stk_backend *be)
+{
+    cuda_quiet(cudaSetDevice(be->device));
+    impl_release(impl(be));
+    be->impl = NULL;
+}
+
+// Makes the scratch at least bytes long. The reductions that use it wait for
+// the stream before returning, so the old buffer is idle; the sync makes
+// that certain even after a failed call.
+static int scratch_reserve(stk_backend *be, size_t bytes, const char *op,
+                           stk_err *err)
+{
+    cuda_impl *cu = impl(be);
+    if (cu->scratch_bytes >= bytes)
+        return 0;
+    if (cu->scratch) {
+        CUDA_TRY(op, cudaStreamSynchronize, (cu->stream));
+        CUDA_TRY(op, cudaFree, (cu->scratch));
+        cu->scratch = NULL;
+        cu->scratch_bytes = 0;
+    }
+    void *p = NULL;
+    CUDA_TRY(op, cudaMalloc, (&p, bytes));
+    cu->scratch = p;
+    cu->scratch_bytes = bytes;
+    return 0;
+}
+
+static reduce_result *scratch_result(stk_backend *be)
+{
+    return (reduce_result *)impl(be)->scratch;
+}
+
+template <typename T> static T *scratch_array(stk_backend *be)
+{
+    return (T *)((char *)impl(be)->scratch + ARRAY_OFFSET);
+}
+
+// Copies the result header to the host and waits for the stream.
+static int fetch_result(stk_backend *be, reduce_result *out, const char *op,
+                        stk_err *err)
+{
+    cudaStream_t s = impl(be)->stream;
+    CUDA_TRY(
+        op, cudaMemcpyAsync,
+        (out, scratch_result(be), sizeof *out, cudaMemcpyDeviceToHost, s));
+    CUDA_TRY(op, cudaStreamSynchronize, (s));
+    return 0;
+}
+
+// ---- memory ----------------------------------------------------------------
+
+static void *cuda_alloc(stk_backend *be, size_t bytes, stk_err *err)
+{
+    void *p = NULL;
+    if (use_device(be, "cuda alloc", err))
+        return NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1); // like cpu: never NULL
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        stk_fail(err, e == cudaErrorMemoryAllocation ? STK_ENOMEM : STK_EIO,
+                 "cuda alloc: cudaMalloc of %zu bytes on device %d: %s (%s)",
+                 bytes, be->device, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_free(stk_backend *be, void *p)
+{
+    cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaFree(p));
+}
+
+static void *cuda_host_alloc(stk_backend *be, size_t bytes)
+{
+    void *p = NULL;
+    if (use_device(be, "cuda host_alloc", NULL))
+        return NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(stk_backend *be, void *p)
+{
+    cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaFreeHost(p));
+}
+
+// Queued on the stream, after the ops before it. The host side may be
+// pageable or page-locked; either way it belongs to the copy until stk_sync
+// (the runtime may return before a page-locked copy is done).
+static int cuda_copy(stk_backend *be, void *dst, const void *src, size_t n,
+                     int to_dev, stk_err *err)
+{
+    if (n == 0)
+        return 0;
+    const char *op = to_dev ? "cuda copy to device" : "cuda copy to host";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaMemcpyAsync,
+             (dst, src, n,
+              to_dev ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+              impl(be)->stream));
+    return 0;
+}
+
+static int cuda_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
+{
+    if (n == 0)
+        return 0;
+    int rc = use_device(be, "cuda memzero", err);
+    if (rc)
+        return rc;
+    CUDA_TRY("cuda memzero", cudaMemsetAsync, (p, 0, n, impl(be)->stream));
+    return 0;
+}
+
+// Waits for everything queued; also reports a failure of an earlier
+// asynchronous kernel or copy.
+static int cuda_sync(stk_backend *be, stk_err *err)
+{
+    int rc = use_device(be, "cuda sync", err);
+    if (rc)
+        return rc;
+    CUDA_TRY("cuda sync", cudaStreamSynchronize, (impl(be)->stream));
+    return 0;
+}
+
+// ---- GEMM ------------------------------------------------------------------
+
+// Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
+// row-major matrix read column-major is its transpose, so compute
+// C^T = op(B)^T op(A)^T: B first with tb's op, A second with ta's op, sizes
+// n x m by k. The handle keeps the default math mode (no TF32), so results
+// stay within float rounding of the CPU's.
+static int cuda_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+                     float alpha, const float *a, int lda, const float *b,
+                     int ldb, float beta, float *c, int ldc, stk_err *err)
+{
+    int rc = use_device(be, "cuda gemm", err);
+    if (rc)
+        return rc;
+    // k == 0 lets the API pass a row stride of 0 (nothing is read); cuBLAS
+    // wants every leading dimension >= 1.
+    lda = lda > 0 ? lda : 1;
+    ldb = ldb > 0 ? ldb : 1;
+    return blas_check(cublasSgemm(impl(be)->blas,
+                                  tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                                  &alpha, b, ldb, a, lda, &beta, c, ldc),
+                      "cuda gemm", "cublasSgemm", err);
+}
+
+// ---- element-wise ops ------------------------------------------------------
+
+static __global__ void relu_fwd_kernel(const float *x, float *y, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        y[i] = stk_relu1(x[i]);
+}
+
+static int cuda_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
+                         stk_err *err)
+{
+    return launch(be, "cuda relu_fwd", n, err, relu_fwd_kernel, x, y, n);
+}
+
+static __global__ void relu_bwd_kernel(const float *y, const float *dy,
+                                       float *dx, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        dx[i] = stk_relu_grad1(y[i], dy[i]);
+}
+
+static int cuda_relu_bwd(stk_backend *be, const float *y, const float *dy,
+                         float *dx, size_t n, stk_err *err)
+{
+    return launch(be, "cuda relu_bwd", n, err, relu_bwd_kernel, y, dy, dx, n);
+}
+
+static __global__ void bias_add_kernel(float *y, const float *b, size_t cols,
+                                       size_t inner, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        y[i] += b[i / inner % cols];
+}
+
+static int cuda_bias_add(stk_backend *be, float *y, const float *b, int rows,
+                         int cols, int inner, stk_err *err)
+{
+    if (rows <= 0 || cols <= 0 || inner <= 0)
+        return 0;
+    size_t n = (size_t)rows * cols * inner;
+    return launch(be, "cuda bias_add", n, err, bias_add_kernel, y, b,
+                  (size_t)cols, (size_t)inner, n);
+}
+
+// One block per channel c: the sum over rows and inner in double, then
+// db[c] += sum (as the CPU).
+static __global__ void bias_grad_kernel(const float *dy, float *db,
+                                        size_t rows, size_t cols, size_t inner)
+{
+    size_t c = blockIdx.x, per = rows * inner;
+    double s = 0.0;
+    for (size_t j = threadIdx.x; j < per; j += blockDim.x) {
+        size_t r = j / inner, i = j % inner;
+        s += dy[(r * cols + c) * inner + i];
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0)
+        db[c] += (float)s;
+}
+
+static int cuda_bias_grad(stk_backend *be, const float *dy, float *db,
+                          int rows, int cols, int inner, stk_err *err)
+{
+    if (cols <= 0)
+        return 0;
+    int rc = use_device(be, "cuda bias_grad", err);
+    if (rc)
+        return rc;
+    size_t r = rows > 0 ? (size_t)rows : 0, i = inner > 0 ? (size_t)inner : 0;
+    bias_grad_kernel<<<(unsigned)cols, THREADS, 0, impl(be)->stream>>>(
+        dy, db, r, (size_t)cols, i);
+    return launched("cuda bias_grad", err);
+}
+
+// ---- convolution and pooling -----------------------------------------------
+
+static __global__ void im2col_kernel(const float *x, stk_conv_shape s, int n,
+                                     float *col, size_t total)
+{
+    for (size_t j = first_index(); j < total; j += index_step())
+        col[j] = stk_im2col1(x, &s, n, j);
+}
+
+static int cuda_im2col(stk_backend *be, const float *x,
+                       const stk_conv_shape *s, int n, float *col,
+                       stk_err *err)
+{
+    size_t total = (size_t)s->c * s->kh * s->kw * s->oh * s->ow * (size_t)n;
+    return launch(be, "cuda im2col", total, err, im2col_kernel, x, *s, n, col,
+                  total);
+}
+
+static __global__ void col2im_kernel(const float *col, stk_conv_shape s, int n,
+                                     float *dx, size_t total)
+{
+    for (size_t i = first_index(); i < total; i += index_step())
+        dx[i] = stk_col2im1(col, &s, n, i);
+}
+
+static int cuda_col2im(stk_backend *be, const float *col,
+                       const stk_conv_shape *s, int n, float *dx, stk_err *err)
+{
+    size_t total = (size_t)s->c * s->h * s->w * (size_t)n;
+    return launch(be, "cuda col2im", total, err, col2im_kernel, col, *s, n, dx,
+                  total);
+}
+
+static __global__ void swap01_kernel(const float *src, float *dst, size_t a,
+                                     size_t b, size_t inner, size_t total)
+{
+    for (size_t j = first_index(); j < total; j += index_step())
+        dst[j] = stk_swap01_1(src, a, b, inner, j);
+}
+
+static int cuda_swap01(stk_backend *be, const float *src, float *dst, size_t a,
+                       size_t b, size_t inner, stk_err *err)
+{
+    size_t total = a * b * inner;
+    return launch(be, "cuda swap01", total, err, swap01_kernel, src, dst, a, b,
+                  inner, total);
+}
+
+static __global__ void maxpool_fwd_kernel(const float *x, int h, int w, int k,
+                                          int st, int oh, int ow, float *y,
+                                          int32_t *arg, size_t n)
+{
+    for (size_t j = first_index(); j < n; j += index_step())
+        y[j] = stk_maxpool1(x, h, w, k, st, oh, ow, j, &arg[j]);
+}
+
+static int cuda_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
+                            int w, int k, int st, float *y, int32_t *arg,
+                            stk_err *err)
+{
+    if (planes <= 0)
+        return 0;
+    int oh = (h - k) / st + 1, ow = (w - k) / st + 1;
+    size_t n = (size_t)planes * oh * ow;
+    return launch(be, "cuda maxpool_fwd", n, err, maxpool_fwd_kernel, x, h, w,
+                  k, st, oh, ow, y, arg, n);
+}
+
+// Scatters dy[o] to its winner. Windows do not overlap when the stride is at
+// least the kernel size (then each dx gets at most one add); atomicAdd keeps
+// overlapping windows correct too.
+static __global__ void maxpool_bwd_kernel(const float *dy, const int32_t *arg,
+                                          size_t in_plane, size_t out_plane,
+                                          float *dx, size_t n)
+{
+    for (size_t o = first_index(); o < n; o += index_step())
+        atomicAdd(&dx[o / out_plane * in_plane + arg[o]], dy[o]);
+}
+
+static int cuda_maxpool_bwd(stk_backend *be, const float *dy,
+                            const int32_t *arg, int planes, int h, int w,
+                            int oh, int ow, float *dx, stk_err *err)
+{
+    if (planes <= 0 || h <= 0 || w <= 0)
+        return 0;
+    const char *op = "cuda maxpool_bwd";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    size_t in_plane = (size_t)h * w;
+    CUDA_TRY(
+        op, cudaMemsetAsync,
+        (dx, 0, (size_t)planes * in_plane * sizeof *dx, impl(be)->stream));
+    if (oh <= 0 || ow <= 0)
+        return 0;
+    size_t out_plane = (size_t)oh * ow, n = (size_t)planes * out_plane;
+    return launch(be, op, n, err, maxpool_bwd_kernel, dy, arg, in_plane,
+                  out_plane, dx, n);
+}
+
+static __global__ void dropout_kernel(float *x, size_t n, size_t group,
+                                      float p, stk_philox_key key,
+                                      uint64_t rng_stream)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        x[i] *= stk_dropout_scale1(key, rng_stream, i, group, p);
+}
+
+static int cuda_dropout(stk_backend *be, float *x, size_t n, size_t group,
+                        float p, stk_philox_key key, uint64_t stream,
+                        stk_err *err)
+{
+    return launch(be, "cuda dropout", n, err, dropout_kernel, x, n, group, p,
+                  key, stream);
+}
+
+// ---- softmax cross-entropy -------------------------------------------------
+
+// Row losses into loss[r] (and dlogits rows, when not NULL). A label out of
+// range flags its row instead (the smallest such row wins) and is not read.
+static __global__ void xent_rows_kernel(const float *logits,
+                                        const int32_t *labels, int n, int c,
+                                        float *dlogits, float *loss,
+                                        unsigned *bad_row)
+{
+    for (size_t r = first_index(); r < (size_t)n; r += index_step()) {
+        if (labels[r] < 0 || labels[r] >= c) {
+            atomicMin(bad_row, (unsigned)r);
+            loss[r] = 0.0f;
+            continue;
+        }
+        loss[r] = stk_xent_row(logits, labels, n, c, (int)r, dlogits);
+    }
+}
+
+// One block: out->sum = sum of v[0..n) in double.
+template <typename T>
+static __global__ void sum_kernel(const T *v, size_t n, reduce_result *out)
+{
+    double s = 0.0;
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x)
+        s += (double)v[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0)
+        out->sum = s;
+}
+
+// Row losses on the device, their sum in one block, then the mean and the
+// label check on the host. On STK_ERANGE dlogits is unspecified.
+static int cuda_xent(stk_backend *be, const float *logits,
+                     const int32_t *labels, int n, int c, float *loss,
+                     float *dlogits, stk_err *err)
+{
+    const char *op = "cuda xent";
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(float), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    reduce_result *res = scratch_result(be);
+    float *row_loss = scratch_array<float>(be);
+    CUDA_TRY(op, cudaMemsetAsync,
+             (&res->bad_row, 0xff, sizeof res->bad_row, s));
+    rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
+                dlogits, row_loss, &res->bad_row);
+    if (rc)
+        return rc;
+    sum_kernel<float><<<1, THREADS, 0, s>>>(row_loss, (size_t)n, res);
+    if ((rc = launched(op, err)))
+        return rc;
+    reduce_result host;
+    if ((rc = fetch_result(be, &host, op, err)))
+        return rc;
+    if (host.bad_row != UINT_MAX) {
+        int32_t label = 0;
+        CUDA_TRY(op, cudaMemcpyAsync,
+                 (&label, labels + host.bad_row, sizeof label,
+                  cudaMemcpyDeviceToHost, s));
+        CUDA_TRY(op, cudaStreamSynchronize, (s));
+        return stk_fail(err, STK_ERANGE,
+                        "cross-entropy: label %d of row %u is not in 0..%d",
+                        (int)label, host.bad_row, c - 1);
+    }
+    *loss = (float)(host.sum / n);
+    return 0;
+}
+
+// ---- input transform -------------------------------------------------------
+
+static __global__ void transform_kernel(const uint8_t *x, const uint64_t *ids,
+                                        stk_transform t, size_t per, float *y,
+                                        size_t n)
+{
+    for (size_t j = first_index(); j < n; j += index_step())
+        y[j] = stk_transform1(x, &t, ids[j / per], j);
+}
+
+static int cuda_transform(stk_backend *be, const uint8_t *x,
+                          const uint64_t *ids, int n, const stk_transform *t,
+                          float *y, stk_err *err)
+{
+    size_t per = (size_t)t->c * t->h * t->w;
+    if (n <= 0 || per == 0)
+        return 0;
+    size_t total = (size_t)n * per;
+    return launch(be, "cuda transform", total, err, transform_kernel, x, ids,
+                  *t, per, y, total);
+}
+
+// ---- vector ops and reductions ---------------------------------------------
+
+static __global__ void axpy_kernel(size_t n, float alpha, const float *x,
+                                   float *y)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        y[i] += alpha * x[i];
+}
+
+static int cuda_axpy(stk_backend *be, size_t n, float alpha, const float *x,
+                     float *y, stk_err *err)
+{
+    return launch(be, "cuda axpy", n, err, axpy_kernel, n, alpha, x, y);
+}
+
+static __global__ void scale_kernel(size_t n, float alpha, float *x)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        x[i] *= alpha;
+}
+
+static int cuda_scale(stk_backend *be, size_t n, float alpha, float *x,
+                      stk_err *err)
+{
+    return launch(be, "cuda scale", n, err, scale_kernel, n, alpha, x);
+}
+
+// Pass one: each block's sum of squares into partial[blockIdx.x].
+static __global__ void sumsq_partial_kernel(const float *x, size_t n,
+                                            double *partial)
+{
+    double s = 0.0;
+    for (size_t i = first_index(); i < n; i += index_step())
+        s += (double)x[i] * x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0)
+        partial[blockIdx.x] = s;
+}
+
+// Two passes with a grid fixed by n, so the sum repeats exactly run to run.
+static int cuda_sumsq(stk_backend *be, const float *x, size_t n, double *out,
+                      stk_err *err)
+{
+    const char *op = "cuda sumsq";
+    *out = 0.0;
+    if (n == 0)
+        return 0;
+    unsigned blocks = grid_for(n);
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    double *partial = scratch_array<double>(be);
+    sumsq_partial_kernel<<<blocks, THREADS, 0, s>>>(x, n, partial);
+    if ((rc = launched(op, err)))
+        return rc;
+    sum_kernel<double>
+        <<<1, THREADS, 0, s>>>(partial, blocks, scratch_result(be));
+    if ((rc = launched(op, err)))
+        return rc;
+    reduce_result host;
+    if ((rc = fetch_result(be, &host, op, err)))
+        return rc;
+    *out = host.sum;
+    return 0;
+}
+
+// ---- optimizers ------------------------------------------------------------
+
+static __global__ void sgd_kernel(float *w, const float *g, float *buf,
+                                  size_t n, stk_sgd_cfg cfg)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        stk_sgd1(w, g, buf, i, &cfg);
+}
+
+static int cuda_sgd(stk_backend *be, float *w, const float *g, float *buf,
+                    size_t n, const stk_sgd_cfg *cfg, stk_err *err)
+{
+    return launch(be, "cuda sgd", n, err, sgd_kernel, w, g, buf, n, *cfg);
+}
+
+static __global__ void adamw_kernel(float *w, const float *g, float *m,
+                                    float *v, size_t n, stk_adamw_cfg cfg)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        stk_adamw1(w, g, m, v, i, &cfg);
+}
+
+static int cuda_adamw(stk_backend *be, float *w, const float *g, float *m,
+                      float *v, size_t n, const stk_adamw_cfg *cfg,
+                      stk_err *err)
+{
+    return launch(be, "cuda adamw", n, err, adamw_kernel, w, g, m, v, n, *cfg);
+}
+
+// ---- the table and init ----------------------------------------------------
+
+// The table, filled by member name so that it cannot drift out of order
+// (constexpr: built at compile time, no initialisation order to worry about).
+static constexpr backend_ops cuda_ops_table()
+{
+    backend_ops o = {};
+    o.destroy = cuda_destroy;
+    o.alloc = cuda_alloc;
+    o.free = cuda_free;
+    o.host_alloc = cuda_host_alloc;
+    o.host_free = cuda_host_free;
+    o.copy = cuda_copy;
+    o.memzero = cuda_memzero;
+    o.sync = cuda_sync;
+    o.gemm = cuda_gemm;
+    o.relu_fwd = cuda_relu_fwd;
+    o.relu_bwd = cuda_relu_bwd;
+    o.bias_add = cuda_bias_add;
+    o.bias_grad = cuda_bias_grad;
+    o.im2col = cuda_im2col;
+    o.col2im = cuda_col2im;
+    o.swap01 = cuda_swap01;
+    o.maxpool_fwd = cuda_maxpool_fwd;
+    o.maxpool_bwd = cuda_maxpool_bwd;
+    o.dropout = cuda_dropout;
+    o.xent = cuda_xent;
+    o.transform = cuda_transform;
+    o.axpy = cuda_axpy;
+    o.scale = cuda_scale;
+    o.sumsq = cuda_sumsq;
+    o.sgd = cuda_sgd;
+    o.adamw = cuda_adamw;
+    return o;
+}
+
+static constexpr backend_ops cuda_ops = cuda_ops_table();
+
+// Why cudaSetDevice failed, in the words of --device: no GPU here, no such
+// device number, or a GPU that CUDA cannot use.
+static int explain_set_device(int device, cudaError_t e, stk_err *err)
+{
+    (void)cudaGetLastError();
+    int count = 0;
+    stk_err why = {0, {0}};
+    int rc = stk_cuda_device_count(&count, &why);
+    if (rc == STK_ENODEV) // why.msg says "no CUDA device ..."
+        return stk_fail(err, STK_ENODEV, "--device cuda: %s", why.msg);
+    if (rc == 0 && (device < 0 || device >= count))
+        return stk_fail(err, STK_ENODEV,
+                        "--device cuda:%d: no such device (this machine has "
+                        "%d, numbered from 0)",
+                        device, count);
+    return stk_fail(err, STK_EIO, "--device cuda:%d: cudaSetDevice: %s (%s)",
+                    device, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+static int impl_create(cuda_impl *cu, stk_err *err)
+{
+    const char *op = "--device cuda: backend init";
+    cudaStream_t s = NULL; // handles are kept only once valid
+    CUDA_TRY(op, cudaStreamCreateWithFlags, (&s, cudaStreamNonBlocking));
+    cu->stream = s;
+    cublasHandle_t h = NULL;
+    int rc = blas_check(cublasCreate(&h), op, "cublasCreate", err);
+    if (rc)
+        return rc;
+    cu->blas = h;
+    rc = blas_check(cublasSetStream(cu->blas, cu->stream), op,
+                    "cublasSetStream", err);
+    if (!rc)
+        rc = blas_check(cublasSetMathMode(cu->blas, CUBLAS_DEFAULT_MATH), op,
+                        "cublasSetMathMode", err);
+    return rc;
+}
+
+// Selects the device before any other CUDA call (so nothing lands on GPU 0
+// by accident), then creates the stream and the cuBLAS handle bound to it.
+extern "C" int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err)
+{
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess)
+        return explain_set_device(device, e, err);
+    cuda_impl *cu = (cuda_impl *)calloc(1, sizeof *cu);
+    if (!cu)
+        return stk_fail(err, STK_ENOMEM, "--device cuda: out of memory");
+    int rc = impl_create(cu, err);
+    if (rc) {
+        impl_release(cu);
+        return rc;
+    }
+    be->impl = cu;
+    be->ops = &cuda_ops;
+    return 0;
+}
