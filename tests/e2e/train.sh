@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# train on Fashion-MNIST: it learns, writes metrics and atomic checkpoints
+# (PyTorch-named safetensors), a resumed run ends with the same weights as an
+# uninterrupted one, and bad input (a model that does not fit, a checkpoint
+# of another model, a NaN loss, flags, no GPU) is a clear error.
+source "$STK_SRC/tests/e2e/lib.sh"
+T="$STK_BIN/train"
+"$STK_BIN/prep" --quiet "$FASHION" db
+common=(--db db --model mlp --batch 256 --workers 2 --quiet --log-every 20)
+
+"$T" "${common[@]}" --epochs 1 --out run1 > out.txt
+cat out.txt
+$PY - <<'PY' || fail "first run"
+import json, os
+lines = [json.loads(l) for l in open("run1/metrics.jsonl")]
+steps = [l for l in lines if l["type"] == "step"]
+epochs = [l for l in lines if l["type"] == "epoch"]
+assert len(epochs) == 1 and epochs[0]["test_samples"] == 10000, epochs
+assert epochs[0]["test_acc"] > 0.80, epochs[0]            # it learns
+assert steps[0]["loss"] > steps[-1]["loss"], (steps[0], steps[-1])
+assert [s["step"] for s in steps] == list(range(20, 235, 20)), [s["step"] for s in steps]
+ck = sorted(os.listdir("run1/checkpoints"))
+assert ck == ["BEST", "step-00000235"], ck
+assert sorted(os.listdir("run1/checkpoints/step-00000235")) == ["model.safetensors", "optim.safetensors", "state.json"]
+st = json.load(open("run1/checkpoints/step-00000235/state.json"))
+assert st["epoch"] == 1 and st["step"] == 235 and st["loader"] == {"epoch": 1, "batch": 0}, st
+print(f"ok: 1 epoch: test accuracy {epochs[0]['test_acc']:.4f}, loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
+PY
+grep -q "test accuracy" out.txt || fail "no summary line"
+
+# resume: 2 epochs straight, or 1 epoch then --resume auto, same weights
+const=(--schedule constant --warmup 0 --lr 0.05)
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --out straight
+"$T" "${common[@]}" "${const[@]}" --epochs 1 --out resumed
+"$T" --db db --model mlp --batch 256 --workers 2 --log-every 20 "${const[@]}" \
+  --epochs 2 --out resumed --resume auto 2> resume.txt
+grep -q "resumed from resumed/checkpoints/step-00000235 (epoch 2, step 235)" resume.txt \
+  || fail "resume message: $(cat resume.txt)"
+cmp straight/checkpoints/step-00000470/model.safetensors resumed/checkpoints/step-00000470/model.safetensors \
+  || fail "resumed run ends with different weights"
+cmp straight/checkpoints/step-00000470/optim.safetensors resumed/checkpoints/step-00000470/optim.safetensors \
+  || fail "resumed run ends with a different optimizer state"
+ok "1 epoch + --resume auto ends with the same weights and momentum as 2 epochs"
+
+# adamw, the cnn with augmentation and a few steps: they run
+"$T" --db db --model mlp --optim adamw --lr 0.001 --weight-decay 0.01 --epochs 1 --quiet --out adamw > /dev/null
+"$T" --db db --model cnn --augment --max-steps 5 --batch 32 --quiet --out cnn > /dev/null
+ok "adamw and cnn --augment run"
+
+# bad input
+printf 'conv 8 30\nflatten\nlinear classes\n' > big.txt
+expect_fail "conv1: a 30x30 kernel does not fit its 1x28x28 input" "$T" --db db --model big.txt --out x
+printf 'conv 8 3\nwobble\n' > typo.txt
+expect_fail "typo.txt:2: cannot read this layer" "$T" --db db --model typo.txt --out x
+expect_fail "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
+  "$T" --db db --model cnn --init-from run1/checkpoints/step-00000235/model.safetensors --out x
+expect_fail "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \
+  "$T" "${common[@]}" --epochs 3 --out run1 --resume auto --lr 90 --schedule constant --warmup 0
+[ -f run1/checkpoints/step-00000235/model.safetensors ] || fail "the good checkpoint is gone"
+expect_fail "--optim: expected sgd or adamw, got 'lion'" "$T" --db db --optim lion
+expect_fail "--lr: expected a number" "$T" --db db --lr fast
+expect_fail "unknown option '--turbo'" "$T" --db db --turbo
+expect_fail "--db DB_DIR is required" "$T" --epochs 1
+expect_fail "--device cuda: (no CUDA device|this stoke was built without CUDA)" "$T" --db db --device cuda --out x
+"$STK_BIN/prep" --quiet --format folder "$STK_SRC/tests/e2e" notadb 2>/dev/null || true
+mkdir onesplit && $PY "$STK_SRC/tests/e2e/make_folder.py" onesplit/raw 50 28 && "$STK_BIN/prep" --quiet onesplit/raw onesplit/db
+expect_fail "onesplit/db: needs splits \"train\" and \"test\"" "$T" --db onesplit/db --out x
+expect_fail "nodb: not a stoke database" "$T" --db nodb
+ok "bad input refused"
