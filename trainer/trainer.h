@@ -54,7 +54,7 @@ int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
 
 /* One parameter tensor: a view into the model's parameter buffer. */
 typedef struct stk_param {
-    char name[STK_NAME_MAX];
+    char name[STK_NAME_MAX + 16]; /* layer name + ".weight" */
     int ndim, shape[4];
     size_t offset, count; /* in floats, within the flat buffers */
 } stk_param;
