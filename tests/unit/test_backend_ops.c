@@ -1,0 +1,282 @@
+/* test_backend_ops - every op on the CUDA backend against the CPU backend
+ * (the reference), on the same inputs. Exits 77 (skipped) where there is no
+ * GPU or no CUDA build, saying why. Element-wise ops must agree exactly
+ * (the same shared bodies, no FMA contraction); GEMM and reductions within
+ * a normalised error. */
+#include "unit.h"
+
+#include "kernels/kernels.h"
+
+#include <math.h>
+
+static stk_backend *cpu, *gpu;
+
+static float *dev_copy(const void *host, size_t bytes)
+{
+    stk_err err;
+    void *d = stk_dev_alloc(gpu, bytes, &err);
+    assert_non_null(d);
+    assert_int_equal(stk_copy_to_dev(gpu, d, host, bytes, &err), 0);
+    return d;
+}
+
+static void *host_copy(const void *dev, size_t bytes)
+{
+    stk_err err;
+    void *h = malloc(bytes);
+    assert_int_equal(stk_copy_to_host(gpu, h, dev, bytes, &err), 0);
+    assert_int_equal(stk_sync(gpu, &err), 0);
+    return h;
+}
+
+static void fill(float *x, size_t n, uint32_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = 2.0f * stk_philox_uniform((stk_philox_key){seed, 7}, 0, i) - 1.0f;
+}
+
+/* max |a-b| / max(1, max |b|) */
+static double nerr(const float *a, const float *b, size_t n)
+{
+    double worst = 0, scale = 1;
+    for (size_t i = 0; i < n; i++) {
+        scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
+        double d = fabs((double)a[i] - b[i]);
+        if (d != d)
+            return INFINITY;
+        worst = d > worst ? d : worst;
+    }
+    return worst / scale;
+}
+
+static void gemm_agrees(void **state)
+{
+    (void)state;
+    int m = 33, n = 70, k = 45;
+    float *a = malloc(sizeof(float) * m * k), *b = malloc(sizeof(float) * k * n),
+          *c = malloc(sizeof(float) * m * n);
+    fill(a, (size_t)m * k, 1);
+    fill(b, (size_t)k * n, 2);
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            fill(c, (size_t)m * n, 3);
+            float *da = dev_copy(a, sizeof(float) * m * k),
+                  *db = dev_copy(b, sizeof(float) * k * n),
+                  *dc = dev_copy(c, sizeof(float) * m * n);
+            stk_err err;
+            int lda = ta ? m : k, ldb = tb ? k : n;
+            assert_int_equal(stk_gemm(cpu, ta, tb, m, n, k, 0.7f, a, lda, b, ldb,
+                                      0.3f, c, n, &err), 0);
+            assert_int_equal(stk_gemm(gpu, ta, tb, m, n, k, 0.7f, da, lda, db, ldb,
+                                      0.3f, dc, n, &err), 0);
+            float *got = host_copy(dc, sizeof(float) * m * n);
+            assert_true(nerr(got, c, (size_t)m * n) < 1e-5);
+            free(got);
+            stk_dev_free(gpu, da), stk_dev_free(gpu, db), stk_dev_free(gpu, dc);
+        }
+    free(a), free(b), free(c);
+}
+
+static void elementwise_ops_agree_exactly(void **state)
+{
+    (void)state;
+    enum { N = 4 * 6 * 7 * 9 };
+    float x[N], y[N], dy[N], dx[N];
+    fill(x, N, 4);
+    fill(dy, N, 5);
+    stk_err err;
+    float *dxs = dev_copy(x, sizeof x), *dys = dev_copy(dy, sizeof dy);
+    float *dyo = dev_copy(x, sizeof x), *ddx = dev_copy(x, sizeof x);
+    /* relu forward and backward */
+    assert_int_equal(stk_relu_fwd(cpu, x, y, N, &err), 0);
+    assert_int_equal(stk_relu_fwd(gpu, dxs, dyo, N, &err), 0);
+    float *got = host_copy(dyo, sizeof y);
+    assert_memory_equal(got, y, sizeof y);
+    free(got);
+    assert_int_equal(stk_relu_bwd(cpu, y, dy, dx, N, &err), 0);
+    assert_int_equal(stk_relu_bwd(gpu, dyo, dys, ddx, N, &err), 0);
+    got = host_copy(ddx, sizeof dx);
+    assert_memory_equal(got, dx, sizeof dx);
+    free(got);
+    /* dropout and dropout2d */
+    for (size_t group = 1; group <= 63; group += 62) {
+        memcpy(y, x, sizeof x);
+        assert_int_equal(stk_copy_to_dev(gpu, dyo, x, sizeof x, &err), 0);
+        assert_int_equal(stk_dropout(cpu, y, N, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
+        assert_int_equal(stk_dropout(gpu, dyo, N, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
+        got = host_copy(dyo, sizeof y);
+        assert_memory_equal(got, y, sizeof y);
+        free(got);
+    }
+    /* bias add and bias grad: rows 4, cols 6, inner 63 */
+    float b[6], db[6] = {0}, gdb[6];
+    fill(b, 6, 6);
+    float *dbias = dev_copy(b, sizeof b), *ddb = dev_copy(db, sizeof db);
+    memcpy(y, x, sizeof x);
+    assert_int_equal(stk_copy_to_dev(gpu, dyo, x, sizeof x, &err), 0);
+    assert_int_equal(stk_bias_add(cpu, y, b, 4, 6, 63, &err), 0);
+    assert_int_equal(stk_bias_add(gpu, dyo, dbias, 4, 6, 63, &err), 0);
+    got = host_copy(dyo, sizeof y);
+    assert_memory_equal(got, y, sizeof y);
+    free(got);
+    assert_int_equal(stk_bias_grad(cpu, dy, db, 4, 6, 63, &err), 0);
+    assert_int_equal(stk_bias_grad(gpu, dys, ddb, 4, 6, 63, &err), 0);
+    float *g6 = host_copy(ddb, sizeof gdb);
+    assert_true(nerr(g6, db, 6) < 1e-6);
+    free(g6);
+    stk_dev_free(gpu, dxs), stk_dev_free(gpu, dys), stk_dev_free(gpu, dyo);
+    stk_dev_free(gpu, ddx), stk_dev_free(gpu, dbias), stk_dev_free(gpu, ddb);
+}
+
+static void conv_helpers_agree_exactly(void **state)
+{
+    (void)state;
+    stk_conv_shape s = {3, 9, 8, 3, 3, 2, 1, 1, 1, 5, 8};
+    int n = 4;
+    size_t nx = (size_t)n * 3 * 9 * 8, ncol = (size_t)27 * n * 40;
+    float *x = malloc(nx * 4), *col = malloc(ncol * 4), *dx = malloc(nx * 4);
+    fill(x, nx, 8);
+    stk_err err;
+    float *dx_dev = dev_copy(x, nx * 4), *dcol = dev_copy(col, ncol * 4);
+    assert_int_equal(stk_im2col(cpu, x, &s, n, col, &err), 0);
+    assert_int_equal(stk_im2col(gpu, dx_dev, &s, n, dcol, &err), 0);
+    float *got = host_copy(dcol, ncol * 4);
+    assert_memory_equal(got, col, ncol * 4);
+    free(got);
+    assert_int_equal(stk_col2im(cpu, col, &s, n, dx, &err), 0);
+    assert_int_equal(stk_col2im(gpu, dcol, &s, n, dx_dev, &err), 0);
+    got = host_copy(dx_dev, nx * 4);
+    assert_memory_equal(got, dx, nx * 4);
+    free(got);
+    /* swap01 and max-pool */
+    float *sw = malloc(nx * 4), *dsw = dev_copy(x, nx * 4), *dsrc = dev_copy(x, nx * 4);
+    assert_int_equal(stk_swap01(cpu, x, sw, 4, 3, 72, &err), 0);
+    assert_int_equal(stk_swap01(gpu, dsrc, dsw, 4, 3, 72, &err), 0);
+    got = host_copy(dsw, nx * 4);
+    assert_memory_equal(got, sw, nx * 4);
+    free(got);
+    int32_t arg[12 * 4 * 4], *darg = (int32_t *)dev_copy(arg, sizeof arg);
+    float py[12 * 4 * 4], *dpy = dev_copy(py, sizeof py);
+    assert_int_equal(stk_maxpool_fwd(cpu, x, 12, 9, 8, 2, 2, py, arg, &err), 0);
+    assert_int_equal(stk_maxpool_fwd(gpu, dsrc, 12, 9, 8, 2, 2, dpy, darg, &err), 0);
+    got = host_copy(dpy, sizeof py);
+    assert_memory_equal(got, py, sizeof py);
+    free(got);
+    assert_int_equal(stk_maxpool_bwd(cpu, py, arg, 12, 9, 8, 4, 4, dx, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(gpu, dpy, darg, 12, 9, 8, 4, 4, dx_dev, &err), 0);
+    got = host_copy(dx_dev, nx * 4);
+    assert_memory_equal(got, dx, nx * 4);
+    free(got);
+    stk_dev_free(gpu, dx_dev), stk_dev_free(gpu, dcol), stk_dev_free(gpu, dsw);
+    stk_dev_free(gpu, dsrc), stk_dev_free(gpu, darg), stk_dev_free(gpu, dpy);
+    free(x), free(col), free(dx), free(sw);
+}
+
+static void xent_transform_and_optimizers_agree(void **state)
+{
+    (void)state;
+    enum { N = 37, C = 10 };
+    float z[N * C], dz[N * C], loss, gloss;
+    int32_t labels[N];
+    fill(z, N * C, 9);
+    for (int i = 0; i < N; i++)
+        labels[i] = (i * 7) % C;
+    stk_err err;
+    float *dzs = dev_copy(z, sizeof z), *ddz = dev_copy(z, sizeof z);
+    int32_t *dl = (int32_t *)dev_copy(labels, sizeof labels);
+    assert_int_equal(stk_xent(cpu, z, labels, N, C, &loss, dz, &err), 0);
+    assert_int_equal(stk_xent(gpu, dzs, dl, N, C, &gloss, ddz, &err), 0);
+    assert_true(fabs(gloss - loss) <= 1e-6 * fabs(loss));
+    float *got = host_copy(ddz, sizeof dz);
+    assert_true(nerr(got, dz, N * C) < 1e-6); /* expf/logf may differ by ulps */
+    free(got);
+    /* the input transform, with crop and flip */
+    enum { S = 9, CH = 3, H = 10, W = 12 };
+    uint8_t img[S * CH * H * W];
+    uint64_t ids[S];
+    for (int i = 0; i < (int)sizeof img; i++)
+        img[i] = (uint8_t)(i * 31);
+    for (int i = 0; i < S; i++)
+        ids[i] = 77 + (uint64_t)i * 13;
+    stk_transform t = {CH, H, W, {0.2f, 0.4f, 0.6f}, {3.0f, 2.0f, 1.0f}, 2, 1, {5, 6}, 4};
+    float out[S * CH * H * W];
+    uint8_t *dimg = (uint8_t *)dev_copy(img, sizeof img);
+    uint64_t *dids = (uint64_t *)dev_copy(ids, sizeof ids);
+    float *dout = dev_copy(out, sizeof out);
+    assert_int_equal(stk_transform_batch(cpu, img, ids, S, &t, out, &err), 0);
+    assert_int_equal(stk_transform_batch(gpu, dimg, dids, S, &t, dout, &err), 0);
+    got = host_copy(dout, sizeof out);
+    assert_memory_equal(got, out, sizeof out);
+    free(got);
+    /* SGD (nesterov, weight decay) and AdamW: same floats */
+    float w[100], g[100], buf[100] = {0}, m[100] = {0}, v[100] = {0};
+    fill(w, 100, 10);
+    fill(g, 100, 11);
+    float *dw = dev_copy(w, sizeof w), *dg = dev_copy(g, sizeof g),
+          *dbuf = dev_copy(buf, sizeof buf), *dm = dev_copy(m, sizeof m),
+          *dv = dev_copy(v, sizeof v);
+    stk_sgd_cfg sc = {0.1f, 0.9f, 0.01f, 1, 1};
+    stk_adamw_cfg ac = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 0.1f, sqrtf(0.001f)};
+    assert_int_equal(stk_sgd_step(cpu, w, g, buf, 100, &sc, &err), 0);
+    assert_int_equal(stk_sgd_step(gpu, dw, dg, dbuf, 100, &sc, &err), 0);
+    assert_int_equal(stk_adamw_step(cpu, w, g, m, v, 100, &ac, &err), 0);
+    assert_int_equal(stk_adamw_step(gpu, dw, dg, dm, dv, 100, &ac, &err), 0);
+    got = host_copy(dw, sizeof w);
+    assert_true(nerr(got, w, 100) < 1e-6); /* sqrtf and division may round differently */
+    free(got);
+    double ss, gss;
+    assert_int_equal(stk_sumsq(cpu, w, 100, &ss, &err), 0);
+    assert_int_equal(stk_sumsq(gpu, dw, 100, &gss, &err), 0);
+    assert_true(fabs(ss - gss) <= 1e-6 * ss);
+    stk_dev_free(gpu, dzs), stk_dev_free(gpu, ddz), stk_dev_free(gpu, dl);
+    stk_dev_free(gpu, dimg), stk_dev_free(gpu, dids), stk_dev_free(gpu, dout);
+    stk_dev_free(gpu, dw), stk_dev_free(gpu, dg), stk_dev_free(gpu, dbuf);
+    stk_dev_free(gpu, dm), stk_dev_free(gpu, dv);
+}
+
+static void pinned_memory_round_trip(void **state)
+{
+    (void)state;
+    size_t n = 1 << 20;
+    uint8_t *p = stk_pinned_alloc(gpu, n);
+    assert_non_null(p);
+    for (size_t i = 0; i < n; i++)
+        p[i] = (uint8_t)(i * 7);
+    stk_err err;
+    void *d = stk_dev_alloc(gpu, n, &err);
+    assert_int_equal(stk_copy_to_dev(gpu, d, p, n, &err), 0);
+    uint8_t *back = host_copy(d, n);
+    assert_memory_equal(back, p, n);
+    free(back);
+    stk_dev_free(gpu, d);
+    stk_pinned_free(gpu, p);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(gemm_agrees),
+    cmocka_unit_test(elementwise_ops_agree_exactly),
+    cmocka_unit_test(conv_helpers_agree_exactly),
+    cmocka_unit_test(xent_transform_and_optimizers_agree),
+    cmocka_unit_test(pinned_memory_round_trip),
+};
+
+int main(int argc, char **argv)
+{
+    stk_err err = {0};
+    int n = 0, rc = stk_cuda_device_count(&n, &err);
+    if (rc == STK_ENODEV) {
+        printf("SKIP: %s\n", err.msg);
+        return 77;
+    }
+    if (rc || stk_backend_create(STK_DEV_CPU, 0, 1, &cpu, &err) ||
+        stk_backend_create(STK_DEV_CUDA, 0, 0, &gpu, &err)) {
+        printf("FAIL: %s\n", err.msg);
+        return 1;
+    }
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    rc = cmocka_run_group_tests(tests, NULL, NULL);
+    stk_backend_destroy(gpu);
+    stk_backend_destroy(cpu);
+    return rc;
+}
