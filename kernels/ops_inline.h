@@ -286,14 +286,18 @@ STK_HD void stk_sgd1(float *w, const float *g, float *buf, size_t i,
 typedef struct stk_adamw_cfg {
     float lr, beta1, beta2, eps, weight_decay;
     float bias1, sqrt_bias2; /* 1 - beta1^t and sqrt(1 - beta2^t) */
+    /* 1 - beta1 and 1 - beta2 computed in double, as PyTorch does: in float
+     * 1 - 0.999f is 0.0009999871, which no longer cancels against the
+     * double bias correction (steps 6.7e-6 too large) */
+    float one_minus_beta1, one_minus_beta2;
 } stk_adamw_cfg;
 
 STK_HD void stk_adamw1(float *w, const float *g, float *m, float *v, size_t i,
                        const stk_adamw_cfg *c)
 {
     w[i] *= 1.0f - c->lr * c->weight_decay;
-    m[i] = c->beta1 * m[i] + (1.0f - c->beta1) * g[i];
-    v[i] = c->beta2 * v[i] + (1.0f - c->beta2) * g[i] * g[i];
+    m[i] = c->beta1 * m[i] + c->one_minus_beta1 * g[i];
+    v[i] = c->beta2 * v[i] + c->one_minus_beta2 * g[i] * g[i];
     float denom = sqrtf(v[i]) / c->sqrt_bias2 + c->eps;
     w[i] -= (c->lr / c->bias1) * m[i] / denom;
 }

@@ -32,6 +32,7 @@ struct stk_model {
     float *dlogits;
     const float *x;         /* the last forward input */
     int n;                  /* and its batch size */
+    bool train;             /* and whether dropout was applied */
 };
 
 static size_t out_size(const layer *l) { return (size_t)l->oc * l->oh * l->ow; }
@@ -333,6 +334,7 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
                         m->max_batch);
     m->x = x;
     m->n = n;
+    m->train = train;
     const float *cur = x;
     for (int i = 0; i < m->nl; i++) {
         int rc = layer_forward(m, i, cur, n, train, key, stream, err);
@@ -412,6 +414,8 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
     case STK_L_DROPOUT:
     case STK_L_DROPOUT2D:
         *dx_out = dy;
+        if (!m->train) /* the forward pass was the identity */
+            return 0;
         return stk_dropout(m->be, dy, total,
                            l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1,
                            l->s.p, key, layer_stream(stream, i), err);

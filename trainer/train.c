@@ -132,9 +132,10 @@ static int optimizer_step(run_state *r, float lr, stk_err *err)
         stk_sgd_cfg c = {lr, o->momentum, o->weight_decay, o->nesterov, r->step == 0};
         return stk_sgd_step(r->be, w, g, r->state1, n, &c, err);
     }
-    double t = (double)r->step + 1;
-    stk_adamw_cfg c = {lr, 0.9f, 0.999f, 1e-8f, o->weight_decay,
-                       (float)(1.0 - pow(0.9, t)), (float)sqrt(1.0 - pow(0.999, t))};
+    double t = (double)r->step + 1, b1 = 0.9, b2 = 0.999;
+    stk_adamw_cfg c = {lr, (float)b1, (float)b2, 1e-8f, o->weight_decay,
+                       (float)(1.0 - pow(b1, t)), (float)sqrt(1.0 - pow(b2, t)),
+                       (float)(1.0 - b1), (float)(1.0 - b2)};
     return stk_adamw_step(r->be, w, g, r->state1, r->state2, n, &c, err);
 }
 

@@ -216,7 +216,8 @@ static void xent_transform_and_optimizers_agree(void **state)
           *dbuf = dev_copy(buf, sizeof buf), *dm = dev_copy(m, sizeof m),
           *dv = dev_copy(v, sizeof v);
     stk_sgd_cfg sc = {0.1f, 0.9f, 0.01f, 1, 1};
-    stk_adamw_cfg ac = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 0.1f, sqrtf(0.001f)};
+    stk_adamw_cfg ac = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 0.1f, sqrtf(0.001f),
+                        (float)(1 - 0.9), (float)(1 - 0.999)};
     assert_int_equal(stk_sgd_step(cpu, w, g, buf, 100, &sc, &err), 0);
     assert_int_equal(stk_sgd_step(gpu, dw, dg, dbuf, 100, &sc, &err), 0);
     assert_int_equal(stk_adamw_step(cpu, w, g, m, v, 100, &ac, &err), 0);

@@ -550,15 +550,15 @@ static void optimizers_follow_pytorch_rules(void **state)
     stk_sgd_cfg sn = {0.1f, 0.9f, 0.0f, 1, 1};
     assert_int_equal(stk_sgd_step(be, wn, g, bn, 1, &sn, &err), 0);
     assert_true(fabs(wn[0] - (1.0 - 0.1 * (0.5 + 0.9 * 0.5))) < 1e-6);
-    /* AdamW, step 1: w = w(1 - lr wd) - lr * m1/(1-b1) / (sqrt(v1/(1-b2)) + eps) */
+    /* AdamW, step 1 at lr 1 (so an error in the step shows at full size):
+     * w = w(1 - lr wd) - lr * m1/(1-b1) / (sqrt(v1/(1-b2)) + eps) */
     float wa[1] = {1.0f}, m[1] = {0}, v[1] = {0};
-    stk_adamw_cfg a = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 1 - 0.9f,
-                       sqrtf(1 - 0.999f)};
+    stk_adamw_cfg a = {1.0f, 0.9f, 0.999f, 1e-8f, 0.1f, (float)(1 - 0.9),
+                       (float)sqrt(1 - 0.999), (float)(1 - 0.9), (float)(1 - 0.999)};
     assert_int_equal(stk_adamw_step(be, wa, g, m, v, 1, &a, &err), 0);
     double mm = 0.1 * 0.5, vv = 0.001 * 0.25;
-    double want = 1.0 * (1 - 0.01 * 0.1) -
-                  0.01 / 0.1 * mm / (sqrt(vv) / sqrt(0.001) + 1e-8);
-    assert_true(fabs(wa[0] - want) < 1e-6);
+    double want = 1.0 * (1 - 1.0 * 0.1) - 1.0 / 0.1 * mm / (sqrt(vv) / sqrt(0.001) + 1e-8);
+    assert_true(fabs(wa[0] - want) < 2e-7 * fabs(want) + 1e-7);
 }
 
 static void reductions(void **state)

@@ -1,0 +1,191 @@
+"""PyTorch references for the end-to-end tests (torch_parity.py,
+torch_checkpoint.py): the built-in networks as torch.nn.Modules with the
+same parameter names as stoke's checkpoints, a safetensors reader/writer
+(no safetensors package here), the training sampler of docs/loader.md, and
+the input transform. Uses Debian's python3-torch (CPU)."""
+import json, os, shutil, struct, subprocess
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stoke_test as t
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+MASK64 = (1 << 64) - 1
+
+
+# ---- the models (trainer/spec.c's built-ins) -------------------------------
+
+class CNN(nn.Module):
+    """PyTorch's DDP tutorial network, as stoke's built-in "cnn"."""
+
+    def __init__(self, classes=10, dropout=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.fc1 = nn.Linear(1600, 500)
+        self.fc2 = nn.Linear(500, classes)
+        self.dropout = dropout
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = self.conv2(x)
+        if self.dropout:
+            x = F.dropout2d(x, 0.5, self.training)
+        x = F.relu(F.max_pool2d(x, 2))
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        if self.dropout:
+            x = F.dropout(x, 0.5, self.training)
+        return self.fc2(x)
+
+
+class MLP(nn.Module):
+    """stoke's built-in "mlp": 784 -> 256 -> 128 -> classes."""
+
+    def __init__(self, classes=10, dropout=True):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.fc2 = nn.Linear(256, 128)
+        self.fc3 = nn.Linear(128, classes)
+
+    def forward(self, x):
+        x = torch.flatten(x, 1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+MODELS = {"cnn": CNN, "mlp": MLP}
+
+
+# ---- safetensors (F32 only) --------------------------------------------------
+
+def save_safetensors(path, tensors, metadata=None):
+    """tensors: {name: torch or numpy array}; written as F32 in the given
+    order, the header padded to 8 bytes."""
+    header, blobs, off = {"__metadata__": metadata or {"format": "pt"}}, [], 0
+    for name, v in tensors.items():
+        a = np.ascontiguousarray(
+            v.detach().cpu().numpy() if torch.is_tensor(v) else v, dtype="<f4")
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    js = json.dumps(header, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(js)) + js + b"".join(blobs))
+
+
+def load_safetensors(path):
+    """{name: torch.float32 tensor} and the metadata dict."""
+    data = open(path, "rb").read()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, e in header.items():
+        assert e["dtype"] == "F32", (path, name, e["dtype"])
+        b, en = e["data_offsets"]
+        a = np.frombuffer(data, "<f4", (en - b) // 4, 8 + n + b)
+        out[name] = torch.from_numpy(a.reshape(e["shape"]).copy())
+    return out, meta
+
+
+# ---- data -----------------------------------------------------------------------
+
+def splitmix64(state):
+    """One SplitMix64 step: (new state, output)."""
+    state = (state + 0x9E3779B97F4A7C15) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+def permutation(n, seed, epoch):
+    """The training order of docs/loader.md for (seed, epoch) (world 1)."""
+    _, s = splitmix64(seed & MASK64)
+    state = s ^ ((epoch * 0xD1B54A32D192ED03) & MASK64)
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        bound = i + 1
+        state, r = splitmix64(state)
+        m = r * bound
+        low = m & MASK64
+        if low < bound:
+            threshold = (-bound & MASK64) % bound
+            while low < threshold:
+                state, r = splitmix64(state)
+                m = r * bound
+                low = m & MASK64
+        j = m >> 64
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def make_db(path):
+    """A Fashion-MNIST stoke database at path (reused when complete)."""
+    if not is_complete(path):
+        shutil.rmtree(path, ignore_errors=True)
+        subprocess.run([os.path.join(os.environ["STK_BIN"], "prep"), "--quiet",
+                        FASHION, path], check=True)
+    return path
+
+
+def is_complete(path):
+    """Whether the documented reader accepts path."""
+    try:
+        t.formats_reader()["open_stoke"](path)
+        return True
+    except Exception:
+        return False
+
+
+def load_split(db, split):
+    """(uint8 images [N, C, H, W], int64 labels [N], meta) of a split, read
+    with the documented Python reader (one transaction, cursor order)."""
+    r = t.formats_reader()
+    env, meta = r["open_stoke"](db)
+    c, h, w = meta["record"]["shape"]
+    count = meta["splits"][split]["count"]
+    x = np.empty((count, c, h, w), np.uint8)
+    y = np.empty(count, np.int64)
+    with env.begin(db=env.open_db(split.encode())) as txn:
+        for i, (k, v) in enumerate(txn.cursor()):
+            assert struct.unpack(">Q", k)[0] == i
+            label, n = struct.unpack_from("<iI", v, 0)
+            assert n == c * h * w and len(v) == 8 + n
+            y[i] = label
+            x[i] = np.frombuffer(v, np.uint8, n, 8).reshape(c, h, w)
+    assert i == count - 1
+    return x, y, meta
+
+
+def normalizer(meta):
+    """x uint8 [N, C, H, W] -> float32 tensor, as stoke's transform:
+    (pixel / 255 - mean[c]) * (1 / std[c]) in float32, from the train
+    split's statistics."""
+    st = meta["splits"]["train"]
+    mean = np.array(st["mean"], np.float32).reshape(1, -1, 1, 1)
+    inv = (np.float32(1) / np.array([s if s > 0 else 1 for s in st["std"]],
+                                    np.float32)).reshape(1, -1, 1, 1)
+
+    def f(x):
+        v = x.astype(np.float32) / np.float32(255)
+        return torch.from_numpy(((v - mean) * inv).astype(np.float32))
+    return f
+
+
+def metrics(run_dir):
+    return [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def train(db, out, *args):
+    """Runs stoke's train into a fresh out; returns its metrics lines."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [os.path.join(os.environ["STK_BIN"], "train"), "--db", db,
+           "--out", out, "--quiet", *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"FAIL: {' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    return metrics(out)
