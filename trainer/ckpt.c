@@ -1,6 +1,7 @@
 /* ckpt.c - checkpoints of a run: RUN_DIR/checkpoints/step-NNNNNNNN/ holds
- * model.safetensors (PyTorch names), optim.safetensors (momentum buffers or
- * AdamW moments, named like torch.optim's state) and state.json (epoch,
+ * model.safetensors (PyTorch names), optim.safetensors (momentum buffers,
+ * or AdamW's exp_avg and exp_avg_sq, named after torch.optim's state) and
+ * state.json (epoch,
  * step, loader position, seed, best accuracy, configuration). A checkpoint
  * appears complete or not at all: it is written to a hidden directory,
  * synced and renamed. */
@@ -39,15 +40,29 @@ static int dev_to_host(run_state *r, const float *dev, float *host, stk_err *err
     return rc ? rc : stk_sync(r->be, err);
 }
 
-static int save_params(run_state *r, const float *dev, const char *path,
-                       const char *suffix, float *host, stk_err *err)
+/* Writes one or two parameter-shaped device buffers (dev2 may be NULL) as
+ * the tensors NAME+suffix (and NAME+suffix2) of one file. */
+static int save_params(run_state *r, const float *dev, const char *suffix,
+                       const float *dev2, const char *suffix2,
+                       const char *path, stk_err *err)
 {
-    stk_tensor t[MAX_TENSORS];
+    size_t np = stk_model_param_count(r->model);
+    float *host = malloc(np * (dev2 ? 2 : 1) * sizeof *host);
+    stk_tensor t[2 * MAX_TENSORS];
+    if (!host)
+        return stk_fail(err, STK_ENOMEM, "checkpoint: out of memory");
     int rc = dev_to_host(r, dev, host, err);
     int n = tensors(r, host, suffix, t);
-    return rc ? rc : stk_safetensors_write(path, t, n,
-                                           "{\"format\":\"pt\",\"producer\":\"stoke\"}",
-                                           err);
+    if (!rc && dev2) {
+        rc = dev_to_host(r, dev2, host + np, err);
+        n += tensors(r, host + np, suffix2, t + n);
+    }
+    if (!rc)
+        rc = stk_safetensors_write(path, t, n,
+                                   "{\"format\":\"pt\",\"producer\":\"stoke\"}",
+                                   err);
+    free(host);
+    return rc;
 }
 
 static int write_state(run_state *r, const char *path, stk_err *err)
@@ -116,19 +131,13 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     stk_remove_flat_dir(tmp, NULL);
     if (mkdir(tmp, 0775) != 0)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", tmp, strerror(errno));
-    float *host = malloc(stk_model_param_count(r->model) * sizeof(float));
-    if (!host)
-        return stk_fail(err, STK_ENOMEM, "checkpoint: out of memory");
     bool sgd = r->o->optim == STK_OPT_SGD;
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    int rc = save_params(r, stk_model_weights(r->model), path, "", host, err);
+    int rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, path, err);
     snprintf(path, sizeof path, "%s/optim.safetensors", tmp);
     if (!rc)
-        rc = save_params(r, r->state1, path, sgd ? ".momentum_buffer" : ".exp_avg", host, err);
-    if (!rc && !sgd) {
-        snprintf(path, sizeof path, "%s/optim2.safetensors", tmp);
-        rc = save_params(r, r->state2, path, ".exp_avg_sq", host, err);
-    }
+        rc = save_params(r, r->state1, sgd ? ".momentum_buffer" : ".exp_avg",
+                         sgd ? NULL : r->state2, ".exp_avg_sq", path, err);
     snprintf(path, sizeof path, "%s/state.json", tmp);
     if (!rc)
         rc = write_state(r, path, err);
@@ -145,7 +154,7 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     if (!rc && is_best) {
         char best[4200];
         snprintf(best, sizeof best, "%s/best.safetensors", r->o->out);
-        rc = save_params(r, stk_model_weights(r->model), best, "", host, err);
+        rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best, err);
         snprintf(best, sizeof best, "%s/checkpoints/BEST", r->o->out);
         FILE *f = fopen(best, "w");
         if (f) {
@@ -153,7 +162,6 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
             fclose(f);
         }
     }
-    free(host);
     if (rc) {
         stk_remove_flat_dir(tmp, NULL);
         return rc;
@@ -266,7 +274,6 @@ int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
     snprintf(path, sizeof path, "%s/optim.safetensors", dir);
     if (!rc)
         rc = load_params(r, r->state1, path, sgd ? ".momentum_buffer" : ".exp_avg", err);
-    snprintf(path, sizeof path, "%s/optim2.safetensors", dir);
     if (!rc && !sgd)
         rc = load_params(r, r->state2, path, ".exp_avg_sq", err);
     if (!rc && !r->o->quiet)

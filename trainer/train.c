@@ -23,8 +23,8 @@ void stk_train_defaults(stk_train_opts *o)
     o->batch = 64;
     o->workers = 2;
     o->optim = STK_OPT_ADAMW; /* 91.75% on Fashion-MNIST's cnn in 10 epochs */
-    o->lr = 0.002f;
-    o->weight_decay = 0.01f;
+    o->lr = -1;               /* per optimizer: see stk_train_resolve */
+    o->weight_decay = -1;
     o->momentum = 0.9f;
     o->sched = STK_SCHED_COSINE;
     o->warmup = 100;
@@ -475,10 +475,26 @@ static void teardown(run_state *r)
     stk_backend_destroy(r->be);
 }
 
-int stk_train_run(const stk_train_opts *o, stk_train_result *res, stk_err *err)
+/* The learning rate and weight decay left unset (negative) take the
+ * chosen optimizer's defaults: AdamW 0.002 and 0.01, SGD 0.02 and 0. */
+static stk_train_opts resolve(const stk_train_opts *in)
 {
-    if (o->epochs < 1 || o->batch < 1 || o->log_every < 1)
+    stk_train_opts o = *in;
+    bool adamw = o.optim == STK_OPT_ADAMW;
+    if (o.lr < 0)
+        o.lr = adamw ? 0.002f : 0.02f;
+    if (o.weight_decay < 0)
+        o.weight_decay = adamw ? 0.01f : 0.0f;
+    return o;
+}
+
+int stk_train_run(const stk_train_opts *in, stk_train_result *res,
+                  stk_err *err)
+{
+    if (in->epochs < 1 || in->batch < 1 || in->log_every < 1)
         return stk_fail(err, STK_EINVAL, "epochs, batch and log interval must be >= 1");
+    stk_train_opts o_resolved = resolve(in);
+    const stk_train_opts *o = &o_resolved;
     run_state r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);

@@ -110,7 +110,8 @@ typedef struct stk_train_opts {
     const char *model;        /* "cnn", "mlp" or a model file */
     int epochs, batch, workers;
     stk_optim optim;
-    float lr, momentum, weight_decay, clip; /* clip: max grad norm, 0 = off */
+    float lr, momentum, weight_decay, clip; /* clip: max grad norm, 0 = off;
+                                 lr, weight_decay < 0: the optimizer's default */
     bool nesterov;
     stk_sched sched;
     int warmup;               /* steps of linear warm-up */
