@@ -3,6 +3,7 @@
 #   scripts/sanitize.sh address,undefined     ASan + UBSan, all tests
 #   scripts/sanitize.sh thread                TSan, all but the timing-based
 #                                             interrupt test
+# (neither runs the PyTorch peer tests, label "peer")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 san=${1:-address,undefined}
@@ -14,9 +15,11 @@ cd "$dir"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
-skip=()
+# The peer tests (stoke against PyTorch) check numbers, not memory or
+# threads, and take minutes under the sanitizers: the plain run covers them.
+skip=(-LE peer)
 if [ "$san" = thread ]; then
-  skip=(-E interrupt)
+  skip+=(-E interrupt)
   # OpenBLAS's own thread pool synchronises by spinning on plain memory,
   # which TSan (not seeing inside the uninstrumented library) reports as
   # races; with one BLAS thread it runs in the caller and our own threads
