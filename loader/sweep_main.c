@@ -2,6 +2,7 @@
  * thin main over the loader: for each count, run whole epochs (optionally
  * with a simulated training step per batch) and report samples/s, MB/s, time
  * to first batch and data stall, as a table, JSON and an SVG chart. */
+#include "common/cli.h"
 #include "loader/loader.h"
 
 #include <cjson/cJSON.h>
@@ -36,26 +37,6 @@ static const char usage[] =
     "step of X ms per batch; --raw also times decoding RAW_DIR's image files\n"
     "on every epoch (what an ImageFolder does), side by side.\n";
 
-static int bad(const char *flag, const char *want, const char *got)
-{
-    fprintf(stderr, "sweep: %s: expected %s, got '%s'\n", flag, want, got);
-    return -1;
-}
-
-static int parse_int(const char *flag, const char *s, int lo, int hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        char want[64];
-        snprintf(want, sizeof want, "a whole number %d..%d", lo, hi);
-        return bad(flag, want, s);
-    }
-    *out = (int)v;
-    return 0;
-}
-
 static int parse_counts(const char *s, config *c)
 {
     char *copy = strdup(s), *save = NULL;
@@ -63,14 +44,18 @@ static int parse_counts(const char *s, config *c)
     int rc = 0;
     for (char *t = strtok_r(copy, ",", &save); t && !rc;
          t = strtok_r(NULL, ",", &save)) {
-        if (c->ncounts == MAX_COUNTS)
-            rc = bad("--workers", "at most 32 counts", s);
-        else
-            rc = parse_int("--workers", t, 0, STK_LOADER_MAX_WORKERS,
-                           &c->counts[c->ncounts++]);
+        if (c->ncounts == MAX_COUNTS) {
+            fprintf(stderr, "sweep: --workers: at most %d counts\n", MAX_COUNTS);
+            rc = -1;
+        } else {
+            rc = stk_cli_int("sweep", "--workers", t, 0, STK_LOADER_MAX_WORKERS,
+                             &c->counts[c->ncounts++]);
+        }
     }
-    if (!rc && !c->ncounts)
-        rc = bad("--workers", "a list like 0,1,2,4", s);
+    if (!rc && !c->ncounts) {
+        fprintf(stderr, "sweep: --workers: expected a list like 0,1,2,4, got '%s'\n", s);
+        rc = -1;
+    }
     free(copy);
     return rc;
 }
@@ -92,21 +77,17 @@ static int parse_args(int argc, char **argv, config *c)
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int ch, rc = 0;
+    float consume;
     opterr = 0;
     while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
-        char *end;
         switch (ch) {
         case 'd': c->db = optarg; break;
         case 's': c->split = optarg; break;
         case 'w': rc = parse_counts(optarg, c); break;
-        case 'b': rc = parse_int("--batch", optarg, 1, 1 << 20, &c->batch); break;
-        case 'e': rc = parse_int("--epochs", optarg, 1, 1000, &c->epochs); break;
-        case 'p': rc = parse_int("--prefetch", optarg, 1, 1024, &c->prefetch); break;
-        case 'c':
-            c->consume_ms = strtod(optarg, &end);
-            if (*end || end == optarg || c->consume_ms < 0 || c->consume_ms > 1e5)
-                rc = bad("--consume-ms", "milliseconds >= 0", optarg);
-            break;
+        case 'b': rc = stk_cli_int("sweep", "--batch", optarg, 1, 1 << 20, &c->batch); break;
+        case 'e': rc = stk_cli_int("sweep", "--epochs", optarg, 1, 1000, &c->epochs); break;
+        case 'p': rc = stk_cli_int("sweep", "--prefetch", optarg, 1, 1024, &c->prefetch); break;
+        case 'c': rc = stk_cli_float("sweep", "--consume-ms", optarg, 0, 1e5, &consume); c->consume_ms = consume; break;
         case 'r': c->raw = optarg; break;
         case 'S': c->seed = strtoull(optarg, NULL, 10); break;
         case 'j': c->json = optarg; break;

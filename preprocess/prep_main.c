@@ -1,5 +1,6 @@
 /* prep - decode and transform a raw dataset once, in parallel, into a stoke
  * database (LMDB). A thin main over stk_prep_run(). */
+#include "common/cli.h"
 #include "preprocess/preprocess.h"
 
 #include <errno.h>
@@ -58,56 +59,15 @@ static void on_progress(const stk_prep_progress *p, void *arg)
             p->skipped ? "  (skipped some)" : "", ps->tty ? "\033[K" : "\n");
 }
 
-/* Parses a byte count with an optional K/M/G/T suffix (powers of 1024). */
-static int parse_bytes(const char *flag, const char *s, size_t *out)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    double mul = 1;
-    switch (*end) {
-    case 'K': case 'k': mul = 1024.0; end++; break;
-    case 'M': case 'm': mul = 1048576.0; end++; break;
-    case 'G': case 'g': mul = 1073741824.0; end++; break;
-    case 'T': case 't': mul = 1099511627776.0; end++; break;
-    }
-    if (errno || end == s || *end || v <= 0 || v * mul > 1e15) {
-        fprintf(stderr, "prep: %s: expected a size in bytes like 64M or 2G, "
-                        "got '%s'\n", flag, s);
-        return -1;
-    }
-    *out = (size_t)(v * mul);
-    return 0;
-}
-
-static int parse_int(const char *flag, const char *s, int lo, int hi,
-                     int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr, "prep: %s: expected a whole number %d..%d, got '%s'\n",
-                flag, lo, hi, s);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
 static int parse_format(const char *s, stk_src_format *f)
 {
-    if (!strcmp(s, "idx"))
-        *f = STK_SRC_IDX;
-    else if (!strcmp(s, "cifar"))
-        *f = STK_SRC_CIFAR;
-    else if (!strcmp(s, "folder"))
-        *f = STK_SRC_FOLDER;
-    else {
-        fprintf(stderr, "prep: --format: expected idx, cifar or folder, got "
-                        "'%s'\n", s);
+    static const char *const names[] = {"idx", "cifar", "folder"};
+    static const stk_src_format formats[] = {STK_SRC_IDX, STK_SRC_CIFAR,
+                                             STK_SRC_FOLDER};
+    int i;
+    if (stk_cli_choice("prep", "--format", s, names, 3, &i))
         return -1;
-    }
+    *f = formats[i];
     return 0;
 }
 
@@ -143,15 +103,15 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
     while ((ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
         int bad = 0;
         switch (ch) {
-        case 'w': bad = parse_int("--workers", optarg, 1, 256, &o->workers); break;
+        case 'w': bad = stk_cli_int("prep", "--workers", optarg, 1, 256, &o->workers); break;
         case 'f': bad = parse_format(optarg, &o->source.format); break;
-        case 's': bad = parse_int("--size", optarg, 1, 4096, &o->source.size); break;
+        case 's': bad = stk_cli_int("prep", "--size", optarg, 1, 4096, &o->source.size); break;
         case O_GRAY: o->source.channels = 1; break;
         case O_RGB: o->source.channels = 3; break;
         case O_SKIP: o->skip_bad = true; break;
         case O_FORCE: o->force = true; break;
-        case O_MAPSIZE: bad = parse_bytes("--map-size", optarg, &o->map_size); break;
-        case O_MAPMAX: bad = parse_bytes("--map-max", optarg, &o->map_size_max); break;
+        case O_MAPSIZE: bad = stk_cli_bytes("prep", "--map-size", optarg, &o->map_size); break;
+        case O_MAPMAX: bad = stk_cli_bytes("prep", "--map-max", optarg, &o->map_size_max); break;
         case O_QUIET: *quiet = 1; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':':

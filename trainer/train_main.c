@@ -1,5 +1,6 @@
 /* train - train a model on a stoke database, on the CPU or a GPU. A thin
  * main over stk_train_run(). */
+#include "common/cli.h"
 #include "trainer/trainer.h"
 
 #include <errno.h>
@@ -44,52 +45,21 @@ static const char usage[] =
     "  --max-steps N       stop after N steps\n"
     "  --quiet             no progress output\n";
 
-static int bad(const char *flag, const char *want, const char *got)
-{
-    fprintf(stderr, "train: %s: expected %s, got '%s'\n", flag, want, got);
-    return -1;
-}
-
 static int num_i(const char *flag, const char *s, long lo, long hi, int *out)
 {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        char want[64];
-        snprintf(want, sizeof want, "a whole number %ld..%ld", lo, hi);
-        return bad(flag, want, s);
-    }
-    *out = (int)v;
-    return 0;
+    return stk_cli_int("train", flag, s, lo, hi, out);
 }
 
 static int num_f(const char *flag, const char *s, double lo, double hi,
                  float *out)
 {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi)) {
-        char want[64];
-        snprintf(want, sizeof want, "a number in [%g, %g]", lo, hi);
-        return bad(flag, want, s);
-    }
-    *out = (float)v;
-    return 0;
+    return stk_cli_float("train", flag, s, lo, hi, out);
 }
 
 static int choose(const char *flag, const char *s, const char *const *names,
                   int n, int *out)
 {
-    for (int i = 0; i < n; i++)
-        if (!strcmp(s, names[i]))
-            return (*out = i), 0;
-    char want[128] = "";
-    for (int i = 0; i < n; i++)
-        snprintf(want + strlen(want), sizeof want - strlen(want), "%s%s",
-                 i ? (i == n - 1 ? " or " : ", ") : "", names[i]);
-    return bad(flag, want, s);
+    return stk_cli_choice("train", flag, s, names, n, out);
 }
 
 static int parse(int argc, char **argv, stk_train_opts *o)

@@ -1,0 +1,26 @@
+/* cli.h - flag values for the tools' mains (prep, sweep, train, ...). Each
+ * parser checks one value and, when it is bad, prints one line naming the
+ * tool, the flag, what was expected and what was given, and returns -1.
+ * Only mains use this; library code never prints. */
+#ifndef STK_CLI_H
+#define STK_CLI_H
+
+#include <stddef.h>
+
+/* A whole number in lo..hi. */
+int stk_cli_int(const char *tool, const char *flag, const char *s, long lo,
+                long hi, int *out);
+
+/* A number in [lo, hi]. */
+int stk_cli_float(const char *tool, const char *flag, const char *s,
+                  double lo, double hi, float *out);
+
+/* One of n names; *out is its index. */
+int stk_cli_choice(const char *tool, const char *flag, const char *s,
+                   const char *const *names, int n, int *out);
+
+/* A byte count with an optional K/M/G/T suffix (powers of 1024). */
+int stk_cli_bytes(const char *tool, const char *flag, const char *s,
+                  size_t *out);
+
+#endif
