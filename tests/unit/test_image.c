@@ -232,9 +232,4 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(channel_conversions),
 };
 
-int main(int argc, char **argv)
-{
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, setup, teardown);
-}
+UNIT_MAIN_WITH(tests, setup, teardown)

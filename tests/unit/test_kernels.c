@@ -614,9 +614,4 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(cuda_without_gpu_fails_clearly),
 };
 
-int main(int argc, char **argv)
-{
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, setup, teardown);
-}
+UNIT_MAIN_WITH(tests, setup, teardown)

@@ -453,9 +453,4 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(raw_folder_equals_its_database),
 };
 
-int main(int argc, char **argv)
-{
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, setup, NULL);
-}
+UNIT_MAIN_WITH(tests, setup, NULL)

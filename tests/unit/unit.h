@@ -29,12 +29,14 @@ static inline const char *scratch(const char *name)
     return path;
 }
 
-#define UNIT_MAIN(tests)                                                       \
+#define UNIT_MAIN_WITH(tests, setup, teardown)                                 \
     int main(int argc, char **argv)                                            \
     {                                                                          \
         if (argc > 1)                                                          \
             cmocka_set_test_filter(argv[1]);                                   \
-        return cmocka_run_group_tests(tests, NULL, NULL);                      \
+        return cmocka_run_group_tests(tests, setup, teardown);                 \
     }
+
+#define UNIT_MAIN(tests) UNIT_MAIN_WITH(tests, NULL, NULL)
 
 #endif
