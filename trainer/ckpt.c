@@ -69,11 +69,11 @@ static int write_state(run_state *r, const char *path, stk_err *err)
 {
     const stk_train_opts *o = r->o;
     cJSON *s = cJSON_CreateObject();
-    cJSON_AddNumberToObject(s, "epoch", r->epoch + 1);
+    cJSON_AddNumberToObject(s, "epoch", (double)r->pos_epoch);
     cJSON_AddNumberToObject(s, "step", (double)r->step);
     cJSON *pos = cJSON_AddObjectToObject(s, "loader");
-    cJSON_AddNumberToObject(pos, "epoch", r->epoch + 1);
-    cJSON_AddNumberToObject(pos, "batch", 0);
+    cJSON_AddNumberToObject(pos, "epoch", (double)r->pos_epoch);
+    cJSON_AddNumberToObject(pos, "batch", (double)r->pos_batch);
     cJSON_AddNumberToObject(s, "seed", (double)o->seed);
     cJSON_AddNumberToObject(s, "best_acc", r->best_acc);
     cJSON_AddStringToObject(s, "optim", o->optim == STK_OPT_SGD ? "sgd" : "adamw");
@@ -93,7 +93,8 @@ static int write_state(run_state *r, const char *path, stk_err *err)
 }
 
 /* Removes step directories beyond the newest `keep`, sparing the best. */
-static void prune(const char *dir, int keep, const char *best)
+static void prune(const char *dir, int keep, const char *best,
+                  const char *just_written)
 {
     DIR *d = opendir(dir);
     if (!d)
@@ -113,7 +114,8 @@ static void prune(const char *dir, int keep, const char *best)
                 names[j] = t;
             }
     for (int i = 0; i < n; i++) {
-        if (i < n - keep && strcmp(names[i], best)) {
+        if (i < n - keep && strcmp(names[i], best) &&
+            strcmp(names[i], just_written)) {
             char p[4096 + 300];
             snprintf(p, sizeof p, "%s/%s", dir, names[i]);
             stk_remove_flat_dir(p, NULL);
@@ -155,12 +157,15 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
         char best[4200];
         snprintf(best, sizeof best, "%s/best.safetensors", r->o->out);
         rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best, err);
+        char tmpb[4300];
         snprintf(best, sizeof best, "%s/checkpoints/BEST", r->o->out);
-        FILE *f = fopen(best, "w");
-        if (f) {
-            fprintf(f, "%s\n", name);
+        snprintf(tmpb, sizeof tmpb, "%s.tmp", best);
+        FILE *f = rc ? NULL : fopen(tmpb, "w");
+        if (!rc && (!f || fprintf(f, "%s\n", name) < 0 || fflush(f) ||
+                    fsync(fileno(f)) || fclose(f) || (f = NULL, rename(tmpb, best))))
+            rc = stk_fail(err, STK_EIO, "%s: cannot write: %s", best, strerror(errno));
+        if (f)
             fclose(f);
-        }
     }
     if (rc) {
         stk_remove_flat_dir(tmp, NULL);
@@ -174,7 +179,7 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     if (f)
         fclose(f);
     snprintf(path, sizeof path, "%s/checkpoints", r->o->out);
-    prune(path, r->o->keep > 0 ? r->o->keep : 1, best_name);
+    prune(path, r->o->keep > 0 ? r->o->keep : 1, best_name, name);
     return 0;
 }
 
@@ -245,8 +250,12 @@ static int read_state(run_state *r, const char *dir, stk_err *err)
     else if (strcmp(opt->valuestring, want))
         rc = stk_fail(err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
                       path, opt->valuestring, want);
+    const cJSON *pe = cJSON_GetObjectItemCaseSensitive(pos, "epoch");
+    if (!rc && (!cJSON_IsNumber(pe) || pe->valuedouble < 0 || st->valuedouble < 0 ||
+                pb->valuedouble < 0))
+        rc = stk_fail(err, STK_EFORMAT, "%s: negative or missing loader position", path);
     if (!rc) {
-        r->epoch = ep->valueint;
+        r->epoch = pe->valueint;
         r->step = (uint64_t)st->valuedouble;
         r->start_batch = (uint64_t)pb->valuedouble;
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(s, "best_acc");

@@ -3,6 +3,7 @@
 #include "trainer.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,8 +65,9 @@ static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
     l->ow = l->w;
     switch (s->kind) {
     case STK_L_CONV:
+        ++*auto_conv; /* the n-th conv is convN unless named otherwise */
         if (!*s->name)
-            snprintf(s->name, sizeof s->name, "conv%d", ++*auto_conv);
+            snprintf(s->name, sizeof s->name, "conv%d", *auto_conv);
         l->oc = s->out;
         l->oh = (l->h + 2 * s->pad - s->k) / s->stride + 1;
         l->ow = (l->w + 2 * s->pad - s->k) / s->stride + 1;
@@ -93,8 +95,9 @@ static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
         l->oh = l->ow = 1;
         break;
     case STK_L_LINEAR: {
+        ++*auto_fc;
         if (!*s->name)
-            snprintf(s->name, sizeof s->name, "fc%d", ++*auto_fc);
+            snprintf(s->name, sizeof s->name, "fc%d", *auto_fc);
         int in = l->c * l->h * l->w, out = s->out ? s->out : m->classes;
         l->oc = out;
         l->oh = l->ow = 1;
@@ -199,6 +202,24 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         l->w = i ? m->l[i - 1].ow : w;
         rc = shape_layer(m, l, &auto_conv, &auto_fc, err);
     }
+    for (int i = 0; !rc && i < m->np; i++)
+        for (int j = 0; j < i; j++)
+            if (!strcmp(m->p[i].name, m->p[j].name)) {
+                rc = stk_fail(err, STK_EINVAL,
+                              "model: two layers are named \"%.*s\"; give them "
+                              "different names",
+                              (int)(strrchr(m->p[i].name, '.') - m->p[i].name),
+                              m->p[i].name);
+                break;
+            }
+    for (int i = 0; !rc && i < m->nl; i++) /* GEMM sizes are int */
+        if ((out_size(&m->l[i]) > (size_t)INT32_MAX / (size_t)max_batch) ||
+            (m->l[i].s.kind == STK_L_CONV &&
+             (size_t)m->l[i].cs.c * m->l[i].cs.kh * m->l[i].cs.kw >
+                 (size_t)INT32_MAX / ((size_t)m->l[i].oh * m->l[i].ow * max_batch)))
+            rc = stk_fail(err, STK_EINVAL,
+                          "model: layer %d is too large for a batch of %d", i + 1,
+                          max_batch);
     const layer *last = &m->l[m->nl - 1];
     if (!rc && out_size(last) != (size_t)nclasses)
         rc = stk_fail(err, STK_EINVAL,
@@ -444,12 +465,15 @@ int stk_model_backward(stk_model *m, const float *dlogits, int n,
             (rc = stk_axpy(m->be, nl, 1.0f, dlogits, dy, err)))
             return rc;
     }
-    for (int i = m->nl - 1; i >= 0; i--) {
+    int first = 0; /* no input gradient is needed below the first parameters */
+    while (first < m->nl - 1 && m->l[first].pw < 0)
+        first++;
+    for (int i = m->nl - 1; i >= first; i--) {
         const float *x = i ? m->l[i - 1].y : m->x;
         float *spare = dy == m->grad[0] ? m->grad[1] : m->grad[0];
         float *dx;
-        rc = layer_backward(m, i, x, dy, i ? spare : NULL, &dx, key, stream,
-                            err);
+        rc = layer_backward(m, i, x, dy, i > first ? spare : NULL, &dx, key,
+                            stream, err);
         if (rc)
             return rc;
         if (after_layer && m->l[i].pw >= 0)

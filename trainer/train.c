@@ -5,6 +5,7 @@
 #include "loader/loader.h"
 #include "train_impl.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -167,6 +168,13 @@ static int train_step(run_state *r, const stk_batch *b, float *loss,
     float norm;
     if (!rc)
         rc = clip_grads(r, &norm, err);
+    if (!rc && !isfinite(norm)) /* never let a non-finite step into the weights */
+        return stk_fail(err, STK_ERANGE,
+                        "gradient norm is %s at step %llu (epoch %llu); stopped, the "
+                        "last good checkpoint is kept (lower --lr or set --clip)",
+                        isnan(norm) ? "NaN" : "infinite",
+                        (unsigned long long)r->step + 1,
+                        (unsigned long long)b->epoch + 1);
     if (!rc) {
         r->lr = stk_train_lr(r->o, r->step, r->total_steps, (int)b->epoch);
         rc = optimizer_step(r, r->lr, err);
@@ -190,8 +198,8 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     uint64_t seen = 0, hits = 0;
     while (!rc && (rc = stk_loader_next(l, &b, err)) == 1) {
         const float *logits;
-        float bl;
-        int correct;
+        float bl = 0;
+        int correct = 0;
         rc = stage_batch(r, &b, 0, false, err);
         if (!rc)
             rc = stk_model_forward(r->model, r->x_f, b.n, false, r->key, 0, &logits, err);
@@ -260,6 +268,9 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
         if (rc)
             return rc;
         r->step++;
+        stk_loader_pos pos = stk_loader_position(l);
+        r->pos_epoch = pos.epoch;
+        r->pos_batch = pos.batch;
         loss_sum += (double)loss * b.n;
         seen += (uint64_t)b.n;
         hits += (uint64_t)correct;
@@ -307,11 +318,24 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         r->start_batch = 0;
         bool stopped = (r->o->stop && *r->o->stop) ||
                        (r->o->max_steps && r->step >= (uint64_t)r->o->max_steps);
-        if (rc || stopped)
+        if (rc)
             break;
+        if (stopped && r->pos_epoch == (uint64_t)r->epoch) {
+            /* mid-epoch: keep the work, with the loader's position */
+            rc = stk_checkpoint_save(r, false, err);
+            res->stopped = true;
+            break;
+        }
         double tl, ta;
         if ((rc = evaluate(r, &tl, &ta, err)))
             break;
+        if (!isfinite(tl)) {
+            rc = stk_fail(err, STK_ERANGE,
+                          "test loss is not finite after epoch %d; stopped, the last "
+                          "good checkpoint is kept",
+                          r->epoch + 1);
+            break;
+        }
         progress(r, &st, r->train_loss, r->train_acc, true);
         metric_line(r, "{\"type\":\"epoch\",\"epoch\":%d,\"step\":%llu,\"train_loss\":%.6f,"
                     "\"train_acc\":%.6f,\"test_loss\":%.6f,\"test_acc\":%.6f,"
@@ -330,6 +354,11 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         if (ta > r->best_acc)
             r->best_acc = ta;
         rc = stk_checkpoint_save(r, ta >= r->best_acc, err);
+        if (stopped) { /* at an epoch boundary: evaluated and saved */
+            res->stopped = true;
+            r->epoch++;
+            break;
+        }
     }
     res->steps = r->step;
     res->best_acc = r->best_acc;
@@ -348,9 +377,9 @@ static int load_spec(run_state *r, stk_err *err)
         return stk_model_builtin(m, &r->spec, err);
     uint8_t *text;
     size_t len;
-    int rc = stk_read_file(m, &text, &len, err);
+    int rc = stk_read_file(m, &text, &len, err); /* names the file */
     if (rc)
-        return stk_fail(err, rc, "--model: %s", err ? err->msg : m);
+        return rc;
     char *s = malloc(len + 1);
     if (!s) {
         free(text);
@@ -377,8 +406,11 @@ static int setup_data(run_state *r, stk_err *err)
                         "%s: needs splits \"train\" and \"test\" (has %d split%s)",
                         o->db, m->nsplits, m->nsplits == 1 ? "" : "s");
     r->classes = m->nclasses;
+    /* augmentation draws from its own key, so its words never coincide
+     * with dropout's (which uses r->key with step-based streams) */
+    stk_philox_key aug = {r->key.k0 ^ 0x243f6a88u, r->key.k1 ^ 0x85a308d3u};
     stk_transform t = {m->channels, m->height, m->width, {0}, {0},
-                       o->augment ? m->height / 8 : 0, o->augment, r->key, 0};
+                       o->augment ? m->height / 8 : 0, o->augment, aug, 0};
     for (int c = 0; c < m->channels; c++) {
         t.mean[c] = (float)m->splits[tr].mean[c];
         t.inv_std[c] = 1.0f / (float)(m->splits[tr].std[c] > 0 ? m->splits[tr].std[c] : 1);
@@ -416,15 +448,54 @@ static int setup_buffers(run_state *r, stk_err *err)
     return rc;
 }
 
+/* mkdir -p */
+static int make_dirs(const char *dir, stk_err *err)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s", dir);
+    for (char *c = p + 1; *c; c++)
+        if (*c == '/') {
+            *c = '\0';
+            if (mkdir(p, 0775) != 0 && errno != EEXIST)
+                return stk_fail(err, stk_from_errno(errno), "--out %s: %s: %s", dir,
+                                p, strerror(errno));
+            *c = '/';
+        }
+    if (mkdir(p, 0775) != 0 && errno != EEXIST)
+        return stk_fail(err, stk_from_errno(errno), "--out %s: %s", dir, strerror(errno));
+    return 0;
+}
+
+/* A fresh run must not mix its checkpoints and metrics with an earlier
+ * run's: RUN_DIR with checkpoints needs --resume. */
+static int check_fresh(const char *ckdir, const char *out, stk_err *err)
+{
+    DIR *d = opendir(ckdir);
+    struct dirent *de;
+    int used = 0;
+    while (d && (de = readdir(d)))
+        used |= !strncmp(de->d_name, "step-", 5);
+    if (d)
+        closedir(d);
+    return used ? stk_fail(err, STK_EEXIST,
+                           "--out %s holds the checkpoints of an earlier run; continue it "
+                           "with --resume auto, or choose another --out",
+                           out)
+                : 0;
+}
+
 static int open_run_dir(run_state *r, stk_err *err)
 {
     char path[4096];
     const char *dir = r->o->out;
-    if (mkdir(dir, 0775) != 0 && errno != EEXIST)
-        return stk_fail(err, stk_from_errno(errno), "--out %s: %s", dir, strerror(errno));
+    int rc = make_dirs(dir, err);
+    if (rc)
+        return rc;
     snprintf(path, sizeof path, "%s/checkpoints", dir);
     if (mkdir(path, 0775) != 0 && errno != EEXIST)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+    if (!r->o->resume && (rc = check_fresh(path, dir, err)))
+        return rc;
     snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
     if (!(r->metrics = fopen(path, "a")))
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));

@@ -27,6 +27,7 @@ typedef struct run_state {
     float *host_logits;
     float *state1, *state2;  /* momentum, or AdamW's m and v */
     uint64_t step, total_steps, eval_seen, start_batch;
+    uint64_t pos_epoch, pos_batch; /* loader position after the last step */
     int epoch;
     float lr;
     double train_loss, train_acc, best_acc;
@@ -37,9 +38,10 @@ typedef struct run_state {
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch);
 
-/* Writes RUN_DIR/checkpoints/step-N (weights, optimizer, state.json)
- * atomically, keeps the last o->keep and the best, and updates
- * RUN_DIR/best.safetensors when is_best. */
+/* Writes RUN_DIR/checkpoints/step-N (weights, optimizer, state.json with
+ * the loader position r->pos_epoch, r->pos_batch) atomically, keeps the
+ * last o->keep and the best, and updates RUN_DIR/best.safetensors when
+ * is_best. */
 int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err);
 
 /* Restores weights, optimizer state and position from a checkpoint

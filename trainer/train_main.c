@@ -148,9 +148,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "train: error: %s\n", err.msg);
         return 1;
     }
-    if (stop_requested) {
-        fprintf(stderr, "train: stopped at step %llu\n", (unsigned long long)res.steps);
-        return 130;
+    if (res.stopped) {
+        fprintf(stderr, "train: stopped at step %llu; the checkpoint in %s/checkpoints "
+                        "continues it with --resume auto\n",
+                (unsigned long long)res.steps, o.out);
+        return stop_requested ? 130 : 0;
     }
     printf("train: %d epoch(s), %llu steps: test accuracy %.2f%% (best %.2f%%), test loss %.4f\n",
            res.epochs_done, (unsigned long long)res.steps, 100 * res.test_acc,

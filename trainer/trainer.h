@@ -134,6 +134,7 @@ typedef struct stk_train_opts {
 void stk_train_defaults(stk_train_opts *o);
 
 typedef struct stk_train_result {
+    bool stopped;             /* by o->stop or max_steps; checkpoint written */
     int epochs_done;
     uint64_t steps;
     double test_acc, test_loss, train_loss;

@@ -42,6 +42,23 @@ cmp straight/checkpoints/step-00000470/optim.safetensors resumed/checkpoints/ste
   || fail "resumed run ends with a different optimizer state"
 ok "1 epoch + --resume auto ends with the same weights and momentum as 2 epochs"
 
+# a stop mid-epoch (--max-steps, as Ctrl-C) checkpoints the loader position;
+# resuming from it also ends with the same weights
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --max-steps 100 --out midway/nested 2> stop.txt
+grep -q "stopped at step 100" stop.txt || fail "stop message: $(cat stop.txt)"
+$PY - <<'PY' || fail "mid-epoch checkpoint"
+import json
+st = json.load(open("midway/nested/checkpoints/step-00000100/state.json"))
+assert st["step"] == 100 and st["loader"] == {"epoch": 0, "batch": 100} and st["epoch"] == 0, st
+print("ok: mid-epoch checkpoint at step 100, loader position epoch 0 batch 100")
+PY
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --out midway/nested --resume auto
+cmp straight/checkpoints/step-00000470/model.safetensors midway/nested/checkpoints/step-00000470/model.safetensors \
+  || fail "resuming from a mid-epoch stop ends with different weights"
+ok "stop at step 100 + --resume auto ends with the same weights as 2 epochs"
+expect_fail "--out straight holds the checkpoints of an earlier run; continue it with --resume auto" \
+  "$T" "${common[@]}" --epochs 1 --out straight
+
 # adamw (the default): one file holds both moments; the cnn with
 # augmentation runs
 "$T" --db db --model mlp --epochs 1 --quiet --out adamw > /dev/null
@@ -60,6 +77,10 @@ ok "adamw and cnn --augment run"
 # bad input
 printf 'conv 8 30\nflatten\nlinear classes\n' > big.txt
 expect_fail "conv1: a 30x30 kernel does not fit its 1x28x28 input" "$T" --db db --model big.txt --out x
+printf 'conv1: conv 4 3\nconv 4 3\nflatten\nlinear classes\n' > twins.txt
+"$T" --db db --model twins.txt --max-steps 1 --quiet --out twins >/dev/null || fail "conv1 + unnamed conv"
+printf 'a: conv 4 3\na: conv 4 3\nflatten\nlinear classes\n' > same.txt
+expect_fail "two layers are named \"a\"" "$T" --db db --model same.txt --out x
 printf 'conv 8 3\nwobble\n' > typo.txt
 expect_fail "typo.txt:2: cannot read this layer" "$T" --db db --model typo.txt --out x
 expect_fail "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
