@@ -310,6 +310,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         stk_loader *l;
         if ((rc = stk_loader_open(r->store, &lo, &l, err)))
             break;
+        r->pos_epoch = (uint64_t)r->epoch; /* where a stop before any step is */
+        r->pos_batch = r->start_batch;
         double t0 = stk_now();
         rc = train_epoch(r, l, err);
         stk_loader_stats st;
