@@ -1,0 +1,364 @@
+"""train_peers.py - the PyTorch side of bench/train_bench.sh (issue 4), and
+the helpers that turn stoke's metrics.jsonl and the runs into the report.
+
+  train_peers.py torch MODEL BATCH THREADS DB [--seconds S] [--warmup N]
+                 [--blas-threads N] [--no-mkldnn]
+      trains tests/e2e/torch_ref.py's MODEL (cnn | mlp) on the train split of
+      the stoke database DB with PyTorch on the CPU, T threads, and prints one
+      JSON line: steady-state samples/s and the BLAS library the process maps.
+  train_peers.py stoke RUN_DIR BATCH SKIP_STEPS [--train-count N]
+      one JSON line: steady-state samples/s and data stall of a stoke run,
+      from RUN_DIR/metrics.jsonl, the first SKIP_STEPS steps left out.
+  train_peers.py flops MODEL
+      forward FLOPs per sample of MODEL (analytic), as JSON.
+  train_peers.py report RESULTS.jsonl
+      the markdown tables and the target verdicts.
+
+Run with Debian's interpreter (/usr/bin/python3: python3-torch, numpy, lmdb).
+"""
+import argparse, collections, json, os, re, statistics, sys, time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+# ---- FLOPs ---------------------------------------------------------------------
+
+def forward_flops(model):
+    """Multiply-adds x 2 of the conv and linear layers of one sample's forward
+    pass (pooling, activations, dropout, bias and loss not counted)."""
+    if model == "cnn":
+        conv1 = 2 * 32 * 1 * 3 * 3 * 26 * 26        # 1x28x28 -> 32x26x26
+        conv2 = 2 * 64 * 32 * 3 * 3 * 11 * 11       # 32x13x13 -> 64x11x11
+        fc1 = 2 * 1600 * 500                        # 64x5x5 -> 500
+        fc2 = 2 * 500 * 10
+        layers = {"conv1": conv1, "conv2": conv2, "fc1": fc1, "fc2": fc2}
+        first = "conv1"
+    elif model == "mlp":
+        layers = {"fc1": 2 * 784 * 256, "fc2": 2 * 256 * 128, "fc3": 2 * 128 * 10}
+        first = "fc1"
+    else:
+        raise SystemExit("unknown model " + model)
+    fwd = sum(layers.values())
+    return {"model": model, "layers": layers, "forward": fwd,
+            # the convention of the issue: forward + 2 x forward for backward
+            "step": 3 * fwd,
+            # the work a training step needs: the first layer's input gradient
+            # is never computed (by stoke or by PyTorch)
+            "step_needed": 3 * fwd - layers[first]}
+
+
+# ---- the PyTorch peer -------------------------------------------------------------
+
+def blas_in_process():
+    """What BLAS this process maps (from /proc/self/maps) and, when it is
+    OpenBLAS, its configuration (openblas_get_config via ctypes)."""
+    import ctypes
+    libs = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and re.search(r"blas|lapack|mkl|libgomp|libomp|dnnl",
+                                              parts[5]):
+                libs.add(parts[5])
+    blas = [l for l in sorted(libs) if "blas" in os.path.basename(l)]
+    cfg = cfg_threads = None
+    for l in blas:
+        # torch loads libblas.so.3 RTLD_LOCAL; dlopen of the mapped file
+        # returns the handle of the copy already loaded
+        try:
+            lib = ctypes.CDLL(l)
+            fn = lib.openblas_get_config
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_char_p
+        cfg = fn().decode()
+        nt = lib.openblas_get_num_threads
+        nt.restype = ctypes.c_int
+        cfg_threads = nt()
+        break
+    if cfg:
+        kind = "OpenBLAS"
+    elif any("/blas/" in l for l in blas):
+        kind = "reference BLAS"
+    else:
+        kind = "unknown"
+    return {"blas_kind": kind, "blas_libs": blas, "mapped_libs": sorted(libs),
+            "openblas_config": cfg, "openblas_threads": cfg_threads}
+
+
+def run_torch(a):
+    bt = a.blas_threads or a.threads
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(a.threads)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(bt)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+    os.environ.setdefault("STK_SRC", ROOT)
+    import torch
+    import torch.nn.functional as F
+    import torch_ref
+
+    torch.set_num_threads(a.threads)
+    if a.no_mkldnn:
+        # convolutions through im2col + BLAS (OpenBLAS) instead of oneDNN
+        torch.backends.mkldnn.enabled = False
+    torch.manual_seed(a.seed)
+    x_np, y_np, meta = torch_ref.load_split(a.db, "train")
+    X = torch.from_numpy(x_np)                    # uint8 [N, 1, 28, 28], in memory
+    Y = torch.from_numpy(y_np)
+    st = meta["splits"]["train"]
+    mean = torch.tensor(st["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+    inv = (1.0 / torch.tensor([s if s > 0 else 1 for s in st["std"]],
+                              dtype=torch.float32)).view(1, -1, 1, 1)
+    model = torch_ref.MODELS[a.model]()
+    model.train()                                 # dropout on, as stoke's default
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0)
+    n, b = X.shape[0], a.batch
+    steps_per_epoch = n // b                      # full batches only
+    g = torch.Generator().manual_seed(a.seed)
+    perm, pos = torch.randperm(n, generator=g), 0
+
+    def step():
+        nonlocal perm, pos
+        if pos == steps_per_epoch:
+            perm, pos = torch.randperm(n, generator=g), 0
+        idx = perm[pos * b:(pos + 1) * b]
+        pos += 1
+        # stoke's transform: (pixel / 255 - mean) * (1 / std), per batch
+        xb = X[idx].float().div_(255).sub_(mean).mul_(inv)
+        yb = Y[idx]
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(a.warmup):
+        step()
+    t0 = time.perf_counter()
+    steps = 0
+    while True:
+        step()
+        steps += 1
+        el = time.perf_counter() - t0
+        if el >= a.seconds:
+            break
+    out = {"tool": ("torch" if bt == a.threads else "torch-blas%d" % bt) +
+           ("-nomkldnn" if a.no_mkldnn else ""), "blas_threads": bt,
+           "model": a.model, "batch": b, "threads": a.threads,
+           "samples_per_s": steps * b / el, "steps": steps, "seconds": el,
+           "warmup_steps": a.warmup, "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(),
+           "mkldnn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+           "optimizer": "SGD(lr=0.02, momentum=0.9)"}
+    out.update(blas_in_process())
+    print(json.dumps(out))
+
+
+# ---- stoke's metrics --------------------------------------------------------------
+
+def stoke_steady(a):
+    """Steady-state samples/s and stall of a run. The step lines carry the
+    loader's samples/s and stall since the epoch's loader was opened
+    (cumulative), the epoch lines the same over the whole epoch; each line is
+    turned into (elapsed, wait) since its epoch's start and the differences
+    between lines give per-window times. Windows that end within the first
+    SKIP steps are left out; later epochs count from their start (loader
+    open and first batch included; evaluation between epochs is not)."""
+    lines = [json.loads(l) for l in open(os.path.join(a.run, "metrics.jsonl"))]
+    b, ntrain = a.batch, a.train_count
+    per_epoch = -(-ntrain // b)
+    ep_start = {1: 0}
+    for d in lines:
+        if d["type"] == "epoch":
+            ep_start[d["epoch"] + 1] = d["step"]
+    prev_epoch = None
+    windows = []
+    last = None
+    for d in lines:
+        e = d["epoch"]
+        s0 = ep_start[e]
+        k = d["step"] - s0
+        samples = ntrain if k == per_epoch else k * b
+        el = samples / d["samples_per_s"]
+        wait = d["stall"] * el
+        if e != prev_epoch:
+            last = (s0, 0.0, 0.0)
+            prev_epoch = e
+        step = d["step"]
+        if step > last[0]:
+            windows.append({"epoch": e, "from": last[0], "to": step,
+                            "samples": samples - (last[0] - s0) * b,
+                            "seconds": el - last[1], "wait": wait - last[2]})
+        last = (step, el, wait)
+    keep = [w for w in windows if w["to"] > a.skip and w["from"] >= a.skip]
+    if not keep:
+        raise SystemExit("no steady-state windows in " + a.run)
+    S = sum(w["samples"] for w in keep)
+    T = sum(w["seconds"] for w in keep)
+    W = sum(w["wait"] for w in keep)
+    rates = [w["samples"] / w["seconds"] for w in keep]
+    # (stall is printed to 4 decimals: a sum can come out a hair below 0)
+    print(json.dumps({"tool": "stoke", "samples_per_s": S / T, "stall": max(0.0, W / T),
+                      "seconds": T, "samples": S, "windows": len(keep),
+                      "window_min": min(rates), "window_max": max(rates),
+                      "epochs": max(w["epoch"] for w in keep)}))
+
+
+# ---- report -------------------------------------------------------------------------
+
+def report(a):
+    rows = [json.loads(l) for l in open(a.results)]
+    med = statistics.median
+    R = collections.defaultdict(list)
+    peak = collections.defaultdict(list)
+    for r in rows:
+        if r["tool"] == "sgemm":
+            peak[r["threads"]].append(r["best_gflops"])
+        else:
+            R[r["tool"], r.get("workers"), r["model"], r["threads"]].append(r)
+    pk = {t: max(v) for t, v in peak.items()}
+    pkmed = {t: med(v) for t, v in peak.items()}
+    models = [("cnn", 128), ("mlp", 256)]
+    threads = sorted({k[3] for k in R})
+    reps = max(len(v) for v in R.values())
+    fl = {m: forward_flops(m) for m, _ in models}
+
+    def sps(tool, w, m, t):
+        return med([r["samples_per_s"] for r in R[tool, w, m, t]])
+
+    def rng(tool, w, m, t):
+        v = [r["samples_per_s"] for r in R[tool, w, m, t]]
+        return "%.0f (%.0f-%.0f)" % (med(v), min(v), max(v))
+
+    def torch_best(m, t):
+        """PyTorch's faster variant at (m, t): OPENBLAS_NUM_THREADS = t or 1."""
+        v = [k for k in (("torch", None, m, t), ("torch-blas1", None, m, t)) if R.get(k)]
+        return max(v, key=lambda k: sps(*k))
+
+    print("OpenBLAS SGEMM peak (bench/sgemm_peak.c, 2048x2048x2048 cblas_sgemm, best of 7 "
+          "calls per round; best of %d rounds, median of the rounds' bests in brackets):\n"
+          % len(next(iter(peak.values()))))
+    print("| threads | GFLOP/s |")
+    print("|---:|---:|")
+    for t in sorted(pk):
+        print("| %d | %.1f (%.1f) |" % (t, pk[t], pkmed[t]))
+    print("\nFLOPs per sample (analytic, conv 2*Cout*Cin*k*k*Hout*Wout, linear 2*in*out; "
+          "a training step counted as 3 x forward):\n")
+    print("| model | forward MFLOP | step MFLOP (3x) | step MFLOP needed (no input grad of layer 1) |")
+    print("|---|---:|---:|---:|")
+    for m, _ in models:
+        print("| %s | %.3f | %.3f | %.3f |" % (m, fl[m]["forward"] / 1e6, fl[m]["step"] / 1e6,
+                                               fl[m]["step_needed"] / 1e6))
+    print("\nTraining throughput, samples/s, median of %d runs (min-max); stoke with "
+          "`--workers 1`; GFLOP/s = step FLOPs x samples/s; %% of peak against the SGEMM "
+          "peak (best) at the same thread count; stall = share of stoke's step time spent "
+          "waiting for a batch (median); \"needed FLOPs\" leaves out the first layer's input "
+          "gradient, which neither tool computes:\n" % reps)
+    print("| model | batch | threads | stoke samples/s | PyTorch samples/s | stoke / PyTorch "
+          "| stoke GFLOP/s | % of peak | PyTorch GFLOP/s | % of peak | stoke % of peak, needed FLOPs "
+          "| stoke stall |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    verdict = []
+    for m, b in models:
+        for t in threads:
+            tk = torch_best(m, t)
+            s, p = sps("stoke", 1, m, t), sps(*tk)
+            gs, gp = fl[m]["step"] * s / 1e9, fl[m]["step"] * p / 1e9
+            stall = med([r["stall"] for r in R["stoke", 1, m, t]])
+            print("| %s | %d | %d | %s | %s%s | %.2fx | %.1f | %.0f%% | %.1f | %.0f%% | %.0f%% "
+                  "| %.2f%% |" % (
+                      m, b, t, rng("stoke", 1, m, t), rng(*tk),
+                      " (BLAS 1 thread)" if tk[0] == "torch-blas1" else "", s / p, gs,
+                      100 * gs / pk[t], gp, 100 * gp / pk[t],
+                      100 * fl[m]["step_needed"] * s / 1e9 / pk[t], 100 * stall))
+            verdict.append((m, t, s, p, gs, stall))
+    print("\nPyTorch at 2 threads both ways (torch.set_num_threads(2) and OMP_NUM_THREADS=2 in "
+          "both), samples/s, median (min-max); the table above uses the faster:\n")
+    print("| model | OPENBLAS_NUM_THREADS=2 | OPENBLAS_NUM_THREADS=1 |")
+    print("|---|---:|---:|")
+    for m, b in models:
+        if R.get(("torch-blas1", None, m, 2)) and R.get(("torch", None, m, 2)):
+            print("| %s | %s | %s |" % (m, rng("torch", None, m, 2), rng("torch-blas1", None, m, 2)))
+    if any(k[0] == "stoke" and k[1] == 2 for k in R):
+        print("\nstoke with `--workers 2` (two loader threads) against `--workers 1`, "
+              "median (min-max):\n")
+        print("| model | threads | workers 1 | workers 2 | ratio | stall w1 | stall w2 |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for m, b in models:
+            for t in threads:
+                s1, s2 = sps("stoke", 1, m, t), sps("stoke", 2, m, t)
+                print("| %s | %d | %s | %s | %.2f | %.2f%% | %.2f%% |" % (
+                    m, t, rng("stoke", 1, m, t), rng("stoke", 2, m, t), s2 / s1,
+                    100 * med([r["stall"] for r in R["stoke", 1, m, t]]),
+                    100 * med([r["stall"] for r in R["stoke", 2, m, t]])))
+    tr = [r for k, v in R.items() if k[0].startswith("torch") for r in v]
+    print("\nPyTorch's BLAS, from /proc/self/maps of every PyTorch run: %s; libraries %s; "
+          "openblas_get_config() = %s; (threads, openblas_get_num_threads()): %s; "
+          "(threads, torch.get_num_threads()): %s; optimizer %s." % (
+              sorted({r["blas_kind"] for r in tr}),
+              sorted({l for r in tr for l in r["blas_libs"]}),
+              sorted({str(r["openblas_config"]) for r in tr}),
+              sorted({(r["threads"], r["openblas_threads"]) for r in tr}),
+              sorted({(r["threads"], r["torch_threads"]) for r in tr}),
+              sorted({r["optimizer"] for r in tr})))
+    st = [r for k, v in R.items() if k[0] == "stoke" for r in v]
+    print("\nTimed: stoke %.1f-%.1f s of steady-state steps per run (%d-%d log windows), "
+          "PyTorch %.1f-%.1f s per run." % (
+              min(r["seconds"] for r in st), max(r["seconds"] for r in st),
+              min(r["windows"] for r in st), max(r["windows"] for r in st),
+              min(r["seconds"] for r in tr), max(r["seconds"] for r in tr)))
+
+    print("\n## Targets\n")
+    for m, t, s, p, gs, stall in verdict:
+        if m == "cnn":
+            print("- cnn, %d thread%s: stoke >= 1.5x PyTorch: %.2fx (%.0f vs %.0f samples/s), %s"
+                  % (t, "s" if t > 1 else "", s / p, s, p, "met" if s >= 1.5 * p else "NOT met"))
+    for m, t, s, p, gs, stall in verdict:
+        if m == "mlp":
+            print("- mlp, %d thread%s: stoke >= PyTorch: %.2fx (%.0f vs %.0f samples/s), %s"
+                  % (t, "s" if t > 1 else "", s / p, s, p, "met" if s >= p else "NOT met"))
+    for m, t, s, p, gs, stall in verdict:
+        print("- %s, %d thread%s: >= 40%% of the SGEMM peak over the whole step: %.0f%% "
+              "(%.1f of %.1f GFLOP/s), %s" % (m, t, "s" if t > 1 else "", 100 * gs / pk[t], gs,
+                                              pk[t], "met" if gs >= 0.4 * pk[t] else "NOT met"))
+    for m, t, s, p, gs, stall in verdict:
+        print("- %s, %d thread%s: data stall < 2%% of step time: %.2f%%, %s" % (
+            m, t, "s" if t > 1 else "", 100 * stall, "met" if stall < 0.02 else "NOT met"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("torch")
+    p.add_argument("model", choices=["cnn", "mlp"])
+    p.add_argument("batch", type=int)
+    p.add_argument("threads", type=int)
+    p.add_argument("db")
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--blas-threads", type=int, default=0,
+                   help="OPENBLAS_NUM_THREADS (default: THREADS)")
+    p.add_argument("--no-mkldnn", action="store_true",
+                   help="torch.backends.mkldnn.enabled = False (not used by train_bench.sh)")
+    p = sub.add_parser("stoke")
+    p.add_argument("run")
+    p.add_argument("batch", type=int)
+    p.add_argument("skip", type=int)
+    p.add_argument("--train-count", type=int, default=60000)
+    p = sub.add_parser("flops")
+    p.add_argument("model")
+    p = sub.add_parser("report")
+    p.add_argument("results")
+    a = ap.parse_args()
+    if a.cmd == "torch":
+        run_torch(a)
+    elif a.cmd == "stoke":
+        stoke_steady(a)
+    elif a.cmd == "flops":
+        print(json.dumps(forward_flops(a.model)))
+    else:
+        report(a)
+
+
+if __name__ == "__main__":
+    main()
