@@ -241,6 +241,9 @@ static int cpu_xent(stk_backend *be, const float *logits,
     return 0;
 }
 
+/* One draw per sample, then its pixels in order: the same floats as
+ * stk_transform1 per element (the CUDA kernel), without per-pixel index
+ * arithmetic or Philox calls. */
 static int cpu_transform(stk_backend *be, const uint8_t *x,
                          const uint64_t *ids, int n, const stk_transform *t,
                          float *y, stk_err *err)
@@ -248,10 +251,15 @@ static int cpu_transform(stk_backend *be, const uint8_t *x,
     (void)be;
     (void)err;
     size_t per = (size_t)t->c * t->h * t->w;
-    for (int s = 0; s < n; s++)
-        for (size_t j = 0; j < per; j++)
-            y[(size_t)s * per + j] = stk_transform1(x, t, ids[s],
-                                                    (size_t)s * per + j);
+    for (int s = 0; s < n; s++) {
+        int dy, dx, mirror;
+        stk_transform_draw(t, ids[s], &dy, &dx, &mirror);
+        const uint8_t *img = x + (size_t)s * per;
+        for (int c = 0; c < t->c; c++)
+            for (int r = 0; r < t->h; r++)
+                for (int q = 0; q < t->w; q++)
+                    *y++ = stk_transform_px(img, t, c, r, q, dy, dx, mirror);
+    }
     return 0;
 }
 

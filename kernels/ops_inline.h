@@ -234,9 +234,38 @@ typedef struct stk_transform {
     uint64_t stream;        /* e.g. the epoch; samples draw by their index */
 } stk_transform;
 
-/* Output element j of sample n (c, y, x): uint8 -> float, normalised, read
- * through the sample's random crop offset and flip. sample_id keys the
- * draws, so a sample's augmentation does not depend on the batch it is in. */
+/* The random crop offset and flip of one sample, keyed by its id. */
+STK_HD void stk_transform_draw(const stk_transform *t, uint64_t sample_id,
+                               int *dy, int *dx, int *mirror)
+{
+    *dy = *dx = *mirror = 0;
+    if (!t->pad && !t->flip)
+        return;
+    uint32_t ctr[4] = {(uint32_t)sample_id, (uint32_t)(sample_id >> 32),
+                       (uint32_t)t->stream, (uint32_t)(t->stream >> 32)};
+    stk_philox4x32_10(ctr, t->key);
+    if (t->pad) {
+        *dy = (int)(ctr[0] % (uint32_t)(2 * t->pad + 1)) - t->pad;
+        *dx = (int)(ctr[1] % (uint32_t)(2 * t->pad + 1)) - t->pad;
+    }
+    *mirror = t->flip && (ctr[2] & 1);
+}
+
+/* Output pixel (c, y, x) of one sample img (uint8 CHW) given its draw:
+ * read through the crop offset and flip, zero outside the image (the
+ * padding), normalised. */
+STK_HD float stk_transform_px(const uint8_t *img, const stk_transform *t,
+                              int c, int y, int x, int dy, int dx, int mirror)
+{
+    int sx = (mirror ? t->w - 1 - x : x) + dx, sy = y + dy;
+    float v = 0.0f;
+    if (sx >= 0 && sx < t->w && sy >= 0 && sy < t->h)
+        v = (float)img[((size_t)c * t->h + sy) * t->w + sx];
+    return (v / 255.0f - t->mean[c]) * t->inv_std[c];
+}
+
+/* Output element j of the batch (n, c, y, x). sample_id keys the draws, so
+ * a sample's augmentation does not depend on the batch it is in. */
 STK_HD float stk_transform1(const uint8_t *x, const stk_transform *t,
                             uint64_t sample_id, size_t j)
 {
@@ -244,23 +273,9 @@ STK_HD float stk_transform1(const uint8_t *x, const stk_transform *t,
     int xx = (int)(j % t->w), y = (int)(j / t->w % t->h);
     int c = (int)(j / plane % t->c);
     size_t n = j / (plane * t->c);
-    int dy = 0, dx = 0, mirror = 0;
-    if (t->pad || t->flip) {
-        uint32_t ctr[4] = {(uint32_t)sample_id, (uint32_t)(sample_id >> 32),
-                           (uint32_t)t->stream, (uint32_t)(t->stream >> 32)};
-        stk_philox4x32_10(ctr, t->key);
-        if (t->pad) {
-            dy = (int)(ctr[0] % (uint32_t)(2 * t->pad + 1)) - t->pad;
-            dx = (int)(ctr[1] % (uint32_t)(2 * t->pad + 1)) - t->pad;
-        }
-        mirror = t->flip && (ctr[2] & 1);
-    }
-    int sx = (mirror ? t->w - 1 - xx : xx) + dx, sy = y + dy;
-    float v = 0.0f; /* crop outside the image reads the zero padding */
-    if (sx >= 0 && sx < t->w && sy >= 0 && sy < t->h)
-        v = (float)x[n * plane * t->c + (size_t)c * plane + (size_t)sy * t->w +
-                     sx];
-    return (v / 255.0f - t->mean[c]) * t->inv_std[c];
+    int dy, dx, mirror;
+    stk_transform_draw(t, sample_id, &dy, &dx, &mirror);
+    return stk_transform_px(x + n * plane * t->c, t, c, y, xx, dy, dx, mirror);
 }
 
 /* ---- optimizers (PyTorch's update rules, one parameter element) --------- */

@@ -529,6 +529,14 @@ static void transform_normalises_crops_and_flips(void **state)
         assert_true(found);
     }
     assert_true(shifted > 20);
+    /* the CPU loop gives exactly the per-element body's floats (the CUDA
+     * kernel's arithmetic), with crop and flip on */
+    t.flip = 1;
+    assert_int_equal(stk_transform_batch(be, x, ids, N, &t, y, &err), 0);
+    for (int s = 0; s < N; s++)
+        for (size_t j = 0; j < (size_t)C * H * W; j++)
+            assert_true(y[(size_t)s * C * H * W + j] ==
+                        stk_transform1(x, &t, ids[s], (size_t)s * C * H * W + j));
 }
 
 static void optimizers_follow_pytorch_rules(void **state)
