@@ -663,6 +663,33 @@ void stk_store_close(stk_store *s)
     free_store(s);
 }
 
+/* ---- record lookups, shared by readers and views ------------------------ */
+
+static int check_index(const char *split, uint64_t index, uint64_t count,
+                       stk_err *err)
+{
+    if (index < count)
+        return 0;
+    return stk_fail(err, STK_ERANGE,
+                    "split \"%s\": key %llu is out of range (%llu records)",
+                    split, (unsigned long long)index,
+                    (unsigned long long)count);
+}
+
+/* Decodes a stored value; a wrong size names the split and key. */
+static int decode_value(const char *split, uint64_t index, const void *data,
+                        size_t len, uint32_t expect, stk_record *rec,
+                        stk_err *err)
+{
+    if (!stk_record_decode(data, len, expect, rec))
+        return 0;
+    return stk_fail(err, STK_EFORMAT,
+                    "split \"%s\": key %llu: record is %zu bytes, expected "
+                    "%u (%d-byte header + %u pixels)",
+                    split, (unsigned long long)index, len,
+                    STK_RECORD_HEADER + expect, STK_RECORD_HEADER, expect);
+}
+
 /* ---- readers ----------------------------------------------------------- */
 
 struct stk_reader {
@@ -711,12 +738,9 @@ static int reader_txn(stk_reader *r, stk_err *err)
 int stk_reader_get(stk_reader *r, uint64_t index, stk_record *rec,
                    stk_err *err)
 {
-    if (index >= r->count)
-        return stk_fail(err, STK_ERANGE,
-                        "split \"%s\": key %llu is out of range (%llu records)",
-                        r->split, (unsigned long long)index,
-                        (unsigned long long)r->count);
-    int rc = reader_txn(r, err);
+    int rc = check_index(r->split, index, r->count, err);
+    if (!rc)
+        rc = reader_txn(r, err);
     if (rc)
         return rc;
     uint8_t kb[8];
@@ -727,14 +751,8 @@ int stk_reader_get(stk_reader *r, uint64_t index, stk_record *rec,
         return stk_fail(err, rc == MDB_NOTFOUND ? STK_EFORMAT : STK_ESTORE,
                         "split \"%s\": key %llu: %s", r->split,
                         (unsigned long long)index, mdb_strerror(rc));
-    if (stk_record_decode(v.mv_data, v.mv_size, r->expect, rec))
-        return stk_fail(err, STK_EFORMAT,
-                        "split \"%s\": key %llu: record is %zu bytes, "
-                        "expected %u (%d-byte header + %u pixels)",
-                        r->split, (unsigned long long)index, v.mv_size,
-                        STK_RECORD_HEADER + r->expect, STK_RECORD_HEADER,
-                        r->expect);
-    return 0;
+    return decode_value(r->split, index, v.mv_data, v.mv_size, r->expect, rec,
+                        err);
 }
 
 void stk_reader_release(stk_reader *r)
@@ -828,20 +846,9 @@ uint64_t stk_view_count(const stk_view *v) { return v->count; }
 int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
                  stk_err *err)
 {
-    if (index >= v->count)
-        return stk_fail(err, STK_ERANGE,
-                        "split \"%s\": key %llu is out of range (%llu records)",
-                        v->split, (unsigned long long)index,
-                        (unsigned long long)v->count);
-    const view_entry *e = &v->e[index];
-    if (stk_record_decode(e->data, e->len, v->expect, rec))
-        return stk_fail(err, STK_EFORMAT,
-                        "split \"%s\": key %llu: record is %zu bytes, "
-                        "expected %u (%d-byte header + %u pixels)",
-                        v->split, (unsigned long long)index, e->len,
-                        STK_RECORD_HEADER + v->expect, STK_RECORD_HEADER,
-                        v->expect);
-    return 0;
+    int rc = check_index(v->split, index, v->count, err);
+    return rc ? rc : decode_value(v->split, index, v->e[index].data,
+                                  v->e[index].len, v->expect, rec, err);
 }
 
 void stk_view_prefetch(const stk_view *v, uint64_t index)
