@@ -14,5 +14,8 @@ mkdir -p "$(dirname "$db")"
 build/bin/prep --force /usr/share/datasets/fashion-mnist "$db"
 build/bin/dbinfo "$db" --grid "${db%/}.png"
 run=${2:-_data/run}
+# a second run of this script continues (or reports) the first one
+resume=()
+ls "$run"/checkpoints/step-* >/dev/null 2>&1 && resume=(--resume auto)
 # shellcheck disable=SC2086
-build/bin/train --db "$db" --model cnn --out "$run" ${STOKE_TRAIN_ARGS:-}
+build/bin/train --db "$db" --model cnn --out "$run" "${resume[@]}" ${STOKE_TRAIN_ARGS:-}

@@ -154,6 +154,12 @@ int main(int argc, char **argv)
                 (unsigned long long)res.steps, o.out);
         return stop_requested ? 130 : 0;
     }
+    if (!res.epochs_done) { /* resumed a run that had already finished */
+        printf("train: %s already finished %d epoch(s) (%llu steps, best test accuracy "
+               "%.2f%%); nothing left to train\n",
+               o.out, o.epochs, (unsigned long long)res.steps, 100 * res.best_acc);
+        return 0;
+    }
     printf("train: %d epoch(s), %llu steps: test accuracy %.2f%% (best %.2f%%), test loss %.4f\n",
            res.epochs_done, (unsigned long long)res.steps, 100 * res.test_acc,
            100 * res.best_acc, res.test_loss);

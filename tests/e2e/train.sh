@@ -58,6 +58,9 @@ cmp straight/checkpoints/step-00000470/model.safetensors midway/nested/checkpoin
 ok "stop at step 100 + --resume auto ends with the same weights as 2 epochs"
 expect_fail "--out straight holds the checkpoints of an earlier run; continue it with --resume auto" \
   "$T" "${common[@]}" --epochs 1 --out straight
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --out straight --resume auto | grep -q "already finished 2 epoch(s) (470 steps" \
+  || fail "resuming a finished run should say there is nothing left"
+ok "resuming a finished run reports it and changes nothing"
 
 # adamw (the default): one file holds both moments; the cnn with
 # augmentation runs
