@@ -34,7 +34,6 @@ time   runs one epoch of
          samples_per_s   samples / elapsed_s
        plus what torch did with pin_memory and any warnings it raised.
 """
-import gzip
 import json
 import os
 import pickle
@@ -45,18 +44,10 @@ import warnings
 
 import numpy as np
 
+from idx import read_idx
+
 
 # ------------------------------------------------------------------- make
-
-def read_idx(path):
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    if data[:3] != b"\0\0\x08":
-        raise ValueError("%s: not an unsigned-byte IDX file" % path)
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
 
 def key(i):
     return b"%08d" % i

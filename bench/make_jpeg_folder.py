@@ -11,29 +11,17 @@ order. The folder is built under OUT_DIR.tmp and renamed into place when
 complete, so OUT_DIR either holds all COUNT files or does not exist.
 """
 import argparse
-import gzip
 import os
 import shutil
 import sys
 
 import numpy as np
+
+from idx import read_idx
 from PIL import Image
 
 CLASSES = ["0_tshirt_top", "1_trouser", "2_pullover", "3_dress", "4_coat",
            "5_sandal", "6_shirt", "7_sneaker", "8_bag", "9_ankle_boot"]
-
-
-def read_idx(path):
-    """Reads a (gzipped) IDX file into a numpy array."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    if data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError("%s: not an unsigned-byte IDX file" % path)
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    off = 4 + 4 * ndim
-    return np.frombuffer(data, dtype=np.uint8, offset=off).reshape(dims)
 
 
 def main():

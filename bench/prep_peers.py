@@ -21,7 +21,6 @@ samples_per_s=R". The seconds are measured inside the process, from the
 start of main() to the finished output; the benchmark driver times the whole
 process from outside as well and uses that.
 """
-import gzip
 import multiprocessing as mp
 import os
 import pickle
@@ -29,6 +28,8 @@ import sys
 import time
 
 import numpy as np
+
+from idx import read_idx
 
 SIZE = 32
 CHUNK = 64
@@ -40,16 +41,6 @@ OUT = None
 
 
 # ----------------------------------------------------------------- datasets
-
-def read_idx(path):
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    if data[:3] != b"\0\0\x08":
-        raise ValueError("%s: not an unsigned-byte IDX file" % path)
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
 
 def load_idx(src):
     splits = []
