@@ -380,23 +380,16 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     stk_loader *l = new_loader(opts, err, &rc);
     if (!l)
         return rc;
-    const stk_meta *m = stk_store_meta(store);
-    int k = stk_meta_split(m, l->split);
-    if (k < 0) {
-        rc = stk_fail(err, STK_ENOENT, "no split \"%s\" in the database",
-                      l->split);
-        free(l);
-        return rc;
-    }
     l->ops = &store_ops;
     l->store = store;
-    l->sample_bytes = stk_meta_sample_bytes(m);
+    l->sample_bytes = stk_meta_sample_bytes(stk_store_meta(store));
     l->t_open = stk_now(); /* indexing the split counts toward first batch */
+    /* the view checks that the split exists and knows its size */
     if ((rc = stk_view_open(store, l->split, &l->view, err))) {
         free(l);
         return rc;
     }
-    return finish_open(l, m->splits[k].count, out, err);
+    return finish_open(l, stk_view_count(l->view), out, err);
 }
 
 int stk_loader_open_raw(const stk_source *src, int split,

@@ -676,6 +676,15 @@ static int check_index(const char *split, uint64_t index, uint64_t count,
                     (unsigned long long)count);
 }
 
+/* The index of split in the store's metadata, or STK_ENOENT. */
+static int find_split(const stk_store *s, const char *split, stk_err *err)
+{
+    int i = stk_meta_split(&s->meta, split);
+    return i >= 0 ? i
+                  : stk_fail(err, STK_ENOENT,
+                             "split \"%s\" is not in the database", split);
+}
+
 /* Decodes a stored value; a wrong size names the split and key. */
 static int decode_value(const char *split, uint64_t index, const void *data,
                         size_t len, uint32_t expect, stk_record *rec,
@@ -706,10 +715,9 @@ int stk_reader_open(stk_store *s, const char *split, stk_reader **out,
                     stk_err *err)
 {
     *out = NULL;
-    int i = stk_meta_split(&s->meta, split);
+    int i = find_split(s, split, err);
     if (i < 0)
-        return stk_fail(err, STK_ENOENT, "split \"%s\" is not in the database",
-                        split);
+        return i;
     stk_reader *r = calloc(1, sizeof *r);
     if (!r)
         return stk_fail(err, STK_ENOMEM, "out of memory");
@@ -815,10 +823,9 @@ int stk_view_open(stk_store *s, const char *split, stk_view **out,
                   stk_err *err)
 {
     *out = NULL;
-    int k = stk_meta_split(&s->meta, split);
+    int k = find_split(s, split, err);
     if (k < 0)
-        return stk_fail(err, STK_ENOENT, "split \"%s\" is not in the database",
-                        split);
+        return k;
     stk_view *v = calloc(1, sizeof *v);
     if (!v)
         return stk_fail(err, STK_ENOMEM, "out of memory");
