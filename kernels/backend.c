@@ -1,12 +1,8 @@
 /* backend.c - creating backends and dispatching the op API to them. */
 #include "backend_impl.h"
 
-#include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
-
-/* OpenBLAS's own thread count control (not part of CBLAS proper). */
-void openblas_set_num_threads(int n);
 
 int stk_backend_create(stk_device_kind kind, int device, int threads,
                        stk_backend **out, stk_err *err)
@@ -19,10 +15,8 @@ int stk_backend_create(stk_device_kind kind, int device, int threads,
     be->device = device;
     int rc = 0;
     if (kind == STK_DEV_CPU) {
-        be->ops = &stk_cpu_ops;
         snprintf(be->name, sizeof be->name, "cpu");
-        if (threads > 0)
-            openblas_set_num_threads(threads);
+        rc = stk_cpu_backend_init(be, threads, err);
     } else {
         snprintf(be->name, sizeof be->name, "cuda:%d", device);
         rc = stk_cuda_backend_init(be, device, err);

@@ -69,6 +69,24 @@ struct stk_backend {
 };
 
 extern const backend_ops stk_cpu_ops;
+/* Makes be a CPU backend computing on `threads` threads (pool.c). */
+int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err);
+
+/* ---- the CPU backend's thread pool (pool.c) ---------------------------- */
+
+typedef struct stk_pool stk_pool;
+/* Called with a contiguous range [begin, end) of the loop's indices. */
+typedef void (*stk_pool_fn)(void *arg, size_t begin, size_t end);
+
+/* threads counts the caller: 1 starts no thread. */
+stk_pool *stk_pool_create(int threads, stk_err *err);
+void stk_pool_destroy(stk_pool *p); /* NULL is a no-op */
+int stk_pool_threads(const stk_pool *p);
+/* Runs fn over [0, n) split into at most one contiguous range per thread,
+ * each at least `grain` long, and returns when all are done. One loop at a
+ * time: the pool belongs to the thread driving its backend. */
+void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
+                  void *arg);
 /* Fills be for CUDA device `device`; defined in cuda_ops.cu, or in
  * cuda_none.c where it reports that CUDA is not built. */
 int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err);

@@ -1,13 +1,56 @@
 /* cpu.c - the CPU backend: OpenBLAS SGEMM and C loops over the shared
  * element-wise bodies of ops_inline.h. This is the reference the CUDA
- * backend is tested against. */
+ * backend is tested against.
+ *
+ * Every op runs on the backend's thread pool (pool.c). OpenBLAS itself is
+ * kept to one thread: its idle workers spin on the cores the pool needs,
+ * and most of a step is not GEMM. A GEMM is split instead along the longer
+ * side of C, which leaves every element's sum over k in OpenBLAS's one
+ * order. Each loop splits work whose results do not depend on the split
+ * (elements, planes, channels, fixed-size chunks), so results are the same
+ * for any thread count. */
 #include "backend_impl.h"
 
 #include <cblas.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-static void cpu_destroy(stk_backend *be) { (void)be; }
+/* OpenBLAS's own thread count control (not part of CBLAS proper). */
+void openblas_set_num_threads(int n);
+
+enum {
+    GRAIN = 1 << 14,      /* elements per thread at least, simple loops */
+    GEMM_BLOCK = 16,      /* rows or columns per unit of a GEMM split */
+    SUMSQ_CHUNK = 1 << 15 /* fixed chunks: the sum's order ignores threads */
+};
+
+static stk_pool *pool(stk_backend *be) { return be->impl; }
+
+static void cpu_destroy(stk_backend *be)
+{
+    stk_pool_destroy(be->impl);
+    be->impl = NULL;
+}
+
+/* The CPUs this process may run on. */
+static int usable_cpus(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
+{
+    be->ops = &stk_cpu_ops;
+    openblas_set_num_threads(1);
+    be->impl = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
+    return be->impl ? 0 : STK_ENOMEM;
+}
 
 static void *cpu_alloc(stk_backend *be, size_t bytes, stk_err *err)
 {
@@ -55,173 +98,451 @@ static int cpu_sync(stk_backend *be, stk_err *err)
     return 0;
 }
 
+/* ---- GEMM ------------------------------------------------------------------ */
+
+typedef struct gemm_job {
+    bool ta, tb, split_n;
+    int m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+} gemm_job;
+
+/* Blocks [lo, hi) of GEMM_BLOCK columns (split_n) or rows of C. */
+static void gemm_part(void *v, size_t lo, size_t hi)
+{
+    const gemm_job *g = v;
+    int len = g->split_n ? g->n : g->m;
+    int from = (int)lo * GEMM_BLOCK;
+    int to = (int)hi * GEMM_BLOCK < len ? (int)hi * GEMM_BLOCK : len;
+    const float *a = g->a, *b = g->b;
+    float *c = g->c;
+    int m = g->m, n = g->n;
+    if (g->split_n) {
+        b += g->tb ? (size_t)from * g->ldb : (size_t)from;
+        c += from;
+        n = to - from;
+    } else {
+        a += g->ta ? (size_t)from : (size_t)from * g->lda;
+        c += (size_t)from * g->ldc;
+        m = to - from;
+    }
+    cblas_sgemm(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans,
+                g->tb ? CblasTrans : CblasNoTrans, m, n, g->k, g->alpha, a,
+                g->lda, b, g->ldb, g->beta, c, g->ldc);
+}
+
 static int cpu_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                     float alpha, const float *a, int lda, const float *b,
                     int ldb, float beta, float *c, int ldc, stk_err *err)
 {
-    (void)be;
     (void)err;
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
-                tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb,
-                beta, c, ldc);
+    gemm_job g = {ta, tb, n >= m, m, n, k, lda, ldb, ldc, alpha, beta, a, b,
+                  c};
+    size_t blocks = (size_t)((g.split_n ? n : m) + GEMM_BLOCK - 1) / GEMM_BLOCK;
+    /* under about a megaflop the split costs more than it saves */
+    bool small = 2.0 * m * n * k < 1e6;
+    stk_pool_for(pool(be), blocks, small ? blocks : 1, gemm_part, &g);
     return 0;
+}
+
+/* ---- element-wise ------------------------------------------------------------ */
+
+typedef struct ew_job {
+    const float *x, *y;
+    float *out;
+    float alpha;
+} ew_job;
+
+static void relu_fwd_part(void *v, size_t b, size_t e)
+{
+    const ew_job *j = v;
+    for (size_t i = b; i < e; i++)
+        j->out[i] = stk_relu1(j->x[i]);
 }
 
 static int cpu_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
                         stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        y[i] = stk_relu1(x[i]);
+    ew_job j = {.x = x, .out = y};
+    stk_pool_for(pool(be), n, GRAIN, relu_fwd_part, &j);
     return 0;
+}
+
+static void relu_bwd_part(void *v, size_t b, size_t e)
+{
+    const ew_job *j = v;
+    for (size_t i = b; i < e; i++)
+        j->out[i] = stk_relu_grad1(j->y[i], j->x[i]);
 }
 
 static int cpu_relu_bwd(stk_backend *be, const float *y, const float *dy,
                         float *dx, size_t n, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        dx[i] = stk_relu_grad1(y[i], dy[i]);
+    ew_job j = {.x = dy, .y = y, .out = dx};
+    stk_pool_for(pool(be), n, GRAIN, relu_bwd_part, &j);
     return 0;
+}
+
+static void axpy_part(void *v, size_t b, size_t e)
+{
+    const ew_job *j = v;
+    for (size_t i = b; i < e; i++)
+        j->out[i] += j->alpha * j->x[i];
+}
+
+static int cpu_axpy(stk_backend *be, size_t n, float alpha, const float *x,
+                    float *y, stk_err *err)
+{
+    (void)err;
+    ew_job j = {.x = x, .out = y, .alpha = alpha};
+    stk_pool_for(pool(be), n, GRAIN, axpy_part, &j);
+    return 0;
+}
+
+static void scale_part(void *v, size_t b, size_t e)
+{
+    const ew_job *j = v;
+    for (size_t i = b; i < e; i++)
+        j->out[i] *= j->alpha;
+}
+
+static int cpu_scale(stk_backend *be, size_t n, float alpha, float *x,
+                     stk_err *err)
+{
+    (void)err;
+    ew_job j = {.out = x, .alpha = alpha};
+    stk_pool_for(pool(be), n, GRAIN, scale_part, &j);
+    return 0;
+}
+
+/* ---- bias ------------------------------------------------------------------------ */
+
+typedef struct bias_job {
+    const float *src; /* dy (grad) or b (add) */
+    float *dst;       /* db (grad) or y (add) */
+    int rows, cols, inner;
+} bias_job;
+
+/* (row, channel) planes [b, e) of y [rows, cols, inner]. */
+static void bias_add_part(void *v, size_t b, size_t e)
+{
+    const bias_job *j = v;
+    for (size_t rc = b; rc < e; rc++) {
+        float *p = j->dst + rc * (size_t)j->inner, bias = j->src[rc % j->cols];
+        for (int i = 0; i < j->inner; i++)
+            p[i] += bias;
+    }
 }
 
 static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
                         int cols, int inner, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
-            float *p = y + ((size_t)r * cols + c) * inner;
-            for (int i = 0; i < inner; i++)
-                p[i] += b[c];
-        }
+    bias_job j = {b, y, rows, cols, inner};
+    size_t grain = (GRAIN + (size_t)inner - 1) / (size_t)inner;
+    stk_pool_for(pool(be), (size_t)rows * cols, grain, bias_add_part, &j);
     return 0;
+}
+
+/* Channels [b, e): each summed in double by one thread, in four lanes that
+ * the compiler can vectorise, so the sum does not depend on the split. */
+static void bias_grad_part(void *v, size_t b, size_t e)
+{
+    const bias_job *j = v;
+    for (size_t c = b; c < e; c++) {
+        double lane[4] = {0.0, 0.0, 0.0, 0.0};
+        for (int r = 0; r < j->rows; r++) {
+            const float *p = j->src + ((size_t)r * j->cols + c) * j->inner;
+            int i = 0;
+            for (; i + 4 <= j->inner; i += 4)
+                for (int l = 0; l < 4; l++)
+                    lane[l] += p[i + l];
+            for (; i < j->inner; i++)
+                lane[0] += p[i];
+        }
+        j->dst[c] += (float)((lane[0] + lane[1]) + (lane[2] + lane[3]));
+    }
 }
 
 static int cpu_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
                          int cols, int inner, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (int c = 0; c < cols; c++) {
-        double s = 0.0;
-        for (int r = 0; r < rows; r++) {
-            const float *p = dy + ((size_t)r * cols + c) * inner;
-            for (int i = 0; i < inner; i++)
-                s += p[i];
-        }
-        db[c] += (float)s;
-    }
+    bias_job j = {dy, db, rows, cols, inner};
+    size_t per = (size_t)rows * inner;
+    stk_pool_for(pool(be), (size_t)cols, (GRAIN + per - 1) / per,
+                 bias_grad_part, &j);
     return 0;
 }
 
-/* Loops in column order with the shared body of each element; no index
- * divisions per element. */
+/* ---- im2col / col2im --------------------------------------------------------------- */
+
+/* The outputs o in [*lo, *hi) of a row of `out` whose input o*st - pad + k
+ * falls inside [0, len); the rest read the zero padding. */
+static void inside(int out, int len, int st, int pad, int k, int *lo, int *hi)
+{
+    int first = pad - k; /* o*st >= first */
+    *lo = first <= 0 ? 0 : (first + st - 1) / st;
+    int last = len - 1 + pad - k; /* o*st <= last */
+    *hi = last < 0 ? 0 : last / st + 1;
+    if (*hi > out)
+        *hi = out;
+    if (*lo > *hi)
+        *lo = *hi;
+}
+
+typedef struct conv_job {
+    const float *src;
+    float *dst;
+    const stk_conv_shape *s;
+    int n;
+} conv_job;
+
+/* One row of the columns (channel c, tap ky, kx) for all n samples: the
+ * values stk_im2col_at defines, with the bounds worked out per row. */
+static void im2col_row(const conv_job *j, int c, int ky, int kx, float *col)
+{
+    const stk_conv_shape *s = j->s;
+    int lo, hi;
+    inside(s->ow, s->w, s->sw, s->pw, kx, &lo, &hi);
+    for (int smp = 0; smp < j->n; smp++) {
+        const float *plane = j->src + ((size_t)smp * s->c + c) * s->h * s->w;
+        for (int oy = 0; oy < s->oh; oy++, col += s->ow) {
+            int y = oy * s->sh - s->ph + ky;
+            if (y < 0 || y >= s->h) {
+                memset(col, 0, (size_t)s->ow * sizeof *col);
+                continue;
+            }
+            const float *in = plane + (size_t)y * s->w - s->pw + kx;
+            for (int ox = 0; ox < lo; ox++)
+                col[ox] = 0.0f;
+            for (int ox = lo; ox < hi; ox++)
+                col[ox] = in[ox * s->sw];
+            for (int ox = hi; ox < s->ow; ox++)
+                col[ox] = 0.0f;
+        }
+    }
+}
+
+static void im2col_part(void *v, size_t b, size_t e)
+{
+    const conv_job *j = v;
+    const stk_conv_shape *s = j->s;
+    size_t per_row = (size_t)j->n * s->oh * s->ow;
+    for (size_t r = b; r < e; r++)
+        im2col_row(j, (int)(r / ((size_t)s->kh * s->kw)),
+                   (int)(r / s->kw % s->kh), (int)(r % s->kw),
+                   j->dst + r * per_row);
+}
+
 static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
                       int n, float *col, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (int c = 0; c < s->c; c++)
-        for (int ky = 0; ky < s->kh; ky++)
-            for (int kx = 0; kx < s->kw; kx++)
-                for (int smp = 0; smp < n; smp++)
-                    for (int oy = 0; oy < s->oh; oy++)
-                        for (int ox = 0; ox < s->ow; ox++)
-                            *col++ = stk_im2col_at(x, s, (size_t)smp, c, ky, kx,
-                                                   oy, ox);
+    conv_job j = {x, col, s, n};
+    stk_pool_for(pool(be), (size_t)s->c * s->kh * s->kw, 1, im2col_part, &j);
     return 0;
 }
 
-/* The transpose of im2col as a scatter, row by row: each pixel receives
- * its terms in the same (ky, kx) order as stk_col2im1's gather. */
+/* Channels [b, e) of dx: the transpose of im2col as a scatter, row by row,
+ * so each pixel receives its terms in the same (ky, kx) order as
+ * stk_col2im1's gather and the two give the same floats. */
+static void col2im_part(void *v, size_t b, size_t e)
+{
+    const conv_job *j = v;
+    const stk_conv_shape *s = j->s;
+    size_t plane = (size_t)s->h * s->w, hw = (size_t)s->oh * s->ow;
+    for (size_t c = b; c < e; c++) {
+        for (int smp = 0; smp < j->n; smp++)
+            memset(j->dst + ((size_t)smp * s->c + c) * plane, 0,
+                   plane * sizeof(float));
+        for (int ky = 0; ky < s->kh; ky++)
+            for (int kx = 0; kx < s->kw; kx++) {
+                int lo, hi;
+                inside(s->ow, s->w, s->sw, s->pw, kx, &lo, &hi);
+                const float *col =
+                    j->src + ((c * s->kh + ky) * s->kw + kx) * hw * j->n;
+                for (int smp = 0; smp < j->n; smp++) {
+                    float *img = j->dst + ((size_t)smp * s->c + c) * plane;
+                    for (int oy = 0; oy < s->oh; oy++, col += s->ow) {
+                        int y = oy * s->sh - s->ph + ky;
+                        if (y < 0 || y >= s->h)
+                            continue;
+                        float *out = img + (size_t)y * s->w - s->pw + kx;
+                        for (int ox = lo; ox < hi; ox++)
+                            out[ox * s->sw] += col[ox];
+                    }
+                }
+            }
+    }
+}
+
 static int cpu_col2im(stk_backend *be, const float *col,
                       const stk_conv_shape *s, int n, float *dx, stk_err *err)
 {
-    (void)be;
     (void)err;
-    memset(dx, 0, (size_t)n * s->c * s->h * s->w * sizeof *dx);
-    for (int c = 0; c < s->c; c++)
-        for (int ky = 0; ky < s->kh; ky++)
-            for (int kx = 0; kx < s->kw; kx++)
-                for (int smp = 0; smp < n; smp++) {
-                    float *img = dx + ((size_t)smp * s->c + c) * s->h * s->w;
-                    for (int oy = 0; oy < s->oh; oy++) {
-                        int y = oy * s->sh - s->ph + ky;
-                        for (int ox = 0; ox < s->ow; ox++, col++) {
-                            int xx = ox * s->sw - s->pw + kx;
-                            if (y >= 0 && y < s->h && xx >= 0 && xx < s->w)
-                                img[y * s->w + xx] += *col;
-                        }
-                    }
-                }
+    conv_job j = {col, dx, s, n};
+    stk_pool_for(pool(be), (size_t)s->c, 1, col2im_part, &j);
     return 0;
+}
+
+typedef struct swap_job {
+    const float *src;
+    float *dst;
+    size_t a, b, inner;
+} swap_job;
+
+static void swap01_part(void *v, size_t lo, size_t hi)
+{
+    const swap_job *j = v;
+    for (size_t bi = lo; bi < hi; bi++)
+        for (size_t ai = 0; ai < j->a; ai++)
+            memcpy(j->dst + (bi * j->a + ai) * j->inner,
+                   j->src + (ai * j->b + bi) * j->inner,
+                   j->inner * sizeof(float));
 }
 
 static int cpu_swap01(stk_backend *be, const float *src, float *dst, size_t a,
                       size_t b, size_t inner, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t bi = 0; bi < b; bi++)
-        for (size_t ai = 0; ai < a; ai++)
-            memcpy(dst + (bi * a + ai) * inner, src + (ai * b + bi) * inner,
-                   inner * sizeof *dst);
+    swap_job j = {src, dst, a, b, inner};
+    size_t per = a * inner > 0 ? a * inner : 1;
+    stk_pool_for(pool(be), b, (GRAIN + per - 1) / per, swap01_part, &j);
     return 0;
+}
+
+/* ---- max-pool ------------------------------------------------------------------- */
+
+typedef struct pool_job {
+    const float *x;
+    float *y;
+    int32_t *arg;
+    const int32_t *carg;
+    int h, w, k, st, oh, ow;
+} pool_job;
+
+/* Output row oy of a 2x2, stride-2 pool of plane x: the windows of
+ * stk_maxpool_at in the same order, written so that the compiler can
+ * vectorise across the row. */
+static void maxpool2_row(const float *x, int w, int oy, int ow, float *y,
+                         int32_t *arg)
+{
+    const float *r0 = x + (size_t)2 * oy * w, *r1 = r0 + w;
+    for (int ox = 0; ox < ow; ox++) {
+        int32_t i = 2 * oy * w + 2 * ox;
+        float best = r0[2 * ox];
+        int32_t at = i;
+        stk_maxpool_take(&best, &at, r0[2 * ox + 1], i + 1);
+        stk_maxpool_take(&best, &at, r1[2 * ox], i + w);
+        stk_maxpool_take(&best, &at, r1[2 * ox + 1], i + w + 1);
+        y[ox] = best;
+        arg[ox] = at;
+    }
+}
+
+/* Planes [b, e). */
+static void maxpool_fwd_part(void *v, size_t b, size_t e)
+{
+    const pool_job *j = v;
+    size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
+    for (size_t p = b; p < e; p++) {
+        const float *x = j->x + p * in;
+        float *y = j->y + p * out;
+        int32_t *arg = j->arg + p * out;
+        for (int oy = 0; oy < j->oh; oy++, y += j->ow, arg += j->ow) {
+            if (j->k == 2 && j->st == 2) {
+                maxpool2_row(x, j->w, oy, j->ow, y, arg);
+                continue;
+            }
+            for (int ox = 0; ox < j->ow; ox++)
+                y[ox] = stk_maxpool_at(x, j->h, j->w, j->k, j->st, oy, ox,
+                                       &arg[ox]);
+        }
+    }
 }
 
 static int cpu_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
                            int w, int k, int st, float *y, int32_t *arg,
                            stk_err *err)
 {
-    (void)be;
     (void)err;
-    int oh = (h - k) / st + 1, ow = (w - k) / st + 1;
-    for (int p = 0; p < planes; p++, x += (size_t)h * w)
-        for (int oy = 0; oy < oh; oy++)
-            for (int ox = 0; ox < ow; ox++)
-                *y++ = stk_maxpool_at(x, h, w, k, st, oy, ox, arg++);
+    pool_job j = {.x = x, .y = y, .arg = arg, .h = h, .w = w, .k = k,
+                  .st = st, .oh = (h - k) / st + 1, .ow = (w - k) / st + 1};
+    size_t per = (size_t)h * w;
+    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
+                 maxpool_fwd_part, &j);
     return 0;
+}
+
+static void maxpool_bwd_part(void *v, size_t b, size_t e)
+{
+    const pool_job *j = v;
+    size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
+    for (size_t p = b; p < e; p++) {
+        float *dx = j->y + p * in;
+        memset(dx, 0, in * sizeof *dx);
+        for (size_t o = p * out; o < (p + 1) * out; o++)
+            dx[j->carg[o]] += j->x[o];
+    }
 }
 
 static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
                            const int32_t *arg, int planes, int h, int w,
                            int oh, int ow, float *dx, stk_err *err)
 {
-    (void)be;
     (void)err;
-    memset(dx, 0, (size_t)planes * h * w * sizeof *dx);
-    for (int p = 0; p < planes; p++)
-        for (int j = 0; j < oh * ow; j++) {
-            size_t o = (size_t)p * oh * ow + j;
-            dx[(size_t)p * h * w + arg[o]] += dy[o];
-        }
+    pool_job j = {.x = dy, .y = dx, .carg = arg, .h = h, .w = w, .oh = oh,
+                  .ow = ow};
+    size_t per = (size_t)h * w;
+    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
+                 maxpool_bwd_part, &j);
     return 0;
 }
 
-/* One draw per group (dropout2d) or per element, four elements per Philox
- * block, the same numbers stk_dropout_scale1 draws. */
+/* ---- dropout ----------------------------------------------------------------------- */
+
+typedef struct dropout_job {
+    float *x;
+    size_t n, group, groups;
+    float p;
+    stk_philox_key key;
+    uint64_t stream;
+} dropout_job;
+
+/* Philox blocks [b, e): four groups (dropout2d: a channel of a sample) or
+ * elements each, the same numbers stk_dropout_scale1 draws. */
+static void dropout_part(void *v, size_t b, size_t e)
+{
+    const dropout_job *j = v;
+    uint32_t r[4];
+    size_t end_group = 4 * e < j->groups ? 4 * e : j->groups;
+    for (size_t g = 4 * b; g < end_group; g++) {
+        if (g % 4 == 0)
+            stk_philox_block(j->key, j->stream, g / 4, r);
+        float scale = stk_dropout_keep(stk_u01(r[g % 4]), j->p);
+        size_t end = (g + 1) * j->group < j->n ? (g + 1) * j->group : j->n;
+        for (size_t i = g * j->group; i < end; i++)
+            j->x[i] *= scale;
+    }
+}
+
 static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t group,
                        float p, stk_philox_key key, uint64_t stream,
                        stk_err *err)
 {
-    (void)be;
     (void)err;
-    uint32_t r[4];
-    size_t groups = (n + group - 1) / group;
-    for (size_t g = 0; g < groups; g++) {
-        if (g % 4 == 0)
-            stk_philox_block(key, stream, g / 4, r);
-        float scale = stk_dropout_keep(stk_u01(r[g % 4]), p);
-        size_t end = (g + 1) * group < n ? (g + 1) * group : n;
-        for (size_t i = g * group; i < end; i++)
-            x[i] *= scale;
-    }
+    dropout_job j = {x, n, group, (n + group - 1) / group, p, key, stream};
+    size_t per = 4 * group;
+    stk_pool_for(pool(be), (j.groups + 3) / 4, (GRAIN + per - 1) / per,
+                 dropout_part, &j);
     return 0;
 }
+
+/* ---- loss and input ----------------------------------------------------------------- */
 
 static int cpu_xent(stk_backend *be, const float *logits,
                     const int32_t *labels, int n, int c, float *loss,
@@ -241,78 +562,129 @@ static int cpu_xent(stk_backend *be, const float *logits,
     return 0;
 }
 
-/* One draw per sample, then its pixels in order: the same floats as
- * stk_transform1 per element (the CUDA kernel), without per-pixel index
- * arithmetic or Philox calls. */
-static int cpu_transform(stk_backend *be, const uint8_t *x,
-                         const uint64_t *ids, int n, const stk_transform *t,
-                         float *y, stk_err *err)
+typedef struct transform_job {
+    const uint8_t *x;
+    const uint64_t *ids;
+    const stk_transform *t;
+    float *y;
+} transform_job;
+
+/* Samples [b, e): one draw per sample, then its pixels in order: the same
+ * floats as stk_transform1 per element (the CUDA kernel), without per-pixel
+ * index arithmetic or Philox calls. */
+static void transform_part(void *v, size_t b, size_t e)
 {
-    (void)be;
-    (void)err;
+    const transform_job *j = v;
+    const stk_transform *t = j->t;
     size_t per = (size_t)t->c * t->h * t->w;
-    for (int s = 0; s < n; s++) {
+    float *y = j->y + b * per;
+    for (size_t s = b; s < e; s++) {
         int dy, dx, mirror;
-        stk_transform_draw(t, ids[s], &dy, &dx, &mirror);
-        const uint8_t *img = x + (size_t)s * per;
+        stk_transform_draw(t, j->ids[s], &dy, &dx, &mirror);
+        const uint8_t *img = j->x + s * per;
         for (int c = 0; c < t->c; c++)
             for (int r = 0; r < t->h; r++)
                 for (int q = 0; q < t->w; q++)
                     *y++ = stk_transform_px(img, t, c, r, q, dy, dx, mirror);
     }
-    return 0;
 }
 
-static int cpu_axpy(stk_backend *be, size_t n, float alpha, const float *x,
-                    float *y, stk_err *err)
+static int cpu_transform(stk_backend *be, const uint8_t *x,
+                         const uint64_t *ids, int n, const stk_transform *t,
+                         float *y, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        y[i] += alpha * x[i];
+    transform_job j = {x, ids, t, y};
+    size_t per = (size_t)t->c * t->h * t->w;
+    stk_pool_for(pool(be), (size_t)n, (GRAIN + per - 1) / per, transform_part,
+                 &j);
     return 0;
 }
 
-static int cpu_scale(stk_backend *be, size_t n, float alpha, float *x,
-                     stk_err *err)
+/* ---- reductions and optimizers ---------------------------------------------------- */
+
+typedef struct sumsq_job {
+    const float *x;
+    size_t n, chunk;
+    double *partial;
+} sumsq_job;
+
+/* Chunks [b, e), each in four vectorisable double lanes. */
+static void sumsq_part(void *v, size_t b, size_t e)
 {
-    (void)be;
-    (void)err;
-    for (size_t i = 0; i < n; i++)
-        x[i] *= alpha;
-    return 0;
+    const sumsq_job *j = v;
+    for (size_t c = b; c < e; c++) {
+        size_t from = c * j->chunk;
+        size_t to = from + j->chunk < j->n ? from + j->chunk : j->n;
+        double lane[4] = {0.0, 0.0, 0.0, 0.0};
+        size_t i = from;
+        for (; i + 4 <= to; i += 4)
+            for (int l = 0; l < 4; l++)
+                lane[l] += (double)j->x[i + l] * j->x[i + l];
+        for (; i < to; i++)
+            lane[0] += (double)j->x[i] * j->x[i];
+        j->partial[c] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
+    }
 }
 
+/* The chunk size depends on n alone, and the chunks are added in order, so
+ * the result is the same for any number of threads. */
 static int cpu_sumsq(stk_backend *be, const float *x, size_t n, double *out,
                      stk_err *err)
 {
-    (void)be;
     (void)err;
+    enum { MAX_CHUNKS = 1024 };
+    double partial[MAX_CHUNKS];
+    size_t chunk = SUMSQ_CHUNK;
+    if ((n + chunk - 1) / chunk > MAX_CHUNKS)
+        chunk = (n + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    sumsq_job j = {x, n, chunk, partial};
+    size_t chunks = (n + chunk - 1) / chunk;
+    stk_pool_for(pool(be), chunks, 1, sumsq_part, &j);
     double s = 0.0;
-    for (size_t i = 0; i < n; i++)
-        s += (double)x[i] * x[i];
+    for (size_t c = 0; c < chunks; c++)
+        s += partial[c];
     *out = s;
     return 0;
+}
+
+typedef struct optim_job {
+    float *w, *m, *v;
+    const float *g;
+    const stk_sgd_cfg *sgd;
+    const stk_adamw_cfg *adamw;
+} optim_job;
+
+static void sgd_part(void *v, size_t b, size_t e)
+{
+    const optim_job *j = v;
+    for (size_t i = b; i < e; i++)
+        stk_sgd1(j->w, j->g, j->m, i, j->sgd);
 }
 
 static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
                    size_t n, const stk_sgd_cfg *cfg, stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        stk_sgd1(w, g, buf, i, cfg);
+    optim_job j = {.w = w, .m = buf, .g = g, .sgd = cfg};
+    stk_pool_for(pool(be), n, GRAIN, sgd_part, &j);
     return 0;
+}
+
+static void adamw_part(void *v, size_t b, size_t e)
+{
+    const optim_job *j = v;
+    for (size_t i = b; i < e; i++)
+        stk_adamw1(j->w, j->g, j->m, j->v, i, j->adamw);
 }
 
 static int cpu_adamw(stk_backend *be, float *w, const float *g, float *m,
                      float *v, size_t n, const stk_adamw_cfg *cfg,
                      stk_err *err)
 {
-    (void)be;
     (void)err;
-    for (size_t i = 0; i < n; i++)
-        stk_adamw1(w, g, m, v, i, cfg);
+    optim_job j = {.w = w, .m = m, .v = v, .g = g, .adamw = cfg};
+    stk_pool_for(pool(be), n, GRAIN, adamw_part, &j);
     return 0;
 }
 

@@ -42,7 +42,8 @@ typedef enum stk_device_kind { STK_DEV_CPU = 0, STK_DEV_CUDA = 1 } stk_device_ki
 
 typedef struct stk_backend stk_backend;
 
-/* CPU: threads for BLAS (0 = leave OpenBLAS's default). CUDA: selects
+/* CPU: compute threads, GEMMs included (0 = one per CPU this process may
+ * run on); results do not depend on the count. CUDA: selects
  * device before any other CUDA call, creates a stream and a cuBLAS handle;
  * fails at once with a clear message where there is no GPU. */
 int stk_backend_create(stk_device_kind kind, int device, int threads,

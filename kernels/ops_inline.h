@@ -170,23 +170,30 @@ STK_HD float stk_swap01_1(const float *src, size_t a, size_t b, size_t inner,
 
 /* ---- max-pool ------------------------------------------------------------ */
 
+/* One candidate v at index i against the window's best so far: a larger
+ * value or a NaN wins, so the first maximum is kept and NaN propagates (as
+ * in PyTorch). Selects rather than branches: on real activations the
+ * comparison is a coin toss that a branch predictor loses. */
+STK_HD void stk_maxpool_take(float *best, int32_t *at, float v, int32_t i)
+{
+    int take = (v > *best) | (v != v);
+    *best = take ? v : *best;
+    *at = take ? i : *at;
+}
+
 /* The k x k window at (oy, ox) of plane p (h x w), stride st: its maximum
- * and, in *arg, the winner's index within the plane. */
+ * and, in *arg, the winner's index within the plane. Windows lie inside
+ * the plane (no padding, floor mode), which stk_maxpool_fwd checks. */
 STK_HD float stk_maxpool_at(const float *p, int h, int w, int k, int st,
                             int oy, int ox, int32_t *arg)
 {
-    float best = -INFINITY;
-    int32_t at = -1;
+    (void)h;
+    int32_t at = oy * st * w + ox * st;
+    float best = p[at];
     for (int dy = 0; dy < k; dy++)
         for (int dx = 0; dx < k; dx++) {
-            int y = oy * st + dy, xx = ox * st + dx;
-            if (y < h && xx < w) {
-                float v = p[y * w + xx];
-                if (v > best || at < 0 || v != v) { /* NaN propagates */
-                    best = v;
-                    at = y * w + xx;
-                }
-            }
+            int32_t i = (oy * st + dy) * w + ox * st + dx;
+            stk_maxpool_take(&best, &at, p[i], i);
         }
     *arg = at;
     return best;
