@@ -38,6 +38,15 @@ void stk_backend_destroy(stk_backend *be)
     free(be);
 }
 
+int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
+{
+    enum { CPU_PIECE_BYTES = 1 << 20 }; /* half of a 2 MiB L2 */
+    if (be->kind != STK_DEV_CPU || n < 1)
+        return n;
+    size_t k = per_sample ? CPU_PIECE_BYTES / per_sample : (size_t)n;
+    return k < 1 ? 1 : k > (size_t)n ? n : (int)k;
+}
+
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }
 const char *stk_backend_name(const stk_backend *be) { return be->name; }
 

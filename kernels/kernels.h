@@ -52,6 +52,11 @@ void stk_backend_destroy(stk_backend *be); /* NULL is a no-op */
 stk_device_kind stk_backend_kind(const stk_backend *be);
 const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
 
+/* Samples per piece when a convolution of n samples is computed in pieces
+ * that touch `per_sample` bytes of scratch each: the CPU keeps a piece
+ * within its cache (about 1 MiB), CUDA takes the whole batch. */
+int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n);
+
 /* ---- memory --------------------------------------------------------------- */
 
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err);

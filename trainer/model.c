@@ -16,7 +16,8 @@ typedef struct layer {
     float *y;           /* output, max_batch * oc*oh*ow (aliases x for
                            flatten and dropout, which work in place) */
     int32_t *arg;       /* max-pool winners */
-    float *col;         /* conv: the batch's columns, kept for backward */
+    float *col;         /* conv: the columns of one piece of the batch */
+    int piece;          /* conv: samples per piece (stk_conv_chunk) */
     stk_conv_shape cs;
 } layer;
 
@@ -163,7 +164,10 @@ static int alloc_buffers(stk_model *m, stk_err *err)
             !(l->arg = stk_dev_alloc(be, out_size(l) * B * sizeof(int32_t), err)))
             return STK_ENOMEM;
         if (l->s.kind == STK_L_CONV) {
-            size_t c = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow * B;
+            size_t per = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow;
+            l->piece = stk_conv_chunk(be, (per + out_size(l)) * sizeof(float),
+                                      m->max_batch);
+            size_t c = per * (size_t)l->piece;
             col = c > col ? c : col;
             if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
                 return STK_ENOMEM;
@@ -291,22 +295,25 @@ static uint64_t layer_stream(uint64_t stream, int layer)
     return stream * STK_MAX_LAYERS + (uint64_t)layer;
 }
 
-/* The batch in one GEMM: columns [K, n*HW], W [cout, K] times them gives
- * [cout, n, HW], swapped to NCHW. The columns are kept for backward. */
+/* Piece by piece (all of the batch at once on CUDA): columns [K, n*HW],
+ * W [cout, K] times them gives [cout, n, HW], swapped to NCHW. */
 static int conv_forward(stk_model *m, layer *l, const float *x, int n,
                         stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, nhw = n * l->oh * l->ow;
-    int rc = stk_im2col(m->be, x, &l->cs, n, l->col, err);
-    if (!rc)
-        rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
-                      m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f, m->tmp,
-                      nhw, err);
-    if (!rc)
-        rc = stk_swap01(m->be, m->tmp, l->y, (size_t)l->oc, (size_t)n,
-                        (size_t)l->oh * l->ow, err);
-    return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset, n,
-                                  l->oc, l->oh * l->ow, err);
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, rc = 0;
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
+        if (!rc)
+            rc = stk_gemm(m->be, false, false, l->oc, cn * hw, K, 1.0f,
+                          m->w + m->p[l->pw].offset, K, l->col, cn * hw, 0.0f,
+                          m->tmp, cn * hw, err);
+        if (!rc)
+            rc = stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
+                            (size_t)l->oc, (size_t)cn, (size_t)hw, err);
+    }
+    return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset,
+                                  n, l->oc, hw, err);
 }
 
 static int layer_forward(stk_model *m, int i, const float *x, int n,
@@ -369,27 +376,35 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
 
 /* ---- backward -------------------------------------------------------------- */
 
-/* dy [n, cout, HW] swapped to [cout, n*HW]; dW = dy cols^T, db = sums,
- * dcols = W^T dy, then back to pixels. */
-static int conv_backward(stk_model *m, layer *l, const float *dy, float *dx,
-                         int n, stk_err *err)
+/* Per piece: dy [n, cout, HW] swapped to [cout, n*HW]; dW += dy cols^T,
+ * dcols = W^T dy, then back to pixels; db = sums over the batch. The
+ * columns are rebuilt from x unless the batch was one piece, whose columns
+ * forward left in place. */
+static int conv_backward(stk_model *m, layer *l, const float *x,
+                         const float *dy, float *dx, int n, stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = n * hw;
-    int rc = stk_swap01(m->be, dy, m->tmp, (size_t)n, (size_t)l->oc,
-                        (size_t)hw, err);
-    if (!rc)
-        rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
-                      l->col, nhw, 0.0f, m->g + m->p[l->pw].offset, K, err);
-    if (!rc)
-        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, hw,
-                           err);
-    if (!rc && dx)
-        rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f,
-                      m->w + m->p[l->pw].offset, K, m->tmp, nhw, 0.0f, m->dcol,
-                      nhw, err);
-    if (!rc && dx)
-        rc = stk_col2im(m->be, m->dcol, &l->cs, n, dx, err);
-    return rc;
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, rc = 0;
+    const float *w = m->w + m->p[l->pw].offset;
+    float *dw = m->g + m->p[l->pw].offset;
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
+        rc = stk_swap01(m->be, dy + s0 * out_size(l), m->tmp, (size_t)cn,
+                        (size_t)l->oc, (size_t)hw, err);
+        if (!rc && l->piece < n)
+            rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
+                            err);
+        if (!rc)
+            rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
+                          l->col, nhw, s0 ? 1.0f : 0.0f, dw, K, err);
+        if (!rc && dx)
+            rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f, w, K,
+                          m->tmp, nhw, 0.0f, m->dcol, nhw, err);
+        if (!rc && dx)
+            rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l),
+                            err);
+    }
+    return rc ? rc : stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n,
+                                   l->oc, hw, err);
 }
 
 static int linear_backward(stk_model *m, layer *l, const float *x,
@@ -419,7 +434,7 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
     *dx_out = dx;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return conv_backward(m, l, dy, dx, n, err);
+        return conv_backward(m, l, x, dy, dx, n, err);
     case STK_L_LINEAR:
         return linear_backward(m, l, x, dy, dx, n, err);
     case STK_L_POOL:
