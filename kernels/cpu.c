@@ -4,11 +4,10 @@
  *
  * Every op runs on the backend's thread pool (pool.c). OpenBLAS itself is
  * kept to one thread: its idle workers spin on the cores the pool needs,
- * and most of a step is not GEMM. A GEMM is split instead along the longer
- * side of C, which leaves every element's sum over k in OpenBLAS's one
- * order. Each loop splits work whose results do not depend on the split
- * (elements, planes, channels, fixed-size chunks), so results are the same
- * for any thread count. */
+ * and much of a step is not GEMM. A GEMM is cut instead into panels of
+ * fixed width along the longer side of C. Every loop splits work whose
+ * results do not depend on the split (panels, elements, planes, channels,
+ * fixed-size chunks), so results are the same for any thread count. */
 #include "backend_impl.h"
 
 #include <cblas.h>
@@ -22,7 +21,9 @@ void openblas_set_num_threads(int n);
 
 enum {
     GRAIN = 1 << 14,      /* elements per thread at least, simple loops */
-    GEMM_BLOCK = 16,      /* rows or columns per unit of a GEMM split */
+    GEMM_PANELS = 8,      /* a GEMM in about this many OpenBLAS calls, */
+    GEMM_PANEL_MIN = 32,  /* each this wide at least (rows or columns) */
+    GEMM_PANEL_MAX = 256, /* and at most */
     SUMSQ_CHUNK = 1 << 15 /* fixed chunks: the sum's order ignores threads */
 };
 
@@ -101,20 +102,16 @@ static int cpu_sync(stk_backend *be, stk_err *err)
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct gemm_job {
-    bool ta, tb, split_n;
-    int m, n, k, lda, ldb, ldc;
+    bool ta, tb, split_n, whole;
+    int m, n, k, lda, ldb, ldc, panel;
     float alpha, beta;
     const float *a, *b;
     float *c;
 } gemm_job;
 
-/* Blocks [lo, hi) of GEMM_BLOCK columns (split_n) or rows of C. */
-static void gemm_part(void *v, size_t lo, size_t hi)
+/* Columns (split_n) or rows [from, to) of C. */
+static void gemm_panel(const gemm_job *g, int from, int to)
 {
-    const gemm_job *g = v;
-    int len = g->split_n ? g->n : g->m;
-    int from = (int)lo * GEMM_BLOCK;
-    int to = (int)hi * GEMM_BLOCK < len ? (int)hi * GEMM_BLOCK : len;
     const float *a = g->a, *b = g->b;
     float *c = g->c;
     int m = g->m, n = g->n;
@@ -132,17 +129,38 @@ static void gemm_part(void *v, size_t lo, size_t hi)
                 g->lda, b, g->ldb, g->beta, c, g->ldc);
 }
 
+/* Panels [lo, hi), one OpenBLAS call each: OpenBLAS's rounding depends on
+ * the shape of the call, so the panels are the same for any thread count. */
+static void gemm_part(void *v, size_t lo, size_t hi)
+{
+    const gemm_job *g = v;
+    int len = g->split_n ? g->n : g->m;
+    if (g->whole) {
+        gemm_panel(g, 0, len);
+        return;
+    }
+    for (size_t p = lo; p < hi; p++) {
+        int from = (int)p * g->panel;
+        gemm_panel(g, from, len - from < g->panel ? len : from + g->panel);
+    }
+}
+
 static int cpu_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                     float alpha, const float *a, int lda, const float *b,
                     int ldb, float beta, float *c, int ldc, stk_err *err)
 {
     (void)err;
-    gemm_job g = {ta, tb, n >= m, m, n, k, lda, ldb, ldc, alpha, beta, a, b,
-                  c};
-    size_t blocks = (size_t)((g.split_n ? n : m) + GEMM_BLOCK - 1) / GEMM_BLOCK;
-    /* under about a megaflop the split costs more than it saves */
-    bool small = 2.0 * m * n * k < 1e6;
-    stk_pool_for(pool(be), blocks, small ? blocks : 1, gemm_part, &g);
+    /* under about a megaflop a split costs more than it saves */
+    gemm_job g = {ta, tb, n >= m, 2.0 * m * n * k < 1e6, m, n, k, lda, ldb,
+                  ldc, 0, alpha, beta, a, b, c};
+    /* the panel width depends on the shape alone, a multiple of 16 */
+    int len = g.split_n ? n : m;
+    g.panel = ((len + GEMM_PANELS - 1) / GEMM_PANELS + 15) / 16 * 16;
+    g.panel = g.panel < GEMM_PANEL_MIN   ? GEMM_PANEL_MIN
+              : g.panel > GEMM_PANEL_MAX ? GEMM_PANEL_MAX
+                                         : g.panel;
+    size_t panels = (size_t)(len + g.panel - 1) / (size_t)g.panel;
+    stk_pool_for(pool(be), g.whole ? 1 : panels, 1, gemm_part, &g);
     return 0;
 }
 

@@ -181,10 +181,96 @@ static void whole_model_backward_matches_fd(void **state)
     stk_model_destroy(m);
 }
 
+
+enum { CNN_N = 16, CNN_PX = 28 * 28, CNN_PARAMS = 824326 };
+
+/* One train-mode step of the cnn on a batch of 16 Fashion-MNIST-sized
+ * inputs (dropout on): the logits and the gradients it leaves. */
+static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
+                     bool train, float *logits_out, float *grads_out)
+{
+    stk_model_spec spec;
+    stk_err err;
+    assert_int_equal(stk_model_builtin("cnn", &spec, &err), 0);
+    stk_model *m;
+    assert_int_equal(stk_model_create(b, &spec, 1, 28, 28, 10, 16, 5, &m, &err), 0);
+    assert_int_equal(stk_model_param_count(m), CNN_PARAMS);
+    const float *logits;
+    float loss;
+    stk_philox_key key = {7, 9};
+    assert_int_equal(stk_model_forward(m, x, n, train, key, 3, &logits, &err), 0);
+    memcpy(logits_out, logits, (size_t)n * 10 * sizeof(float));
+    assert_int_equal(stk_xent(b, logits, y, n, 10, &loss, stk_model_dlogits(m), &err), 0);
+    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, NULL,
+                                        NULL, &err), 0);
+    memcpy(grads_out, stk_model_grads(m), stk_model_param_count(m) * sizeof(float));
+    stk_model_destroy(m);
+}
+
+static void cnn_batch(float *x, int32_t *y)
+{
+    for (int i = 0; i < CNN_N * CNN_PX; i++)
+        x[i] = sinf((float)i * 0.011f) + 0.3f * cosf((float)i * 0.17f);
+    for (int i = 0; i < CNN_N; i++)
+        y[i] = (i * 7) % 10;
+}
+
+/* The CPU backend splits every loop and GEMM over its threads; none of the
+ * splits may change a bit of the result. */
+static void cnn_results_do_not_depend_on_threads(void **state)
+{
+    (void)state;
+    static float x[CNN_N * CNN_PX], l1[CNN_N * 10], l3[CNN_N * 10];
+    static float g1[CNN_PARAMS], g3[CNN_PARAMS];
+    int32_t y[CNN_N];
+    cnn_batch(x, y);
+    stk_backend *three;
+    stk_err err;
+    assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, 3, &three, &err), 0);
+    cnn_step(be, CNN_N, x, y, true, l1, g1);
+    cnn_step(three, CNN_N, x, y, true, l3, g3);
+    stk_backend_destroy(three);
+    assert_memory_equal(l1, l3, sizeof l1);
+    assert_memory_equal(g1, g3, sizeof g1);
+}
+
+/* The CPU computes a convolution in cache-sized pieces of the batch (6
+ * samples for the cnn's second conv) and rebuilds each piece's columns in
+ * backward: a batch's gradient must be the mean of its samples' own. */
+static void pieces_add_up_to_the_batch(void **state)
+{
+    (void)state;
+    static float x[CNN_N * CNN_PX], logits[CNN_N * 10], one[10];
+    static float g[CNN_PARAMS], gi[CNN_PARAMS];
+    static double mean[CNN_PARAMS];
+    int32_t y[CNN_N];
+    cnn_batch(x, y);
+    cnn_step(be, CNN_N, x, y, false, logits, g);
+    memset(mean, 0, sizeof mean);
+    for (int i = 0; i < CNN_N; i++) {
+        cnn_step(be, 1, x + i * CNN_PX, y + i, false, one, gi);
+        for (int j = 0; j < 10; j++)
+            assert_float_equal(one[j], logits[i * 10 + j], 1e-5);
+        for (int j = 0; j < CNN_PARAMS; j++)
+            mean[j] += gi[j] / CNN_N;
+    }
+    double worst = 0, scale = 0;
+    for (int j = 0; j < CNN_PARAMS; j++) {
+        double d = fabs(mean[j] - g[j]);
+        worst = d > worst ? d : worst;
+        scale = fabs(mean[j]) > scale ? fabs(mean[j]) : scale;
+    }
+    if (worst > 1e-5 * scale)
+        fail_msg("batch gradient differs from the mean of the samples' by "
+                 "%g (largest gradient %g)", worst, scale);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(cnn_has_pytorch_names_and_shapes),
     cmocka_unit_test(text_format_and_errors),
     cmocka_unit_test(whole_model_backward_matches_fd),
+    cmocka_unit_test(cnn_results_do_not_depend_on_threads),
+    cmocka_unit_test(pieces_add_up_to_the_batch),
 };
 
 UNIT_MAIN_WITH(tests, setup, teardown)
