@@ -73,22 +73,42 @@ static void *cpu_host_alloc(stk_backend *be, size_t bytes)
     return cpu_alloc(be, bytes, NULL);
 }
 
+typedef struct bytes_job {
+    char *dst;
+    const char *src; /* NULL: zero dst */
+} bytes_job;
+
+static void bytes_part(void *v, size_t b, size_t e)
+{
+    const bytes_job *j = v;
+    if (j->src)
+        memcpy(j->dst + b, j->src + b, e - b);
+    else
+        memset(j->dst + b, 0, e - b);
+}
+
+/* Large copies (a batch, the gradients) take all threads; overlapping
+ * ones, which the API allows, stay a single memmove. */
 static int cpu_copy(stk_backend *be, void *dst, const void *src, size_t n,
                     int to_dev, stk_err *err)
 {
-    (void)be;
     (void)to_dev;
     (void)err;
-    if (n)
+    const char *d = dst, *s = src;
+    if (d + n <= s || s + n <= d) {
+        bytes_job j = {dst, src};
+        stk_pool_for(pool(be), n, GRAIN * sizeof(float), bytes_part, &j);
+    } else if (n) {
         memmove(dst, src, n);
+    }
     return 0;
 }
 
 static int cpu_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
 {
-    (void)be;
     (void)err;
-    memset(p, 0, n);
+    bytes_job j = {p, NULL};
+    stk_pool_for(pool(be), n, GRAIN * sizeof(float), bytes_part, &j);
     return 0;
 }
 
@@ -337,8 +357,12 @@ static void im2col_row(const conv_job *j, int c, int ky, int kx, float *col)
             const float *in = plane + (size_t)y * s->w - s->pw + kx;
             for (int ox = 0; ox < lo; ox++)
                 col[ox] = 0.0f;
-            for (int ox = lo; ox < hi; ox++)
-                col[ox] = in[ox * s->sw];
+            if (s->sw == 1) /* rows are short: a loop, not memcpy */
+                for (int ox = lo; ox < hi; ox++)
+                    col[ox] = in[ox];
+            else
+                for (int ox = lo; ox < hi; ox++)
+                    col[ox] = in[ox * s->sw];
             for (int ox = hi; ox < s->ow; ox++)
                 col[ox] = 0.0f;
         }
