@@ -29,7 +29,9 @@ extern "C" {
     X(ECANCELED, -10, "canceled")                                              \
     X(ENODEV, -11, "no such device")                                           \
     X(ERANGE, -12, "out of range")                                             \
-    X(EUNSUPPORTED, -13, "not supported")
+    X(EUNSUPPORTED, -13, "not supported")                                      \
+    X(ETIMEDOUT, -14, "timed out")                                             \
+    X(EPEER, -15, "a peer process failed")
 
 enum {
 #define STK_ERR_ENUM(name, val, text) STK_##name = val,

@@ -38,6 +38,11 @@ void stk_backend_destroy(stk_backend *be)
     free(be);
 }
 
+void *stk_backend_stream(stk_backend *be)
+{
+    return be->kind == STK_DEV_CUDA ? stk_cuda_stream(be) : NULL;
+}
+
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 {
     enum { CPU_PIECE_BYTES = 1 << 20 }; /* half of a 2 MiB L2 */

@@ -90,6 +90,7 @@ void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
 /* Fills be for CUDA device `device`; defined in cuda_ops.cu, or in
  * cuda_none.c where it reports that CUDA is not built. */
 int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err);
+void *stk_cuda_stream(stk_backend *be); /* its cudaStream_t */
 
 #ifdef __cplusplus
 }

@@ -808,3 +808,8 @@ extern "C" int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err)
     be->ops = &cuda_ops;
     return 0;
 }
+
+extern "C" void *stk_cuda_stream(stk_backend *be)
+{
+    return impl(be)->stream;
+}

@@ -52,6 +52,10 @@ void stk_backend_destroy(stk_backend *be); /* NULL is a no-op */
 stk_device_kind stk_backend_kind(const stk_backend *be);
 const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
 
+/* CUDA: the backend's cudaStream_t, for libraries that queue work behind
+ * it (NCCL); NULL on the CPU. */
+void *stk_backend_stream(stk_backend *be);
+
 /* Samples per piece when a convolution of n samples is computed in pieces
  * that touch `per_sample` bytes of scratch each: the CPU keeps a piece
  * within its cache (about 1 MiB), CUDA takes the whole batch. */

@@ -35,6 +35,8 @@ struct stk_model {
     const float *x;         /* the last forward input */
     int n;                  /* and its batch size */
     bool train;             /* and whether dropout was applied */
+    stk_grads_ready_fn ready; /* during backward: who hears of final grads */
+    void *ready_arg;
 };
 
 static size_t out_size(const layer *l) { return (size_t)l->oc * l->oh * l->ow; }
@@ -376,10 +378,20 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
 
 /* ---- backward -------------------------------------------------------------- */
 
+/* The layer's gradients are final: tells the backward's listener. */
+static void report(stk_model *m, const layer *l)
+{
+    if (m->ready && l->pw >= 0) {
+        m->ready(l->pw, m->ready_arg);
+        m->ready(l->pb, m->ready_arg);
+    }
+}
+
 /* Per piece: dy [n, cout, HW] swapped to [cout, n*HW]; dW += dy cols^T,
- * dcols = W^T dy, then back to pixels; db = sums over the batch. The
+ * dcols = W^T dy, then back to pixels; db += sums over the batch. The
  * columns are rebuilt from x unless the batch was one piece, whose columns
- * forward left in place. */
+ * forward left in place. dW is final only after the last piece, so the
+ * layer reports its gradients after its input gradient. */
 static int conv_backward(stk_model *m, layer *l, const float *x,
                          const float *dy, float *dx, int n, stk_err *err)
 {
@@ -395,7 +407,7 @@ static int conv_backward(stk_model *m, layer *l, const float *x,
                             err);
         if (!rc)
             rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
-                          l->col, nhw, s0 ? 1.0f : 0.0f, dw, K, err);
+                          l->col, nhw, 1.0f, dw, K, err);
         if (!rc && dx)
             rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f, w, K,
                           m->tmp, nhw, 0.0f, m->dcol, nhw, err);
@@ -403,8 +415,12 @@ static int conv_backward(stk_model *m, layer *l, const float *x,
             rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l),
                             err);
     }
-    return rc ? rc : stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n,
-                                   l->oc, hw, err);
+    if (!rc)
+        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, hw,
+                           err);
+    if (!rc)
+        report(m, l);
+    return rc;
 }
 
 static int linear_backward(stk_model *m, layer *l, const float *x,
@@ -416,6 +432,8 @@ static int linear_backward(stk_model *m, layer *l, const float *x,
     if (!rc)
         rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, 1,
                            err);
+    if (!rc)
+        report(m, l); /* before dx: the reduction overlaps it */
     if (!rc && dx)
         rc = stk_gemm(m->be, false, false, n, in, l->oc, 1.0f, dy, l->oc,
                       m->w + m->p[l->pw].offset, in, 0.0f, dx, in, err);
@@ -460,17 +478,18 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
 }
 
 int stk_model_backward(stk_model *m, const float *dlogits, int n,
-                       stk_philox_key key, uint64_t stream,
-                       void (*after_layer)(int layer, void *arg), void *arg,
-                       stk_err *err)
+                       stk_philox_key key, uint64_t stream, bool accumulate,
+                       stk_grads_ready_fn ready, void *arg, stk_err *err)
 {
     if (n != m->n)
         return stk_fail(err, STK_EINVAL,
                         "model: backward of %d samples after a forward of %d",
                         n, m->n);
-    int rc = stk_memzero(m->be, m->g, m->total * sizeof(float), err);
+    int rc = accumulate ? 0 : stk_memzero(m->be, m->g, m->total * sizeof(float), err);
     if (rc)
         return rc;
+    m->ready = ready;
+    m->ready_arg = arg;
     /* the first gradient buffer starts as a copy of dlogits, so that
      * in-place layers never write into the caller's buffer */
     size_t nl = (size_t)n * m->classes;
@@ -490,10 +509,9 @@ int stk_model_backward(stk_model *m, const float *dlogits, int n,
         rc = layer_backward(m, i, x, dy, i > first ? spare : NULL, &dx, key,
                             stream, err);
         if (rc)
-            return rc;
-        if (after_layer && m->l[i].pw >= 0)
-            after_layer(i, arg);
+            break;
         dy = dx;
     }
-    return 0;
+    m->ready = NULL;
+    return rc;
 }

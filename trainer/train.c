@@ -164,7 +164,7 @@ static int train_step(run_state *r, const stk_batch *b, float *loss,
         rc = count_correct(r, logits, b, correct, err);
     if (!rc)
         rc = stk_model_backward(r->model, stk_model_dlogits(r->model), b->n, key,
-                                r->step, NULL, NULL, err);
+                                r->step, false, NULL, NULL, err);
     float norm;
     if (!rc)
         rc = clip_grads(r, &norm, err);

@@ -87,13 +87,16 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
                       stk_philox_key key, uint64_t stream,
                       const float **logits, stk_err *err);
 
-/* Backward from dlogits (device, n x classes): zeroes, then fills the
- * gradient buffer. after_layer(l, arg) is called when layer l's gradients
- * are complete (last layer first), for overlapping communication. */
+/* Called by backward once parameter `param`'s gradient is final (both of a
+ * layer's, before the layer's input gradient is computed), last layer
+ * first: DDP starts reducing a bucket when all of its parameters are. */
+typedef void (*stk_grads_ready_fn)(int param, void *arg);
+
+/* Backward from dlogits (device, n x classes) into the gradient buffer:
+ * zeroed first, or added to when accumulate (gradient accumulation). */
 int stk_model_backward(stk_model *m, const float *dlogits, int n,
-                       stk_philox_key key, uint64_t stream,
-                       void (*after_layer)(int layer, void *arg), void *arg,
-                       stk_err *err);
+                       stk_philox_key key, uint64_t stream, bool accumulate,
+                       stk_grads_ready_fn ready, void *arg, stk_err *err);
 
 /* Scratch of n floats owned by the model (device), for dlogits. */
 float *stk_model_dlogits(stk_model *m);

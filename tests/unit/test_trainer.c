@@ -143,7 +143,8 @@ static void whole_model_backward_matches_fd(void **state)
                                        &logits, &err), 0);
     assert_int_equal(stk_xent(be, logits, y, N, 4, &loss, stk_model_dlogits(m), &err), 0);
     assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), N,
-                                        (stk_philox_key){0, 0}, 0, NULL, NULL, &err), 0);
+                                        (stk_philox_key){0, 0}, 0, false, NULL, NULL,
+                                        &err), 0);
     size_t np = stk_model_param_count(m);
     float *g = malloc(np * sizeof *g), *w = stk_model_weights(m);
     memcpy(g, stk_model_grads(m), np * sizeof *g);
@@ -201,8 +202,8 @@ static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
     assert_int_equal(stk_model_forward(m, x, n, train, key, 3, &logits, &err), 0);
     memcpy(logits_out, logits, (size_t)n * 10 * sizeof(float));
     assert_int_equal(stk_xent(b, logits, y, n, 10, &loss, stk_model_dlogits(m), &err), 0);
-    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, NULL,
-                                        NULL, &err), 0);
+    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, false,
+                                        NULL, NULL, &err), 0);
     memcpy(grads_out, stk_model_grads(m), stk_model_param_count(m) * sizeof(float));
     stk_model_destroy(m);
 }

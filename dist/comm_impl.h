@@ -1,0 +1,47 @@
+/* comm_impl.h - private to dist/: the collective backends behind stk_comm
+ * (shared memory in shm.c, NCCL in nccl.c). */
+#ifndef STK_COMM_IMPL_H
+#define STK_COMM_IMPL_H
+
+#include "dist.h"
+
+enum { STK_MAX_RANKS = 64 }; /* shared-memory ranks on one machine */
+
+typedef struct shm_comm shm_comm;
+
+int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
+               shm_comm **out, stk_err *err);
+void shm_destroy(shm_comm *s);
+void shm_abort(shm_comm *s); /* wakes every waiter with an error */
+int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
+                  stk_err *err);
+int shm_broadcast(shm_comm *s, void *buf, size_t bytes, int root,
+                  stk_err *err);
+int shm_barrier(shm_comm *s, stk_err *err);
+
+typedef struct nccl_comm nccl_comm;
+
+/* NCCL on be's device; STK_EUNSUPPORTED in a build without CUDA. Each
+ * operation runs on the communicator's own stream after the work queued
+ * so far on the backend's stream, and returns once it is complete,
+ * polling NCCL's asynchronous errors meanwhile (a dead peer ends the wait:
+ * the communicator is aborted). Callable from a thread other than the one
+ * queueing compute work (DDP's communication thread). */
+int nccl_create(stk_backend *be, int rank, int world, stk_kv *kv,
+                int timeout_ms, nccl_comm **out, stk_err *err);
+void nccl_destroy(nccl_comm *n); /* aborts the communicator */
+void nccl_abort(nccl_comm *n);
+int nccl_allreduce(nccl_comm *n, float *buf, size_t count, stk_reduce op,
+                   stk_err *err);
+int nccl_broadcast(nccl_comm *n, void *buf, size_t bytes, int root,
+                   stk_err *err);
+int nccl_barrier(nccl_comm *n, stk_err *err); /* a one-float all-reduce */
+
+struct stk_comm {
+    stk_backend *be;
+    int rank, world;
+    shm_comm *shm;
+    nccl_comm *nccl;
+};
+
+#endif

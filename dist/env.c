@@ -1,0 +1,129 @@
+/* env.c - a rank's identity from its environment: the torchrun variables
+ * the launcher sets, or SLURM's when srun starts the ranks itself. */
+#include "dist.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DEFAULT_PORT = 29500 }; /* torchrun's; used only under SLURM */
+
+/* The integer in variable name; *found says whether it is set. */
+static int env_int(const char *name, int lo, int hi, int *out, bool *found,
+                   stk_err *err)
+{
+    const char *v = getenv(name);
+    *found = v && *v;
+    if (!*found)
+        return 0;
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || *end || x < lo || x > hi)
+        return stk_fail(err, STK_EINVAL,
+                        "environment: %s=%s is not an integer in %d..%d", name, v,
+                        lo, hi);
+    *out = (int)x;
+    return 0;
+}
+
+static int check(const stk_rank_info *r, stk_err *err)
+{
+    if (r->rank >= r->world)
+        return stk_fail(err, STK_EINVAL,
+                        "environment (%s): rank %d is not below the world size %d",
+                        r->source, r->rank, r->world);
+    if (r->local_rank >= r->local_world || r->local_world > r->world)
+        return stk_fail(err, STK_EINVAL,
+                        "environment (%s): local rank %d of %d does not fit a "
+                        "world of %d",
+                        r->source, r->local_rank, r->local_world, r->world);
+    return 0;
+}
+
+static int master(stk_rank_info *r, bool required, stk_err *err)
+{
+    const char *addr = getenv("MASTER_ADDR");
+    bool found;
+    int rc = env_int("MASTER_PORT", 1, 65535, &r->master_port, &found, err);
+    if (rc)
+        return rc;
+    if (required && (!addr || !*addr || !found))
+        return stk_fail(err, STK_EINVAL,
+                        "environment: RANK and WORLD_SIZE are set but MASTER_ADDR "
+                        "or MASTER_PORT is not; set both (the launcher does)");
+    if (!found)
+        r->master_port = DEFAULT_PORT;
+    snprintf(r->master_addr, sizeof r->master_addr, "%s",
+             addr && *addr ? addr : "127.0.0.1");
+    return 0;
+}
+
+static int from_torchrun(stk_rank_info *r, stk_err *err)
+{
+    bool f1, f2, f3, f4;
+    int rc = env_int("RANK", 0, 1 << 20, &r->rank, &f1, err);
+    if (!rc)
+        rc = env_int("WORLD_SIZE", 1, 1 << 20, &r->world, &f2, err);
+    if (!rc && f1 != f2)
+        rc = stk_fail(err, STK_EINVAL,
+                      "environment: %s is set without %s; set both or neither",
+                      f1 ? "RANK" : "WORLD_SIZE", f1 ? "WORLD_SIZE" : "RANK");
+    r->local_rank = r->rank;
+    r->local_world = r->world;
+    if (!rc)
+        rc = env_int("LOCAL_RANK", 0, 1 << 20, &r->local_rank, &f3, err);
+    if (!rc)
+        rc = env_int("LOCAL_WORLD_SIZE", 1, 1 << 20, &r->local_world, &f4, err);
+    if (!rc)
+        rc = master(r, true, err);
+    return rc ? rc : check(r, err);
+}
+
+static int from_slurm(stk_rank_info *r, stk_err *err)
+{
+    bool f1, f2, f3, f4;
+    int rc = env_int("SLURM_PROCID", 0, 1 << 20, &r->rank, &f1, err);
+    if (!rc)
+        rc = env_int("SLURM_NTASKS", 1, 1 << 20, &r->world, &f2, err);
+    if (!rc)
+        rc = env_int("SLURM_LOCALID", 0, 1 << 20, &r->local_rank, &f3, err);
+    /* tasks on this node: SLURM_NTASKS_PER_NODE is set only with
+     * --ntasks-per-node; a one-node job has them all */
+    r->local_world = r->world;
+    if (!rc)
+        rc = env_int("SLURM_NTASKS_PER_NODE", 1, 1 << 20, &r->local_world, &f4, err);
+    if (!rc && (!f1 || !f2 || !f3))
+        rc = stk_fail(err, STK_EINVAL,
+                      "environment: SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID "
+                      "must all be set (run the ranks with srun)");
+    if (!rc)
+        rc = master(r, false, err);
+    if (!rc && r->world > r->local_world && !getenv("MASTER_ADDR"))
+        rc = stk_fail(err, STK_EINVAL,
+                      "environment: a SLURM job over several nodes needs "
+                      "MASTER_ADDR (the first node's host name) and MASTER_PORT; "
+                      "e.g. export MASTER_ADDR=$(scontrol show hostnames "
+                      "\"$SLURM_JOB_NODELIST\" | head -n1)");
+    r->host_store = r->rank == 0; /* no launcher: rank 0 serves the store */
+    return rc ? rc : check(r, err);
+}
+
+int stk_rank_from_env(stk_rank_info *out, stk_err *err)
+{
+    memset(out, 0, sizeof *out);
+    out->world = out->local_world = 1;
+    snprintf(out->master_addr, sizeof out->master_addr, "127.0.0.1");
+    if (getenv("RANK") || getenv("WORLD_SIZE")) {
+        out->source = "torchrun variables";
+        return from_torchrun(out, err);
+    }
+    const char *tasks = getenv("SLURM_NTASKS");
+    if (getenv("SLURM_PROCID") && tasks && strcmp(tasks, "1") != 0) {
+        out->source = "SLURM";
+        return from_slurm(out, err);
+    }
+    out->source = "single process";
+    return 0;
+}
