@@ -264,10 +264,19 @@ typedef struct bias_job {
     int rows, cols, inner;
 } bias_job;
 
-/* (row, channel) planes [b, e) of y [rows, cols, inner]. */
+/* (row, channel) planes [b, e) of y [rows, cols, inner]; with inner 1
+ * (a linear layer) rows [b, e), added along the row. */
 static void bias_add_part(void *v, size_t b, size_t e)
 {
     const bias_job *j = v;
+    if (j->inner == 1) {
+        for (size_t r = b; r < e; r++) {
+            float *p = j->dst + r * (size_t)j->cols;
+            for (int c = 0; c < j->cols; c++)
+                p[c] += j->src[c];
+        }
+        return;
+    }
     for (size_t rc = b; rc < e; rc++) {
         float *p = j->dst + rc * (size_t)j->inner, bias = j->src[rc % j->cols];
         for (int i = 0; i < j->inner; i++)
@@ -280,16 +289,35 @@ static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
 {
     (void)err;
     bias_job j = {b, y, rows, cols, inner};
-    size_t grain = (GRAIN + (size_t)inner - 1) / (size_t)inner;
-    stk_pool_for(pool(be), (size_t)rows * cols, grain, bias_add_part, &j);
+    size_t units = (size_t)rows * (inner == 1 ? 1 : (size_t)cols);
+    size_t per = inner == 1 ? (size_t)cols : (size_t)inner;
+    stk_pool_for(pool(be), units, (GRAIN + per - 1) / per, bias_add_part, &j);
     return 0;
 }
 
-/* Channels [b, e): each summed in double by one thread, in four lanes that
- * the compiler can vectorise, so the sum does not depend on the split. */
+/* Channels [b, e): each summed in double by one thread, rows in order and
+ * within a row in four lanes that the compiler can vectorise, so the sum
+ * does not depend on the split. With inner 1 (a linear layer) the rows
+ * are walked outside, so that the reads run along memory; each channel
+ * still adds its rows in order. */
 static void bias_grad_part(void *v, size_t b, size_t e)
 {
     const bias_job *j = v;
+    if (j->inner == 1) {
+        double acc[256];
+        for (size_t c0 = b; c0 < e; c0 += 256) {
+            size_t nc = e - c0 < 256 ? e - c0 : 256;
+            memset(acc, 0, sizeof acc);
+            for (int r = 0; r < j->rows; r++) {
+                const float *p = j->src + (size_t)r * j->cols + c0;
+                for (size_t c = 0; c < nc; c++)
+                    acc[c] += p[c];
+            }
+            for (size_t c = 0; c < nc; c++)
+                j->dst[c0 + c] += (float)acc[c];
+        }
+        return;
+    }
     for (size_t c = b; c < e; c++) {
         double lane[4] = {0.0, 0.0, 0.0, 0.0};
         for (int r = 0; r < j->rows; r++) {
@@ -624,6 +652,13 @@ static void transform_part(void *v, size_t b, size_t e)
         int dy, dx, mirror;
         stk_transform_draw(t, j->ids[s], &dy, &dx, &mirror);
         const uint8_t *img = j->x + s * per;
+        if (!dy && !dx && !mirror) { /* no augmentation: a straight loop */
+            size_t plane = (size_t)t->h * t->w;
+            for (int c = 0; c < t->c; c++, img += plane)
+                for (size_t i = 0; i < plane; i++)
+                    *y++ = stk_normalize1((float)img[i], t, c);
+            continue;
+        }
         for (int c = 0; c < t->c; c++)
             for (int r = 0; r < t->h; r++)
                 for (int q = 0; q < t->w; q++)

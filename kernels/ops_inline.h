@@ -258,6 +258,12 @@ STK_HD void stk_transform_draw(const stk_transform *t, uint64_t sample_id,
     *mirror = t->flip && (ctr[2] & 1);
 }
 
+/* A pixel value v (0..255) of channel c, normalised. */
+STK_HD float stk_normalize1(float v, const stk_transform *t, int c)
+{
+    return (v / 255.0f - t->mean[c]) * t->inv_std[c];
+}
+
 /* Output pixel (c, y, x) of one sample img (uint8 CHW) given its draw:
  * read through the crop offset and flip, zero outside the image (the
  * padding), normalised. */
@@ -268,7 +274,7 @@ STK_HD float stk_transform_px(const uint8_t *img, const stk_transform *t,
     float v = 0.0f;
     if (sx >= 0 && sx < t->w && sy >= 0 && sy < t->h)
         v = (float)img[((size_t)c * t->h + sy) * t->w + sx];
-    return (v / 255.0f - t->mean[c]) * t->inv_std[c];
+    return stk_normalize1(v, t, c);
 }
 
 /* Output element j of the batch (n, c, y, x). sample_id keys the draws, so
