@@ -74,6 +74,7 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     cJSON *pos = cJSON_AddObjectToObject(s, "loader");
     cJSON_AddNumberToObject(pos, "epoch", (double)r->pos_epoch);
     cJSON_AddNumberToObject(pos, "batch", (double)r->pos_batch);
+    cJSON_AddNumberToObject(pos, "world", (double)r->rank.world);
     cJSON_AddNumberToObject(s, "seed", (double)o->seed);
     cJSON_AddNumberToObject(s, "best_acc", r->best_acc);
     cJSON_AddStringToObject(s, "optim", o->optim == STK_OPT_SGD ? "sgd" : "adamw");
@@ -227,6 +228,31 @@ static void newest(const char *run, char *out, size_t n)
         *out = '\0';
 }
 
+/* The batch to resume at: the saved one, or, when the checkpoint was
+ * written by another number of ranks, the batch where this world has
+ * trained the same number of samples of the epoch (rounded down to a whole
+ * step). */
+static uint64_t resume_batch(run_state *r, uint64_t batch, const cJSON *world)
+{
+    uint64_t was = cJSON_IsNumber(world) && world->valuedouble >= 1
+                       ? (uint64_t)world->valuedouble
+                       : 1;
+    uint64_t now = (uint64_t)r->rank.world, accum = (uint64_t)r->o->accum;
+    if (was == now || batch == 0)
+        return batch;
+    uint64_t at = batch * was / now / accum * accum;
+    if (!r->o->quiet)
+        fprintf(stderr,
+                "train: the checkpoint was written by %llu rank(s), this run has "
+                "%llu: resuming the epoch at batch %llu of each rank (sample %llu "
+                "of the epoch instead of %llu)\n",
+                (unsigned long long)was, (unsigned long long)now,
+                (unsigned long long)at,
+                (unsigned long long)(at * now * (uint64_t)r->o->batch),
+                (unsigned long long)(batch * was * (uint64_t)r->o->batch));
+    return at;
+}
+
 static int read_state(run_state *r, const char *dir, stk_err *err)
 {
     char path[4200];
@@ -257,7 +283,8 @@ static int read_state(run_state *r, const char *dir, stk_err *err)
     if (!rc) {
         r->epoch = pe->valueint;
         r->step = (uint64_t)st->valuedouble;
-        r->start_batch = (uint64_t)pb->valuedouble;
+        r->start_batch = resume_batch(r, (uint64_t)pb->valuedouble,
+                                      cJSON_GetObjectItemCaseSensitive(pos, "world"));
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
         r->best_acc = cJSON_IsNumber(b) ? b->valuedouble : 0;
     }

@@ -36,6 +36,9 @@ void stk_train_defaults(stk_train_opts *o)
     o->out = "runs/train";
     o->log_every = 50;
     o->keep = 3;
+    o->accum = 1;
+    o->bucket_mb = 25;   /* PyTorch DDP's bucket_cap_mb */
+    o->timeout_s = 300;
 }
 
 /* ---- the learning rate ------------------------------------------------- */
@@ -141,42 +144,75 @@ static int optimizer_step(run_state *r, float lr, stk_err *err)
     return stk_adamw_step(r->be, w, g, r->state1, r->state2, n, &c, err);
 }
 
-/* One training step on batch b; *loss and *correct for the metrics. */
-static int train_step(run_state *r, const stk_batch *b, float *loss,
-                      int *correct, stk_err *err)
+/* One micro-batch of a step: forward, loss and backward into the
+ * gradients, scaled by b->n / group_n so that a step's gradient is the
+ * mean over all group_n samples of its micro-batches. The last one hands
+ * the gradients to DDP as backward finishes them. */
+static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
+                      int group_n, float *loss, int *correct, stk_err *err)
 {
     const float *logits;
     stk_philox_key key = r->key;
+    float *dl = stk_model_dlogits(r->model);
     int rc = stage_batch(r, b, b->epoch, true, err);
     if (!rc)
         rc = stk_model_forward(r->model, r->x_f, b->n, r->o->dropout, key, r->step, &logits, err);
     if (!rc)
-        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes, loss,
-                      stk_model_dlogits(r->model), err);
-    if (!rc && !isfinite(*loss))
+        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes, loss, dl, err);
+    if (!rc)
+        rc = count_correct(r, logits, b, correct, err);
+    if (!rc && group_n != b->n)
+        rc = stk_scale(r->be, (size_t)b->n * r->classes, (float)b->n / (float)group_n,
+                       dl, err);
+    r->ddp_rc = 0;
+    bool share = last && r->rank.world > 1;
+    if (!rc)
+        rc = stk_model_backward(r->model, dl, b->n, key, r->step, micro > 0,
+                                share ? group_grads_ready : NULL, r, err);
+    return rc ? rc : r->ddp_rc;
+}
+
+typedef struct step_out {
+    double loss;     /* the step's mean loss over all ranks */
+    uint64_t hits, n; /* over all ranks */
+    bool stop;       /* some rank was asked to stop */
+    double waited, busy; /* DDP: waited after backward, reductions took */
+} step_out;
+
+/* Ends a step: the averaged gradients, the ranks' loss and stop decision
+ * (the same on every rank, so all stop at the same step), then the update.
+ * A non-finite loss or gradient stops every rank before the weights
+ * change. */
+static int finish_step(run_state *r, double loss_sum, int hits, int n,
+                       uint64_t epoch, step_out *out, stk_err *err)
+{
+    int rc = stk_ddp_finish(r->ddp, &out->waited, &out->busy, err);
+    float v[4] = {r->o->stop && *r->o->stop ? 1.0f : 0.0f, (float)loss_sum,
+                  (float)hits, (float)n};
+    if (!rc)
+        rc = group_sum(r, v, 4, err);
+    if (rc)
+        return rc;
+    out->stop = v[0] > 0;
+    out->loss = v[1] / v[3];
+    out->hits = (uint64_t)v[2];
+    out->n = (uint64_t)v[3];
+    if (!isfinite(out->loss))
         return stk_fail(err, STK_ERANGE,
                         "loss is %s at step %llu (epoch %llu); stopped, the last good "
                         "checkpoint is kept (lower --lr or set --clip)",
-                        isnan(*loss) ? "NaN" : "infinite",
-                        (unsigned long long)r->step + 1,
-                        (unsigned long long)b->epoch + 1);
-    if (!rc)
-        rc = count_correct(r, logits, b, correct, err);
-    if (!rc)
-        rc = stk_model_backward(r->model, stk_model_dlogits(r->model), b->n, key,
-                                r->step, false, NULL, NULL, err);
+                        isnan(out->loss) ? "NaN" : "infinite",
+                        (unsigned long long)r->step + 1, (unsigned long long)epoch + 1);
     float norm;
-    if (!rc)
-        rc = clip_grads(r, &norm, err);
+    rc = clip_grads(r, &norm, err);
     if (!rc && !isfinite(norm)) /* never let a non-finite step into the weights */
         return stk_fail(err, STK_ERANGE,
                         "gradient norm is %s at step %llu (epoch %llu); stopped, the "
                         "last good checkpoint is kept (lower --lr or set --clip)",
                         isnan(norm) ? "NaN" : "infinite",
-                        (unsigned long long)r->step + 1,
-                        (unsigned long long)b->epoch + 1);
+                        (unsigned long long)r->step + 1, (unsigned long long)epoch + 1);
     if (!rc) {
-        r->lr = stk_train_lr(r->o, r->step, r->total_steps, (int)b->epoch);
+        r->lr = stk_train_lr(r->o, r->step, r->total_steps, (int)epoch);
         rc = optimizer_step(r, r->lr, err);
     }
     return rc;
@@ -188,6 +224,7 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
 {
     stk_loader_opts lo = {.split = "test", .batch_size = r->o->batch,
                           .workers = r->o->workers, .uneven = true,
+                          .rank = r->rank.rank, .world = r->rank.world,
                           .host = r->host};
     stk_loader *l;
     int rc = stk_loader_open(r->store, &lo, &l, err);
@@ -215,6 +252,13 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     stk_loader_close(l);
     if (rc < 0)
         return rc;
+    /* each rank read its own shard exactly once: the sums are the split's */
+    float v[3] = {(float)sum, (float)hits, (float)seen};
+    if ((rc = group_sum(r, v, 3, err)))
+        return rc;
+    sum = v[0];
+    hits = (uint64_t)v[1];
+    seen = (uint64_t)v[2];
     r->eval_seen = seen;
     *loss = seen ? sum / seen : 0;
     *acc = seen ? (double)hits / seen : 0;
@@ -254,49 +298,127 @@ static void progress(run_state *r, const stk_loader_stats *st, double loss,
 
 /* ---- the epoch loop ----------------------------------------------------------- */
 
+/* Samples in this rank's batches [from, to) of an epoch: every rank's
+ * shard is padded to the same size (as DistributedSampler does), so all
+ * ranks agree. */
+static int samples_in(const run_state *r, uint64_t from, uint64_t to)
+{
+    uint64_t b = (uint64_t)r->o->batch, end = to * b < r->shard ? to * b : r->shard;
+    return (int)(end - from * b);
+}
+
+/* The metrics window between log lines. */
+typedef struct window {
+    double loss, t0, waited, busy;
+    uint64_t n, hits, steps;
+} window;
+
+/* One step line: the window's loss and accuracy over all ranks, every
+ * rank's samples/s, stall and step time, and how much of the gradient
+ * reduction backward hid. */
+static int log_step(run_state *r, stk_loader *l, window *w, stk_err *err)
+{
+    int world = r->rank.world, me = r->rank.rank;
+    stk_loader_stats st;
+    stk_loader_stats_get(l, &st);
+    float v[3 * 64] = {0};
+    if (world > 64)
+        world = 0; /* too many ranks to list: the totals only */
+    if (world) {
+        v[3 * me] = (float)st.samples_per_s;
+        v[3 * me + 1] = (float)st.stall;
+        v[3 * me + 2] = (float)(1000 * (stk_now() - w->t0) / (double)w->steps);
+    }
+    int rc = group_sum(r, v, 3 * world, err);
+    if (rc)
+        return rc;
+    char per[64 * 40] = "";
+    double rate = 0;
+    size_t used = 0;
+    for (int k = 0; k < world && used < sizeof per; k++) {
+        rate += v[3 * k];
+        used += (size_t)snprintf(per + used, sizeof per - used, "%s[%.1f,%.4f,%.2f]",
+                                 k ? "," : "", v[3 * k], v[3 * k + 1], v[3 * k + 2]);
+    }
+    double hidden = w->busy > 0 ? 1.0 - w->waited / w->busy : 1.0;
+    metric_line(r, "{\"type\":\"step\",\"step\":%llu,\"epoch\":%d,\"loss\":%.6f,"
+                "\"acc\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"stall\":%.4f,"
+                "\"world\":%d,\"ranks\":[%s],\"comm_s\":%.4f,\"comm_wait_s\":%.4f,"
+                "\"comm_hidden\":%.4f}",
+                (unsigned long long)r->step, r->epoch + 1, w->loss / (double)w->n,
+                (double)w->hits / (double)w->n, r->lr, world > 1 ? rate : st.samples_per_s,
+                st.stall, r->rank.world, per, w->busy, w->waited,
+                hidden < 0 ? 0.0 : hidden);
+    progress(r, &st, w->loss / (double)w->n, (double)w->hits / (double)w->n, false);
+    *w = (window){.t0 = stk_now()};
+    return 0;
+}
+
 static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
 {
     stk_batch b;
     int rc;
-    double loss_sum = 0, win_loss = 0;
-    uint64_t seen = 0, hits = 0, win_n = 0, win_hits = 0;
+    int accum = r->o->accum;
+    double loss_sum = 0, step_loss = 0;
+    uint64_t seen = 0, hits = 0;
+    int step_hits = 0, step_n = 0;
+    window w = {.t0 = stk_now()};
     while ((rc = stk_loader_next(l, &b, err)) == 1) {
+        int micro = (int)(b.index % (uint64_t)accum);
+        uint64_t first = b.index - (uint64_t)micro;
+        uint64_t end = first + (uint64_t)accum < r->batches ? first + (uint64_t)accum
+                                                            : r->batches;
+        bool last = b.index + 1 >= end;
         float loss;
         int correct;
-        rc = train_step(r, &b, &loss, &correct, err);
+        uint64_t epoch = b.epoch;
+        rc = micro_step(r, &b, micro, last, samples_in(r, first, end), &loss,
+                        &correct, err);
+        step_loss += (double)loss * b.n;
+        step_hits += correct;
+        step_n += b.n;
         stk_loader_release(l, &b);
         if (rc)
             return rc;
+        if (!last)
+            continue;
+        step_out so;
+        rc = finish_step(r, step_loss, step_hits, step_n, epoch, &so, err);
+        if (rc)
+            return rc;
+        step_loss = 0;
+        step_hits = step_n = 0;
         r->step++;
         stk_loader_pos pos = stk_loader_position(l);
         r->pos_epoch = pos.epoch;
         r->pos_batch = pos.batch;
-        loss_sum += (double)loss * b.n;
-        seen += (uint64_t)b.n;
-        hits += (uint64_t)correct;
-        win_loss += (double)loss * b.n;
-        win_n += (uint64_t)b.n;
-        win_hits += (uint64_t)correct;
-        if (r->step % (uint64_t)r->o->log_every == 0) {
-            stk_loader_stats st;
-            stk_loader_stats_get(l, &st);
-            metric_line(r, "{\"type\":\"step\",\"step\":%llu,\"epoch\":%d,\"loss\":%.6f,"
-                        "\"acc\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"stall\":%.4f}",
-                        (unsigned long long)r->step, r->epoch + 1, win_loss / win_n,
-                        (double)win_hits / win_n, r->lr, st.samples_per_s, st.stall);
-            progress(r, &st, win_loss / win_n, (double)win_hits / win_n, false);
-            win_loss = 0;
-            win_n = win_hits = 0;
-        }
-        if ((r->o->stop && *r->o->stop) ||
-            (r->o->max_steps && r->step >= (uint64_t)r->o->max_steps))
+        loss_sum += so.loss * (double)so.n;
+        seen += so.n;
+        hits += so.hits;
+        w.loss += so.loss * (double)so.n;
+        w.n += so.n;
+        w.hits += so.hits;
+        w.steps++;
+        w.waited += so.waited;
+        w.busy += so.busy;
+        if (r->step % (uint64_t)r->o->log_every == 0 && (rc = log_step(r, l, &w, err)))
+            return rc;
+        if (so.stop || (r->o->max_steps && r->step >= (uint64_t)r->o->max_steps)) {
+            r->stopped = so.stop;
             break;
+        }
     }
     if (rc < 0)
         return rc;
     r->train_loss = seen ? loss_sum / seen : 0;
     r->train_acc = seen ? (double)hits / seen : 0;
     return 0;
+}
+
+/* Rank 0 alone writes checkpoints. */
+static int save(run_state *r, bool is_best, stk_err *err)
+{
+    return r->rank.rank == 0 ? stk_checkpoint_save(r, is_best, err) : 0;
 }
 
 static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
@@ -306,7 +428,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         stk_loader_opts lo = {.split = "train", .batch_size = r->o->batch,
                               .workers = r->o->workers, .shuffle = true,
                               .seed = r->o->seed, .start_epoch = (uint64_t)r->epoch,
-                              .start_batch = r->start_batch, .host = r->host};
+                              .start_batch = r->start_batch, .host = r->host,
+                              .rank = r->rank.rank, .world = r->rank.world};
         stk_loader *l;
         if ((rc = stk_loader_open(r->store, &lo, &l, err)))
             break;
@@ -318,13 +441,14 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         stk_loader_stats_get(l, &st);
         stk_loader_close(l);
         r->start_batch = 0;
-        bool stopped = (r->o->stop && *r->o->stop) ||
+        /* the ranks' common decision, never one rank's own flag */
+        bool stopped = r->stopped ||
                        (r->o->max_steps && r->step >= (uint64_t)r->o->max_steps);
         if (rc)
             break;
         if (stopped && r->pos_epoch == (uint64_t)r->epoch) {
             /* mid-epoch: keep the work, with the loader's position */
-            rc = stk_checkpoint_save(r, false, err);
+            rc = save(r, false, err);
             res->stopped = true;
             break;
         }
@@ -355,7 +479,7 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         res->epochs_done = r->epoch + 1;
         if (ta > r->best_acc)
             r->best_acc = ta;
-        rc = stk_checkpoint_save(r, ta >= r->best_acc, err);
+        rc = save(r, ta >= r->best_acc, err);
         if (stopped) { /* at an epoch boundary: evaluated and saved */
             res->stopped = true;
             r->epoch++;
@@ -418,7 +542,12 @@ static int setup_data(run_state *r, stk_err *err)
         t.inv_std[c] = 1.0f / (float)(m->splits[tr].std[c] > 0 ? m->splits[tr].std[c] : 1);
     }
     r->transform = t;
-    uint64_t per = (m->splits[tr].count + (uint64_t)o->batch - 1) / (uint64_t)o->batch;
+    /* per rank: the shard (padded as DistributedSampler pads), its batches,
+     * and the optimizer steps they make */
+    uint64_t world = (uint64_t)r->rank.world, b = (uint64_t)o->batch;
+    r->shard = (m->splits[tr].count + world - 1) / world;
+    r->batches = (r->shard + b - 1) / b;
+    uint64_t per = (r->batches + (uint64_t)o->accum - 1) / (uint64_t)o->accum;
     r->total_steps = per * (uint64_t)o->epochs;
     return 0;
 }
@@ -508,7 +637,11 @@ static int setup(run_state *r, stk_err *err)
 {
     const stk_train_opts *o = r->o;
     r->key = (stk_philox_key){(uint32_t)o->seed, (uint32_t)(o->seed >> 32) ^ 0x5bd1e995u};
+    /* the backend first: on a GPU it selects the rank's device before any
+     * other CUDA call */
     int rc = stk_backend_create(o->device, o->device_id, o->threads, &r->be, err);
+    if (!rc)
+        rc = group_open(r, err);
     if (!rc)
         rc = load_spec(r, err);
     if (!rc)
@@ -521,17 +654,23 @@ static int setup(run_state *r, stk_err *err)
                           m->nclasses, o->batch, o->seed, &r->model, err);
     if (!rc)
         rc = setup_buffers(r, err);
-    if (!rc)
+    bool lead = r->rank.rank == 0; /* rank 0 owns RUN_DIR; the rest follow it */
+    if (!rc && lead)
         rc = open_run_dir(r, err);
-    if (!rc && o->init_from)
+    if (!rc && lead && o->init_from)
         rc = stk_checkpoint_load_weights(r, o->init_from, err);
-    if (!rc && o->resume)
+    if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
+    if (!rc)
+        rc = group_share_start(r, err);
+    if (!rc)
+        rc = group_ddp(r, err);
     return rc;
 }
 
 static void teardown(run_state *r)
 {
+    group_close(r);
     if (r->metrics)
         fclose(r->metrics);
     if (r->be) {
@@ -564,14 +703,23 @@ static stk_train_opts resolve(const stk_train_opts *in)
 int stk_train_run(const stk_train_opts *in, stk_train_result *res,
                   stk_err *err)
 {
-    if (in->epochs < 1 || in->batch < 1 || in->log_every < 1)
-        return stk_fail(err, STK_EINVAL, "epochs, batch and log interval must be >= 1");
+    if (in->epochs < 1 || in->batch < 1 || in->log_every < 1 || in->accum < 1)
+        return stk_fail(err, STK_EINVAL,
+                        "epochs, batch, accum and log interval must be >= 1");
     stk_train_opts o_resolved = resolve(in);
     const stk_train_opts *o = &o_resolved;
     run_state r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     r.o = o;
+    if (in->rank) {
+        r.rank = *in->rank;
+    } else {
+        r.rank.world = r.rank.local_world = 1;
+        r.rank.source = "single process";
+    }
+    if (r.rank.rank != 0)
+        o_resolved.quiet = true; /* rank 0 alone prints */
     r.tty = isatty(2);
     int rc = setup(&r, err);
     if (!rc && !o->quiet) {

@@ -33,7 +33,33 @@ typedef struct run_state {
     double train_loss, train_acc, best_acc;
     FILE *metrics;
     int tty;
+    /* data parallelism (group.c) */
+    stk_rank_info rank;
+    stk_store_server *srv;   /* SLURM rank 0 serves the store itself */
+    stk_kv *kv;
+    stk_comm *comm;
+    stk_ddp *ddp;
+    int ddp_rc;              /* the first error of a grads-ready call */
+    float *sync_dev;         /* device scratch for the small reductions */
+    uint64_t shard;          /* training samples per rank per epoch */
+    uint64_t batches;        /* and batches */
+    int saved_world;         /* world size of the resumed checkpoint */
+    bool stopped;            /* the ranks agreed to stop (a signal) */
 } run_state;
+
+/* ---- data parallelism (group.c) ------------------------------------------ */
+
+/* Joins the group of r->rank (a world of one needs nothing). */
+int group_open(run_state *r, stk_err *err);
+void group_close(run_state *r);
+/* Rank 0's weights, optimizer state and position to every rank. */
+int group_share_start(run_state *r, stk_err *err);
+/* The gradient buckets over the model's gradients. */
+int group_ddp(run_state *r, stk_err *err);
+/* stk_grads_ready_fn for backward: hands the parameter to DDP. */
+void group_grads_ready(int param, void *arg);
+/* Sums n host floats over the ranks, in place. */
+int group_sum(run_state *r, float *v, int n, stk_err *err);
 
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch);

@@ -11,6 +11,7 @@
 #define STK_TRAINER_H
 
 #include "common/common.h"
+#include "dist/dist.h"
 #include "kernels/kernels.h"
 
 #include <stdbool.h>
@@ -131,6 +132,12 @@ typedef struct stk_train_opts {
     int max_steps;            /* stop after this many steps (0 = all) */
     bool quiet;
     const volatile int *stop; /* non-zero: stop at the next step boundary */
+    int accum;                /* micro-batches per optimizer step (>= 1) */
+    /* data parallelism: this process's rank (NULL: a world of one), the
+     * DDP bucket size and the timeout of every wait on the other ranks */
+    const stk_rank_info *rank;
+    float bucket_mb;
+    int timeout_s;
 } stk_train_opts;
 
 /* Fills opts with the defaults that train Fashion-MNIST well. */

@@ -23,7 +23,7 @@ ck = sorted(os.listdir("run1/checkpoints"))
 assert ck == ["BEST", "step-00000235"], ck
 assert sorted(os.listdir("run1/checkpoints/step-00000235")) == ["model.safetensors", "optim.safetensors", "state.json"]
 st = json.load(open("run1/checkpoints/step-00000235/state.json"))
-assert st["epoch"] == 1 and st["step"] == 235 and st["loader"] == {"epoch": 1, "batch": 0}, st
+assert st["epoch"] == 1 and st["step"] == 235 and st["loader"] == {"epoch": 1, "batch": 0, "world": 1}, st
 print(f"ok: 1 epoch: test accuracy {epochs[0]['test_acc']:.4f}, loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
 PY
 grep -q "test accuracy" out.txt || fail "no summary line"
@@ -49,7 +49,7 @@ grep -q "stopped at step 100" stop.txt || fail "stop message: $(cat stop.txt)"
 $PY - <<'PY' || fail "mid-epoch checkpoint"
 import json
 st = json.load(open("midway/nested/checkpoints/step-00000100/state.json"))
-assert st["step"] == 100 and st["loader"] == {"epoch": 0, "batch": 100} and st["epoch"] == 0, st
+assert st["step"] == 100 and st["loader"] == {"epoch": 0, "batch": 100, "world": 1} and st["epoch"] == 0, st
 print("ok: mid-epoch checkpoint at step 100, loader position epoch 0 batch 100")
 PY
 "$T" "${common[@]}" "${const[@]}" --epochs 2 --out midway/nested --resume auto

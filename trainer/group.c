@@ -1,0 +1,128 @@
+/* group.c - the trainer's side of data parallelism: joining the group,
+ * starting every rank from rank 0's weights and position, the gradient
+ * buckets, and the small per-step reductions that keep the ranks' loops in
+ * step (the loss, the stop decision, per-rank timings). A world of one
+ * takes the same paths, where every collective is the identity. */
+#include "train_impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+enum { SYNC_MAX = 2 * 64 + 8 }; /* floats in one host reduction */
+
+int group_open(run_state *r, stk_err *err)
+{
+    const stk_rank_info *ri = &r->rank;
+    int rc = 0;
+    int timeout = r->o->timeout_s * 1000;
+    if (ri->world > 1) {
+        if (ri->host_store) {
+            int bound;
+            rc = stk_store_server_start("0.0.0.0", ri->master_port, &bound,
+                                        &r->srv, err);
+        }
+        if (!rc)
+            rc = stk_kv_connect(ri->master_addr, ri->master_port, timeout,
+                                &r->kv, err);
+        if (!rc)
+            rc = stk_kv_barrier(r->kv, "train/joined", ri->world, timeout, err);
+    }
+    if (!rc)
+        rc = stk_comm_create(r->be, ri, r->kv, timeout, &r->comm, err);
+    if (!rc && !(r->sync_dev = stk_dev_alloc(r->be, SYNC_MAX * sizeof(float), err)))
+        rc = STK_ENOMEM;
+    return rc;
+}
+
+void group_close(run_state *r)
+{
+    stk_ddp_destroy(r->ddp);
+    r->ddp = NULL;
+    if (r->sync_dev)
+        stk_dev_free(r->be, r->sync_dev);
+    r->sync_dev = NULL;
+    stk_comm_destroy(r->comm);
+    r->comm = NULL;
+    stk_kv_close(r->kv);
+    r->kv = NULL;
+    stk_store_server_stop(r->srv);
+    r->srv = NULL;
+}
+
+/* Sums v[0, n) (host floats) over the ranks, in place. */
+int group_sum(run_state *r, float *v, int n, stk_err *err)
+{
+    if (r->rank.world == 1)
+        return 0;
+    if (n > SYNC_MAX)
+        return stk_fail(err, STK_EINVAL, "group: %d values to reduce, at most %d",
+                        n, SYNC_MAX);
+    size_t bytes = (size_t)n * sizeof *v;
+    int rc = stk_copy_to_dev(r->be, r->sync_dev, v, bytes, err);
+    if (!rc)
+        rc = stk_comm_allreduce(r->comm, r->sync_dev, (size_t)n, STK_SUM, err);
+    if (!rc)
+        rc = stk_copy_to_host(r->be, v, r->sync_dev, bytes, err);
+    return rc ? rc : stk_sync(r->be, err);
+}
+
+/* Where rank 0 starts (fresh or resumed), for every rank. */
+typedef struct start_pos {
+    uint64_t step, start_batch;
+    int32_t epoch, pad;
+    double best_acc;
+} start_pos;
+
+int group_share_start(run_state *r, stk_err *err)
+{
+    if (r->rank.world == 1)
+        return 0;
+    size_t bytes = stk_model_param_count(r->model) * sizeof(float);
+    int rc = stk_comm_broadcast(r->comm, stk_model_weights(r->model), bytes, 0, err);
+    if (!rc)
+        rc = stk_comm_broadcast(r->comm, r->state1, bytes, 0, err);
+    if (!rc && r->state2)
+        rc = stk_comm_broadcast(r->comm, r->state2, bytes, 0, err);
+    start_pos p = {r->step, r->start_batch, r->epoch, 0, r->best_acc};
+    float *dev = r->sync_dev;
+    if (!rc)
+        rc = stk_copy_to_dev(r->be, dev, &p, sizeof p, err);
+    if (!rc)
+        rc = stk_comm_broadcast(r->comm, dev, sizeof p, 0, err);
+    if (!rc)
+        rc = stk_copy_to_host(r->be, &p, dev, sizeof p, err);
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    if (!rc) {
+        r->step = p.step;
+        r->start_batch = p.start_batch;
+        r->epoch = p.epoch;
+        r->best_acc = p.best_acc;
+    }
+    return rc;
+}
+
+int group_ddp(run_state *r, stk_err *err)
+{
+    int np = stk_model_nparams(r->model);
+    size_t *off = malloc((size_t)np * sizeof *off);
+    if (!off)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    for (int i = 0; i < np; i++)
+        off[i] = stk_model_param(r->model, i)->offset;
+    size_t bucket = (size_t)(r->o->bucket_mb * 1024 * 1024);
+    size_t first = bucket < (1u << 20) ? bucket : (1u << 20); /* PyTorch's 1 MB */
+    int rc = stk_ddp_create(r->comm, stk_model_grads(r->model), off, np,
+                            stk_model_param_count(r->model), bucket, first,
+                            &r->ddp, err);
+    free(off);
+    return rc;
+}
+
+void group_grads_ready(int param, void *arg)
+{
+    run_state *r = arg;
+    stk_err e;
+    if (!r->ddp_rc)
+        r->ddp_rc = stk_ddp_ready(r->ddp, param, &e);
+}
