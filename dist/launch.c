@@ -372,13 +372,16 @@ static int outcome(launcher *l, int *exit_code, stk_err *err)
         rank_proc *rp = &l->r[l->failed];
         char how[128];
         describe_exit(rp, how, sizeof how);
-        fprintf(stderr, "train: rank %d %s; its last lines of output:\n", rp->rank, how);
+        fprintf(stderr, "train: rank %d %s; its last lines of output:%s\n", rp->rank,
+                how, rp->ntail ? "" : " (none)");
         for (int i = 0; i < rp->ntail; i++)
             fprintf(stderr, "  [rank %d] %s\n", rp->rank, rp->tail[i]);
         *exit_code = rp->signal ? 128 + rp->signal : (int)(rp->status ? rp->status : 1);
-        return stk_fail(err, STK_EPEER,
-                        "rank %d %s; the other %d rank%s on this node were stopped",
-                        rp->rank, how, l->n - 1, l->n == 2 ? "" : "s");
+        if (l->n == 1)
+            return stk_fail(err, STK_EPEER, "rank %d %s", rp->rank, how);
+        return stk_fail(err, STK_EPEER, "rank %d %s; %s on this node %s stopped",
+                        rp->rank, how, l->n == 2 ? "the other rank" : "the other ranks",
+                        l->n == 2 ? "was" : "were");
     }
     if (l->remote_reason[0]) {
         *exit_code = 1;

@@ -126,3 +126,40 @@ void group_grads_ready(int param, void *arg)
     if (!r->ddp_rc)
         r->ddp_rc = stk_ddp_ready(r->ddp, param, &e);
 }
+
+/* After an epoch: every rank compares its weights with rank 0's, bit for
+ * bit, and *differ counts the parameters that differ on any rank (0 is
+ * what DDP promises). */
+int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err)
+{
+    *differ = 0;
+    if (r->rank.world == 1)
+        return 0;
+    size_t n = stk_model_param_count(r->model), bytes = n * sizeof(float);
+    float *mine = malloc(bytes), *theirs = malloc(bytes);
+    float *dev = stk_dev_alloc(r->be, bytes, err);
+    int rc = mine && theirs && dev ? 0 : stk_fail(err, STK_ENOMEM, "out of memory");
+    if (!rc)
+        rc = stk_copy_to_host(r->be, mine, stk_model_weights(r->model), bytes, err);
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    if (!rc)
+        rc = stk_copy_to_dev(r->be, dev, mine, bytes, err);
+    if (!rc)
+        rc = stk_comm_broadcast(r->comm, dev, bytes, 0, err);
+    if (!rc)
+        rc = stk_copy_to_host(r->be, theirs, dev, bytes, err);
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    float count = 0;
+    for (size_t i = 0; !rc && i < n; i++)
+        count += memcmp(&mine[i], &theirs[i], sizeof(float)) != 0;
+    if (!rc)
+        rc = group_sum(r, &count, 1, err);
+    *differ = (uint64_t)count;
+    free(mine);
+    free(theirs);
+    if (dev)
+        stk_dev_free(r->be, dev);
+    return rc;
+}

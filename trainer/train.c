@@ -462,13 +462,25 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
                           r->epoch + 1);
             break;
         }
+        uint64_t differ;
+        if ((rc = group_compare_weights(r, &differ, err)))
+            break;
         progress(r, &st, r->train_loss, r->train_acc, true);
         metric_line(r, "{\"type\":\"epoch\",\"epoch\":%d,\"step\":%llu,\"train_loss\":%.6f,"
                     "\"train_acc\":%.6f,\"test_loss\":%.6f,\"test_acc\":%.6f,"
-                    "\"test_samples\":%llu,\"samples_per_s\":%.1f,\"stall\":%.4f,\"seconds\":%.2f}",
+                    "\"test_samples\":%llu,\"samples_per_s\":%.1f,\"stall\":%.4f,\"seconds\":%.2f,"
+                    "\"world\":%d,\"params_differing_across_ranks\":%llu}",
                     r->epoch + 1, (unsigned long long)r->step, r->train_loss,
                     r->train_acc, tl, ta, (unsigned long long)r->eval_seen,
-                    st.samples_per_s, st.stall, stk_now() - t0);
+                    st.samples_per_s * r->rank.world, st.stall, stk_now() - t0,
+                    r->rank.world, (unsigned long long)differ);
+        if (differ)
+            rc = stk_fail(err, STK_EPEER,
+                          "after epoch %d, %llu parameters differ between the ranks; "
+                          "stopped (the ranks' gradients are no longer reduced alike)",
+                          r->epoch + 1, (unsigned long long)differ);
+        if (rc)
+            break;
         if (!r->o->quiet)
             fprintf(stderr, "epoch %d: train loss %.4f acc %.2f%%, test loss %.4f acc %.2f%% (%llu samples)\n",
                     r->epoch + 1, r->train_loss, 100 * r->train_acc, tl, 100 * ta,

@@ -58,6 +58,8 @@ int group_share_start(run_state *r, stk_err *err);
 int group_ddp(run_state *r, stk_err *err);
 /* stk_grads_ready_fn for backward: hands the parameter to DDP. */
 void group_grads_ready(int param, void *arg);
+/* Parameters whose bits differ from rank 0's on some rank (0 expected). */
+int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err);
 /* Sums n host floats over the ranks, in place. */
 int group_sum(run_state *r, float *v, int n, stk_err *err);
 

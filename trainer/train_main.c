@@ -5,10 +5,13 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 static volatile int stop_requested;
 
@@ -43,7 +46,17 @@ static const char usage[] =
     "  --log-every N       steps between metric lines (default 50)\n"
     "  --keep K            checkpoints kept besides the best (default 3)\n"
     "  --max-steps N       stop after N steps\n"
-    "  --quiet             no progress output\n";
+    "  --accum K           micro-batches of --batch per optimizer step (default 1)\n"
+    "  --quiet             no progress output\n"
+    "\nData parallel (one process per rank, docs/distributed.md):\n"
+    "  --nproc N           N ranks on this machine (--device cpu: shared memory)\n"
+    "  --gpus N|I,J,...    one rank per GPU: the first N, or these (implies cuda)\n"
+    "  --nnodes K --node-rank R   K machines, this one R (0 serves the store)\n"
+    "  --master-addr HOST  node 0's address (default 127.0.0.1)\n"
+    "  --master-port P     the store's port (default: a free one on one node)\n"
+    "  --log-all-ranks     relay every rank's output, not only rank 0's\n"
+    "  --bucket-mb MB      DDP gradient bucket size (default 25)\n"
+    "  --timeout S         give up waiting for other ranks after S seconds (300)\n";
 
 static int num_i(const char *flag, const char *s, long lo, long hi, int *out)
 {
@@ -62,11 +75,48 @@ static int choose(const char *flag, const char *s, const char *const *names,
     return stk_cli_choice("train", flag, s, names, n, out);
 }
 
-static int parse(int argc, char **argv, stk_train_opts *o)
+/* The launcher's side of the command line. */
+typedef struct dist_opts {
+    int nproc, ngpus, gpus[64], nnodes, node_rank, master_port;
+    const char *master_addr;
+    bool log_all_ranks, gpus_given;
+} dist_opts;
+
+/* --gpus N (the first N) or a list I,J,... of device ids. */
+static int parse_gpus(const char *s, dist_opts *d)
+{
+    d->gpus_given = true;
+    if (!strchr(s, ',')) {
+        int n;
+        if (num_i("--gpus", s, 1, 64, &n))
+            return -1;
+        d->ngpus = n;
+        for (int i = 0; i < n; i++)
+            d->gpus[i] = i;
+        return 0;
+    }
+    char copy[512];
+    snprintf(copy, sizeof copy, "%s", s);
+    d->ngpus = 0;
+    for (char *tok = strtok(copy, ","); tok; tok = strtok(NULL, ",")) {
+        if (d->ngpus == 64 || num_i("--gpus", tok, 0, 1023, &d->gpus[d->ngpus]))
+            return -1;
+        for (int i = 0; i < d->ngpus; i++)
+            if (d->gpus[i] == d->gpus[d->ngpus]) {
+                fprintf(stderr, "train: --gpus %s names GPU %d twice\n", s, d->gpus[i]);
+                return -1;
+            }
+        d->ngpus++;
+    }
+    return 0;
+}
+
+static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
 {
     enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
-           O_MAX, O_QUIET, O_GPU };
+           O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
+           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
         {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
@@ -80,6 +130,11 @@ static int parse(int argc, char **argv, stk_train_opts *o)
         {"init-from", 1, 0, O_INIT}, {"log-every", 1, 0, O_LOG},
         {"keep", 1, 0, O_KEEP}, {"max-steps", 1, 0, O_MAX},
         {"quiet", 0, 0, O_QUIET}, {"gpu", 1, 0, O_GPU},
+        {"accum", 1, 0, O_ACCUM}, {"nproc", 1, 0, O_NPROC},
+        {"gpus", 1, 0, O_GPUS}, {"nnodes", 1, 0, O_NNODES},
+        {"node-rank", 1, 0, O_NODE}, {"master-addr", 1, 0, O_MADDR},
+        {"master-port", 1, 0, O_MPORT}, {"log-all-ranks", 0, 0, O_LOGALL},
+        {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
     static const char *const optims[] = {"sgd", "adamw"};
@@ -116,6 +171,16 @@ static int parse(int argc, char **argv, stk_train_opts *o)
         case O_MAX: rc = num_i("--max-steps", optarg, 1, 1 << 30, &o->max_steps); break;
         case O_QUIET: o->quiet = true; break;
         case O_GPU: rc = num_i("--gpu", optarg, 0, 1023, &o->device_id); break;
+        case O_ACCUM: rc = num_i("--accum", optarg, 1, 1 << 16, &o->accum); break;
+        case O_NPROC: rc = num_i("--nproc", optarg, 1, 64, &d->nproc); break;
+        case O_GPUS: rc = parse_gpus(optarg, d); break;
+        case O_NNODES: rc = num_i("--nnodes", optarg, 1, 1 << 16, &d->nnodes); break;
+        case O_NODE: rc = num_i("--node-rank", optarg, 0, 1 << 16, &d->node_rank); break;
+        case O_MADDR: d->master_addr = optarg; break;
+        case O_MPORT: rc = num_i("--master-port", optarg, 0, 65535, &d->master_port); break;
+        case O_LOGALL: d->log_all_ranks = true; break;
+        case O_BUCKET: rc = num_f("--bucket-mb", optarg, 0.001, 4096, &o->bucket_mb); break;
+        case O_TIMEOUT: rc = num_i("--timeout", optarg, 1, 1 << 20, &o->timeout_s); break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
         default:
@@ -130,24 +195,107 @@ static int parse(int argc, char **argv, stk_train_opts *o)
     return rc;
 }
 
+/* --gpus means CUDA with one rank per listed GPU; --nproc must agree. */
+static int check_dist(stk_train_opts *o, dist_opts *d)
+{
+    if (d->gpus_given) {
+        if (d->nproc && d->nproc != d->ngpus) {
+            fprintf(stderr, "train: --nproc %d disagrees with --gpus (%d GPUs)\n",
+                    d->nproc, d->ngpus);
+            return -1;
+        }
+        d->nproc = d->ngpus;
+        o->device = STK_DEV_CUDA;
+    }
+    if (d->node_rank >= d->nnodes) {
+        fprintf(stderr, "train: --node-rank %d must be below --nnodes %d\n",
+                d->node_rank, d->nnodes);
+        return -1;
+    }
+    return 0;
+}
+
+/* This rank's device and threads, from its place on the node. */
+static int place_rank(stk_train_opts *o, const dist_opts *d,
+                      const stk_rank_info *ri)
+{
+    if (d->gpus_given) {
+        if (ri->local_rank >= d->ngpus) {
+            fprintf(stderr, "train: rank %d is local rank %d, but --gpus lists %d "
+                            "GPU(s)\n", ri->rank, ri->local_rank, d->ngpus);
+            return -1;
+        }
+        o->device_id = d->gpus[ri->local_rank];
+    } else if (o->device == STK_DEV_CUDA && ri->world > 1) {
+        o->device_id = ri->local_rank; /* torchrun's cuda:LOCAL_RANK */
+    }
+    if (o->device == STK_DEV_CPU && !o->threads && ri->local_world > 1) {
+        cpu_set_t set; /* share this machine's CPUs between its ranks */
+        int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+        o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
+    }
+    /* started by a launcher: die with it, never outlive it */
+    const char *lp = getenv("STOKE_LAUNCHER_PID");
+    if (lp) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != (pid_t)atol(lp))
+            return -1; /* it is already gone */
+    }
+    return 0;
+}
+
+static int launch(const stk_train_opts *o, const dist_opts *d, char **argv)
+{
+    stk_launch_opts lo = {.nproc = d->nproc ? d->nproc : 1,
+                          .gpus = d->gpus_given ? d->gpus : NULL,
+                          .nnodes = d->nnodes,
+                          .node_rank = d->node_rank,
+                          .master_addr = d->master_addr,
+                          .master_port = d->master_port,
+                          .log_all_ranks = d->log_all_ranks,
+                          .timeout_ms = o->timeout_s * 1000,
+                          .argv = argv};
+    int code;
+    stk_err err = {0};
+    if (stk_launch(&lo, &code, &err)) {
+        fprintf(stderr, "train: error: %s\n", err.msg);
+        return code ? code : 1;
+    }
+    return code;
+}
+
 int main(int argc, char **argv)
 {
     stk_train_opts o;
     stk_train_defaults(&o);
     o.stop = &stop_requested;
-    if (parse(argc, argv, &o))
+    dist_opts d = {.nnodes = 1};
+    if (parse(argc, argv, &o, &d) || check_dist(&o, &d))
         return 2;
+    stk_rank_info ri;
+    stk_err err = {0};
+    if (stk_rank_from_env(&ri, &err)) {
+        fprintf(stderr, "train: error: %s\n", err.msg);
+        return 2;
+    }
+    bool is_rank = getenv("RANK") || ri.world > 1;
+    if (!is_rank && (d.nproc || d.nnodes > 1))
+        return launch(&o, &d, argv);
+    if (is_rank && place_rank(&o, &d, &ri))
+        return 2;
+    o.rank = &ri;
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     stk_train_result res;
-    stk_err err = {0};
     int rc = stk_train_run(&o, &res, &err);
     if (rc) {
         fprintf(stderr, "train: error: %s\n", err.msg);
         return 1;
     }
+    if (ri.rank != 0)
+        return res.stopped && stop_requested ? 130 : 0;
     if (res.stopped) {
         fprintf(stderr, "train: stopped at step %llu; the checkpoint in %s/checkpoints "
                         "continues it with --resume auto\n",

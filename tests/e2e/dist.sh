@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# data-parallel training on the CPU backend (shared-memory collectives):
+# ranks hold bitwise identical weights after every epoch (2 and 3 ranks),
+# 2 ranks x batch 64 follow 1 rank x batch 128 and --accum 2 follows batch
+# 128 (dropout off, 100 steps), evaluation counts the 10000 test samples
+# once at every world size, a killed rank ends the job quickly with no
+# process left, Ctrl-C leaves a checkpoint that resumes to the same weights,
+# two launchers (--nnodes 2) train together, and a taken port or an
+# unreachable master are clear errors.
+source "$STK_SRC/tests/e2e/lib.sh"
+T="$STK_BIN/train"
+$PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" raw 6144
+"$STK_BIN/prep" --quiet raw db
+common=(--db db --model cnn --workers 1 --quiet --seed 3)
+
+# epoch lines of a run: world, test samples, parameters differing
+epochs() {
+  $PY - "$1" <<'PY'
+import json, sys
+for l in open(sys.argv[1] + "/metrics.jsonl"):
+    d = json.loads(l)
+    if d["type"] == "epoch":
+        print(d["world"], d["test_samples"], d.get("params_differing_across_ranks", 0))
+PY
+}
+
+# ---- identical weights, evaluation counts --------------------------------
+"$T" "${common[@]}" --batch 64 --epochs 2 --out w1 --log-every 10
+[ "$(epochs w1)" = $'1 10000 0\n1 10000 0' ] || fail "world 1: $(epochs w1)"
+for n in 2 3; do
+  "$T" "${common[@]}" --nproc $n --batch 64 --epochs 2 --out w$n --log-every 10 \
+    > w$n.out 2>&1 || { cat w$n.out; fail "--nproc $n"; }
+  [ "$(epochs w$n)" = "$n 10000 0"$'\n'"$n 10000 0" ] || fail "world $n: $(epochs w$n)"
+  ok "world $n: 2 epochs, weights identical on every rank after each, 10000 test samples each"
+done
+ok "world 1: 10000 test samples per evaluation"
+
+# ---- 2 x 64 and --accum 2 x 64 follow 1 x 128 ------------------------------
+# The same 128 samples make each step's gradient in all three; only the
+# order of the sums differs. The mlp follows for 100 steps. The cnn's loss
+# is chaotic under such last-bit differences (max-pool winners flip): batch
+# 128 and --accum 2, in one process, part by 1e-3 after about 50 steps just
+# as 2 ranks do, so for the cnn the first 30 steps are compared.
+follow() { # MODEL STEPS
+  local same=(--db db --model $1 --workers 1 --quiet --seed 3 --no-dropout --epochs 3
+              --max-steps $2 --log-every 1)
+  "$T" "${same[@]}" --batch 128 --out $1-128
+  "$T" "${same[@]}" --batch 64 --nproc 2 --out $1-2x64 > $1-2x64.out 2>&1 ||
+    { cat $1-2x64.out; fail "$1: 2 x 64"; }
+  "$T" "${same[@]}" --batch 64 --accum 2 --out $1-acc2
+  $PY - $1 $2 <<'PY' || fail "$1: losses differ"
+import json, sys
+model, steps = sys.argv[1], int(sys.argv[2])
+def losses(run):
+    return [d["loss"] for d in map(json.loads, open(run + "/metrics.jsonl")) if d["type"] == "step"]
+ref = losses(model + "-128")
+assert len(ref) == steps, len(ref)
+for run in ("2x64", "acc2"):
+    got = losses(model + "-" + run)
+    assert len(got) == steps, (run, len(got))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst < 1e-4, (run, worst)
+    print(f"ok: {model} {run} follows batch 128 over {steps} steps (largest relative loss difference {worst:.2e})")
+PY
+}
+follow mlp 100
+follow cnn 30
+
+# ---- a rank that dies ---------------------------------------------------------
+# rank_pid LAUNCHER K: the pid of rank K among the launcher's children
+rank_pid() {
+  local p
+  for p in $(pgrep -P "$1"); do
+    tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
+  done
+}
+wait_for_step() { # RUN_DIR: until its first step line (or 60 s)
+  for _ in $(seq 600); do
+    grep -q '"type":"step"' "$1/metrics.jsonl" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  fail "no step line in $1"
+}
+"$T" "${common[@]}" --nproc 2 --batch 64 --epochs 20 --log-every 2 --out killed \
+  > killed.out 2>&1 &
+L=$!
+wait_for_step killed
+R1=$(rank_pid $L 1)
+R0=$(rank_pid $L 0)
+[ -n "$R1" ] && [ -n "$R0" ] || fail "ranks of launcher $L not found"
+start=$(date +%s.%N)
+kill -9 "$R1"
+rc=0
+wait $L || rc=$?
+took=$($PY -c "import time; print(round(time.time() - $start, 2))")
+[ "$rc" -ne 0 ] || fail "the launcher exited 0 after rank 1 was killed"
+grep -q "rank 1 was killed by signal 9" killed.out || { cat killed.out; fail "no message naming rank 1"; }
+$PY -c "import sys; sys.exit(0 if $took < 10 else 1)" || fail "took $took s"
+for p in $R0 $R1; do
+  ! kill -0 "$p" 2>/dev/null || fail "process $p is still there"
+done
+ok "killed rank 1: the job ended in $took s (exit $rc), naming it, no process left"
+
+# ---- Ctrl-C, then --resume auto: the same weights as without a stop -----------
+run=(--nproc 2 --batch 64 --epochs 2 --log-every 1)
+"$T" "${common[@]}" "${run[@]}" --out whole > whole.out 2>&1 || { cat whole.out; fail "whole"; }
+"$T" "${common[@]}" "${run[@]}" --out stopped > stopped.out 2>&1 &
+L=$!
+wait_for_step stopped
+kill -INT $L
+rc=0
+wait $L || rc=$?
+[ "$rc" -eq 130 ] || { cat stopped.out; fail "Ctrl-C: exit $rc, not 130"; }
+ls stopped/checkpoints | grep -q step- || fail "no checkpoint after Ctrl-C"
+stopped_at=$(ls stopped/checkpoints | grep step- | tail -1)
+"$T" "${common[@]}" "${run[@]}" --out stopped --resume auto > resumed.out 2>&1 ||
+  { cat resumed.out; fail "resume"; }
+last=$(ls whole/checkpoints | grep step- | tail -1)
+cmp whole/checkpoints/$last/model.safetensors stopped/checkpoints/$last/model.safetensors ||
+  fail "resumed weights differ from the uninterrupted run's"
+ok "Ctrl-C at $stopped_at (exit 130), --resume auto ends at $last with identical weights"
+
+# ---- two launchers, one per node ------------------------------------------------
+port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+nodes=(--nnodes 2 --nproc 1 --master-addr 127.0.0.1 --master-port $port --timeout 60)
+"$T" "${common[@]}" "${nodes[@]}" --node-rank 1 --batch 64 --epochs 1 --out n1 > n1.out 2>&1 &
+N1=$!
+"$T" "${common[@]}" "${nodes[@]}" --node-rank 0 --batch 64 --epochs 1 --out n0 > n0.out 2>&1 ||
+  { cat n0.out n1.out; fail "node 0"; }
+wait $N1 || { cat n1.out; fail "node 1"; }
+[ "$(epochs n0)" = "2 10000 0" ] || fail "two nodes: $(epochs n0)"
+[ ! -e n1 ] || fail "node 1 (rank 1) wrote a run directory"
+ok "two launchers (--nnodes 2) trained one model as world 2"
+
+# ---- a taken port, an unreachable master -------------------------------------------
+$PY -c '
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True); time.sleep(30)' > port.txt &
+HOLD=$!
+for _ in $(seq 50); do [ -s port.txt ] && break; sleep 0.1; done
+taken=$(cat port.txt)
+expect_fail "master-port $taken: the port is already in use" \
+  "$T" "${common[@]}" --nproc 2 --master-port "$taken" --out taken
+kill $HOLD
+closed=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+expect_fail "cannot reach the rendezvous store at 127.0.0.1:$closed" \
+  "$T" "${common[@]}" --nnodes 2 --node-rank 1 --nproc 1 --master-addr 127.0.0.1 \
+  --master-port "$closed" --timeout 2 --out unreachable
