@@ -21,6 +21,7 @@
 #include <linux/futex.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,13 +75,31 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val,
     return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
 }
 
+/* Whether process pid still runs: it exists and is not a zombie (one that
+ * exited but whose parent has not collected it yet). */
+static bool alive(int32_t pid)
+{
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return false;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return true; /* no /proc: trust kill */
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *end = strrchr(buf, ')'); /* "pid (comm) S ..." */
+    return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
+}
+
 /* 0 while every peer runs; else the error, after raising the abort flag
  * so that the other waiters stop too. */
 static int check_peers(shm_comm *s, double started, stk_err *err)
 {
     shm_header *h = s->h;
     for (int r = 0; r < s->world; r++)
-        if (r != s->rank && kill(h->pid[r], 0) != 0 && errno == ESRCH) {
+        if (r != s->rank && !alive(h->pid[r])) {
             int32_t none = -1;
             atomic_compare_exchange_strong(&h->failed_rank, &none, r);
             atomic_store(&h->abort, 1);
