@@ -1,0 +1,125 @@
+"""ddp_peer.py - the PyTorch side of bench/ddp_bench.sh (issue 5):
+DistributedDataParallel with the gloo backend on the CPU.
+
+  ddp_peer.py DB --world W [--batch 64] [--threads 1] [--seconds S]
+              [--warmup N] [--seed S]
+      starts W processes (torchrun's variables set by this script), each
+      training tests/e2e/torch_ref.py's cnn on its DistributedSampler shard
+      of the train split of the stoke database DB with `threads` threads,
+      SGD(lr=0.02, momentum=0.9) as stoke's --optim sgd, and prints one JSON
+      line: steady-state samples/s over all ranks and the BLAS each rank maps.
+
+Run with Debian's interpreter (/usr/bin/python3: python3-torch, numpy).
+"""
+import argparse, json, os, socket, subprocess, sys, time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def rank_main(a):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[v] = str(a.threads)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    os.environ.setdefault("STK_SRC", ROOT)
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torch_ref
+    from train_peers import blas_in_process
+
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(a.seed)
+    x_np, y_np, meta = torch_ref.load_split(a.db, "train")
+    X, Y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    st = meta["splits"]["train"]
+    mean = torch.tensor(st["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+    inv = (1.0 / torch.tensor([s if s > 0 else 1 for s in st["std"]],
+                              dtype=torch.float32)).view(1, -1, 1, 1)
+    model = torch.nn.parallel.DistributedDataParallel(torch_ref.MODELS["cnn"]())
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    n, b = X.shape[0], a.batch
+    g = torch.Generator().manual_seed(a.seed)
+    epoch = {"perm": None, "pos": 0}
+
+    def next_batch():
+        # DistributedSampler's shard: every world-th index of the permutation
+        if epoch["perm"] is None or epoch["pos"] + b > epoch["perm"].numel():
+            epoch["perm"] = torch.randperm(n, generator=g)[rank::world]
+            epoch["pos"] = 0
+        idx = epoch["perm"][epoch["pos"]:epoch["pos"] + b]
+        epoch["pos"] += b
+        return X[idx].float().div_(255).sub_(mean).mul_(inv), Y[idx]
+
+    def step():
+        xb, yb = next_batch()
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    # every rank runs rank 0's number of timed steps (a stop decided by one
+    # rank alone would leave the others waiting in an all-reduce)
+    rate = a.warmup / (time.perf_counter() - t0)
+    steps = torch.tensor([max(10, int(a.seconds * rate))])
+    dist.broadcast(steps, 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(int(steps.item())):
+        step()
+    dist.barrier()
+    el = time.perf_counter() - t0
+    out = {"tool": "torch-ddp-gloo", "rank": rank, "world": world, "batch": b,
+           "threads": a.threads, "steps": int(steps.item()), "seconds": el,
+           "samples_per_s": world * b * int(steps.item()) / el,
+           "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    out.update(blas_in_process())
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def launch(a):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    procs = []
+    for r in range(a.world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__] + sys.argv[1:], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a PyTorch rank failed: %s" % [p.returncode for p in procs])
+    ranks = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    top = dict(ranks[0])
+    top["blas_kind"] = sorted({r["blas_kind"] for r in ranks})
+    top["blas_libs"] = sorted({l for r in ranks for l in r["blas_libs"]})
+    print(json.dumps(top))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("db")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=8)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    if "RANK" in os.environ:
+        rank_main(a)
+    else:
+        launch(a)
+
+
+if __name__ == "__main__":
+    main()
