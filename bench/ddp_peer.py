@@ -9,6 +9,14 @@ DistributedDataParallel with the gloo backend on the CPU.
       SGD(lr=0.02, momentum=0.9) as stoke's --optim sgd, and prints one JSON
       line: steady-state samples/s over all ranks and the BLAS each rank maps.
 
+  ddp_peer.py stoke RUN_DIR SKIP_STEPS BATCH
+      one JSON line from a stoke run's metrics.jsonl: steady-state samples/s
+      over all ranks (from rank 0's step times, the first SKIP_STEPS steps
+      left out), the share of the gradient reduction hidden behind backward
+      (1 - waited / reducing, summed over the windows) and the data stall.
+  ddp_peer.py report RESULTS.jsonl
+      the markdown tables and the target verdicts.
+
 Run with Debian's interpreter (/usr/bin/python3: python3-torch, numpy).
 """
 import argparse, json, os, socket, subprocess, sys, time
@@ -105,7 +113,81 @@ def launch(a):
     print(json.dumps(top))
 
 
+def stoke_steady(run, skip, batch):
+    lines = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [d for d in lines if d["type"] == "step"]
+    prev, S, T, busy, wait, stall = 0, 0.0, 0.0, 0.0, 0.0, []
+    world = steps[0]["world"]
+    for d in steps:
+        n = d["step"] - prev
+        prev = d["step"]
+        if d["step"] - n < skip:
+            continue
+        ms = d["ranks"][0][2]                      # rank 0's mean step, ms
+        S += n
+        T += n * ms / 1000.0
+        busy += d["comm_s"]
+        wait += d["comm_wait_s"]
+        stall.append(max(r[1] for r in d["ranks"]))
+    if not S:
+        raise SystemExit("no steady-state steps in " + run)
+    return {"steps": S, "seconds": T, "world": world, "steps_per_s": S / T,
+            "samples_per_s": S / T * batch * world,
+            "comm_s": busy, "comm_wait_s": wait,
+            "hidden": (1.0 - wait / busy) if busy > 0 else None,
+            "stall": max(stall)}
+
+
+def report(path):
+    import statistics
+    rows = [json.loads(l) for l in open(path)]
+    med = statistics.median
+
+    def pick(tool, world):
+        return [r for r in rows if r["tool"] == tool and r["world"] == world]
+
+    def rate(rs):
+        return med([r["samples_per_s"] for r in rs]), min(r["samples_per_s"] for r in rs), \
+            max(r["samples_per_s"] for r in rs)
+
+    s1, s2 = pick("stoke", 1), pick("stoke", 2)
+    t1, t2 = pick("torch-ddp-gloo", 1), pick("torch-ddp-gloo", 2)
+    out = ["| tool | processes x threads | samples/s, median (min-max) | runs |",
+           "|---|---|---:|---:|"]
+    for name, rs in (("stoke", s1), ("stoke", s2), ("PyTorch DDP (gloo)", t1),
+                     ("PyTorch DDP (gloo)", t2)):
+        if rs:
+            m, lo, hi = rate(rs)
+            out.append("| %s | %d x 1 | %.0f (%.0f-%.0f) | %d |" % (name, rs[0]["world"], m, lo,
+                                                                   hi, len(rs)))
+    hidden = [r["hidden"] for r in s2 if r.get("hidden") is not None]
+    ratio = rate(s2)[0] / rate(t2)[0]
+    scale = rate(s2)[0] / rate(s1)[0]
+    tscale = rate(t2)[0] / rate(t1)[0] if t1 else float("nan")
+    h = med(hidden)
+    out += ["", "Targets:", "",
+            "- stoke / PyTorch DDP, 2 x 1: %.2fx (target >= 1.5): %s" %
+            (ratio, "met" if ratio >= 1.5 else "NOT met"),
+            "- stoke scaling 1 -> 2 processes: %.2fx (target >= 1.8): %s (PyTorch: %.2fx)" %
+            (scale, "met" if scale >= 1.8 else "NOT met", tscale),
+            "- share of the all-reduce hidden behind backward: %.0f%% (median of %d runs, "
+            "range %.0f-%.0f%%; target >= 80%%): %s" %
+            (100 * h, len(hidden), 100 * min(hidden), 100 * max(hidden),
+             "met" if h >= 0.8 else "NOT met"),
+            "- stoke's data stall, largest rank: %.2f%%" % (100 * max(r["stall"] for r in s2)),
+            "", "PyTorch's BLAS: %s" % sorted({l for r in t2 for l in r["blas_libs"]})]
+    print("\n".join(out))
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "stoke":
+        d = stoke_steady(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        d.update(tool="stoke")
+        print(json.dumps(d))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "report":
+        report(sys.argv[2])
+        return
     p = argparse.ArgumentParser()
     p.add_argument("db")
     p.add_argument("--world", type=int, default=2)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# ddp_bench.sh [WORK_DIR] - data-parallel training on the CPU, side by side
+# (issue 5): stoke `train --nproc 2` (shared-memory collectives) against
+# PyTorch DistributedDataParallel over gloo, 2 processes of 1 thread each,
+# the cnn at batch 64 per rank, SGD(lr 0.02, momentum 0.9), the same
+# Fashion-MNIST train split; and each tool with 1 process of 1 thread, for
+# the scaling from 1 to 2 processes.
+#
+#   stoke:   train --db FM --model cnn --batch 64 --threads 1 --workers 1
+#            --optim sgd [--nproc 2] --max-steps N --log-every 10 --quiet
+#            (samples/s from rank 0's step times, the first 20 steps left
+#            out; the hidden share of the all-reduce from the step lines)
+#   PyTorch: bench/ddp_peer.py FM --world W --batch 64 --threads 1
+# REPS rounds (default 3), the order rotating each round; SECONDS_PER_RUN
+# (default 8) of timed steps per run. Results: WORK_DIR/results.jsonl and
+# WORK_DIR/report.md.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${1:-/tmp/stoke-ddp-bench}
+REPS=${REPS:-3}
+SECS=${SECONDS_PER_RUN:-8}
+PY=/usr/bin/python3
+mkdir -p "$WORK"
+RESULTS=$WORK/results.jsonl
+: >"$RESULTS"
+say() { echo "ddp_bench: $*" >&2; }
+[ -x "$ROOT/build/bin/train" ] || cmake --build "$ROOT/build" -j2
+cp "$ROOT/build/bin/train" "$WORK/train" # a rebuild meanwhile cannot mix binaries
+cp "$ROOT/build/bin/prep" "$WORK/prep"
+FM=$WORK/fm
+[ -d "$FM" ] || "$WORK/prep" --quiet /usr/share/datasets/fashion-mnist "$FM"
+
+declare -A RATE=([1]=2500 [2]=4500) # steps/s guesses, refined by each run
+run_stoke() { # rep world
+  local rep=$1 w=$2 steps run=$WORK/run
+  steps=$($PY -c "print(20 + int($SECS * ${RATE[$w]} / 64 / $w))")
+  rm -rf "$run"
+  local dist=()
+  [ "$w" = 1 ] || dist=(--nproc "$w")
+  "$WORK/train" --db "$FM" --model cnn --batch 64 --threads 1 --workers 1 --optim sgd \
+    --epochs 1000 --max-steps "$steps" --log-every 10 --seed "$rep" --out "$run" --quiet \
+    "${dist[@]}" >"$WORK/train.out" 2>&1 || { cat "$WORK/train.out"; exit 1; }
+  local line
+  line=$($PY "$ROOT/bench/ddp_peer.py" stoke "$run" 20 64)
+  echo "$line" | $PY -c "import json, sys; d = json.load(sys.stdin); d['rep'] = $rep; print(json.dumps(d))" >>"$RESULTS"
+  RATE[$w]=$(echo "$line" | $PY -c 'import json, sys; print(int(json.load(sys.stdin)["samples_per_s"]))')
+  say "rep $rep stoke $w x 1: $(tail -n1 "$RESULTS")"
+}
+run_torch() { # rep world
+  local line
+  line=$($PY "$ROOT/bench/ddp_peer.py" "$FM" --world "$2" --batch 64 --threads 1 \
+    --seconds "$SECS" --seed "$1")
+  echo "$line" | $PY -c "import json, sys; d = json.load(sys.stdin); d['rep'] = $1; print(json.dumps(d))" >>"$RESULTS"
+  say "rep $1 torch $2 x 1: $(tail -n1 "$RESULTS" | cut -c1-200)"
+}
+jobs=("run_stoke 1" "run_stoke 2" "run_torch 1" "run_torch 2")
+for rep in $(seq "$REPS"); do
+  for k in 0 1 2 3; do
+    j=${jobs[$(((k + rep) % 4))]}
+    ${j%% *} "$rep" "${j##* }"
+  done
+done
+{
+  echo "Machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem/ {print $2}') GiB"
+  echo "stoke $(git -C "$ROOT" rev-parse --short HEAD), $REPS rounds, $SECS s timed per run"
+  echo
+  $PY "$ROOT/bench/ddp_peer.py" report "$RESULTS"
+} >"$WORK/report.md"
+cat "$WORK/report.md"
