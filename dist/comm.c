@@ -59,6 +59,19 @@ int stk_comm_allreduce(stk_comm *c, float *buf, size_t n, stk_reduce op,
     return 0; /* a world of one: the sum and the mean are the input */
 }
 
+int comm_mark(stk_comm *c, int slot, stk_err *err)
+{
+    return c->nccl ? nccl_mark(c->nccl, slot, err) : 0;
+}
+
+int comm_allreduce_after(stk_comm *c, int slot, float *buf, size_t n,
+                         stk_reduce op, stk_err *err)
+{
+    if (c->nccl)
+        return nccl_allreduce_after(c->nccl, slot, buf, n, op, err);
+    return stk_comm_allreduce(c, buf, n, op, err);
+}
+
 int stk_comm_broadcast(stk_comm *c, void *buf, size_t bytes, int root,
                        stk_err *err)
 {

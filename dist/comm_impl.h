@@ -36,6 +36,19 @@ int nccl_allreduce(nccl_comm *n, float *buf, size_t count, stk_reduce op,
 int nccl_broadcast(nccl_comm *n, void *buf, size_t bytes, int root,
                    stk_err *err);
 int nccl_barrier(nccl_comm *n, stk_err *err); /* a one-float all-reduce */
+/* Records mark `slot` behind the compute work queued so far (the thread
+ * queueing compute work calls it), and an all-reduce that waits for that
+ * mark only: a DDP bucket reduced while later backward kernels run. */
+int nccl_mark(nccl_comm *n, int slot, stk_err *err);
+int nccl_allreduce_after(nccl_comm *n, int slot, float *buf, size_t count,
+                         stk_reduce op, stk_err *err);
+
+/* DDP's use of a group (comm.c): mark bucket `slot` ready where it was
+ * computed, then reduce it behind that mark (shared memory: the compute
+ * is already done, the mark is nothing). */
+int comm_mark(stk_comm *c, int slot, stk_err *err);
+int comm_allreduce_after(stk_comm *c, int slot, float *buf, size_t n,
+                         stk_reduce op, stk_err *err);
 
 struct stk_comm {
     stk_backend *be;

@@ -52,7 +52,7 @@ static void *comm_main(void *arg)
         pthread_mutex_unlock(&d->mu);
         stk_err e;
         double t0 = stk_now();
-        int rc = stk_comm_allreduce(d->c, d->g + b->off, b->n, STK_AVG, &e);
+        int rc = comm_allreduce_after(d->c, d->next, d->g + b->off, b->n, STK_AVG, &e);
         double spent = stk_now() - t0;
         pthread_mutex_lock(&d->mu);
         d->busy = false;
@@ -116,8 +116,10 @@ int stk_ddp_create(stk_comm *c, float *grads, const size_t *param_offsets,
     d->c = c;
     d->g = grads;
     d->nparams = nparams;
-    pthread_mutex_init(&d->mu, NULL);
-    pthread_cond_init(&d->cv, NULL);
+    if (pthread_mutex_init(&d->mu, NULL) || pthread_cond_init(&d->cv, NULL)) {
+        free(d);
+        return stk_fail(err, STK_ENOMEM, "ddp: cannot create a mutex");
+    }
     int rc = nparams > 0 && param_offsets[0] != 0
                  ? stk_fail(err, STK_EINVAL, "ddp: the first parameter must start "
                                              "the gradient buffer")
@@ -169,6 +171,10 @@ int stk_ddp_ready(stk_ddp *d, int param, stk_err *err)
     bucket *b = &d->b[d->param_bucket[param]];
     if (--b->pending > 0 || !d->started)
         return 0;
+    /* on a GPU: the point in the compute stream the reduction waits for */
+    int rc = comm_mark(d->c, (int)(b - d->b), err);
+    if (rc)
+        return rc;
     pthread_mutex_lock(&d->mu);
     b->ready = true;
     pthread_cond_broadcast(&d->cv);
@@ -185,6 +191,8 @@ int stk_ddp_finish(stk_ddp *d, double *waited, double *busy, stk_err *err)
     pthread_mutex_lock(&d->mu);
     for (int i = 0; i < d->nb; i++)
         if (!d->b[i].ready) {
+            while (d->busy) /* the group is used by one thread at a time */
+                pthread_cond_wait(&d->cv, &d->mu);
             pthread_mutex_unlock(&d->mu);
             return stk_fail(err, STK_EINVAL,
                             "ddp: bucket %d was never ready (a parameter got no "

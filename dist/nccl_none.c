@@ -42,3 +42,17 @@ int nccl_barrier(nccl_comm *n, stk_err *err)
     (void)n;
     return stk_fail(err, STK_EUNSUPPORTED, "built without NCCL");
 }
+
+int nccl_mark(nccl_comm *n, int slot, stk_err *err)
+{
+    (void)n;
+    (void)slot;
+    return stk_fail(err, STK_EUNSUPPORTED, "built without NCCL");
+}
+
+int nccl_allreduce_after(nccl_comm *n, int slot, float *buf, size_t count,
+                         stk_reduce op, stk_err *err)
+{
+    (void)slot;
+    return nccl_allreduce(n, buf, count, op, err);
+}

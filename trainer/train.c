@@ -730,10 +730,14 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
         r.rank.world = r.rank.local_world = 1;
         r.rank.source = "single process";
     }
+    bool speak = !o_resolved.quiet;
     if (r.rank.rank != 0)
         o_resolved.quiet = true; /* rank 0 alone prints */
     r.tty = isatty(2);
     int rc = setup(&r, err);
+    if (!rc && speak && r.rank.world > 1) /* which device each rank took */
+        fprintf(stderr, "train: rank %d of %d on %s (%s)\n", r.rank.rank, r.rank.world,
+                stk_backend_name(r.be), r.rank.source);
     if (!rc && !o->quiet) {
         char desc[2048];
         stk_model_describe(r.model, desc, sizeof desc);

@@ -227,7 +227,16 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         }
         o->device_id = d->gpus[ri->local_rank];
     } else if (o->device == STK_DEV_CUDA && ri->world > 1) {
-        o->device_id = ri->local_rank; /* torchrun's cuda:LOCAL_RANK */
+        /* torchrun's cuda:LOCAL_RANK; where each rank sees fewer GPUs than
+         * the node has ranks (SLURM binding one GPU per task through
+         * CUDA_VISIBLE_DEVICES), the visible ones in turn */
+        int count = 0;
+        stk_err e;
+        if (stk_cuda_device_count(&count, &e) == 0 && count > 0 &&
+            count < ri->local_world)
+            o->device_id = ri->local_rank % count;
+        else
+            o->device_id = ri->local_rank;
     }
     if (o->device == STK_DEV_CPU && !o->threads && ri->local_world > 1) {
         cpu_set_t set; /* share this machine's CPUs between its ranks */

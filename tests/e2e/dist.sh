@@ -135,6 +135,34 @@ wait $N1 || { cat n1.out; fail "node 1"; }
 [ ! -e n1 ] || fail "node 1 (rank 1) wrote a run directory"
 ok "two launchers (--nnodes 2) trained one model as world 2"
 
+# ---- resume with another number of ranks -------------------------------------
+"$T" "${common[@]}" --nproc 2 --batch 64 --epochs 1 --out regrow --log-every 10
+"$T" "${common[@]}" --nproc 3 --batch 64 --epochs 2 --out regrow --log-every 10 --resume auto \
+  > regrow.out 2>&1 || { cat regrow.out; fail "resume with 3 ranks"; }
+[ "$(epochs regrow)" = $'2 10000 0\n3 10000 0' ] || fail "regrow: $(epochs regrow)"
+# mid-epoch, from 3 ranks to 1: the epoch goes on where as many samples were trained
+"$T" "${common[@]}" --nproc 3 --batch 64 --epochs 1 --max-steps 12 --out shrink --log-every 4
+"$T" --db db --model $M --workers 1 --seed 3 --batch 64 --epochs 1 --out shrink --log-every 4 \
+  --resume auto > shrink.out 2>&1 ||
+  { cat shrink.out; fail "resume with 1 rank"; }
+grep -q "written by 3 rank(s), this run has 1: resuming the epoch at batch 36" shrink.out ||
+  { cat shrink.out; fail "no note of the new position"; }
+[ "$(epochs shrink)" = "1 10000 0" ] || fail "shrink: $(epochs shrink)"
+ok "resumed a 2-rank run with 3 ranks, and a 3-rank run mid-epoch with 1"
+
+# ---- SLURM: srun starts the ranks, rank 0 serves the store ---------------------
+port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+for r in 1 0; do
+  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_LOCALID=$r MASTER_PORT=$port \
+    "$T" "${common[@]}" --batch 64 --epochs 1 --max-steps 8 --log-every 4 --out slurm \
+    > slurm$r.out 2>&1 &
+  eval "S$r=\$!"
+done
+wait $S0 || { cat slurm0.out slurm1.out; fail "SLURM rank 0"; }
+wait $S1 || { cat slurm1.out; fail "SLURM rank 1"; }
+grep -q '"world":2' slurm/metrics.jsonl || fail "SLURM: not a world of 2"
+ok "SLURM variables: two ranks without a launcher trained as world 2"
+
 # ---- a taken port, an unreachable master -------------------------------------------
 $PY -c '
 import socket, sys, time
@@ -150,3 +178,7 @@ closed=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 expect_fail "cannot reach the rendezvous store at 127.0.0.1:$closed" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 1 --nproc 1 --master-addr 127.0.0.1 \
   --master-port "$closed" --timeout 2 --out unreachable
+# node 0 alone: its rank waits for a second node that never comes
+expect_fail "timed out after 2 s at 'train/joined': 1 of 2 ranks arrived" \
+  "$T" "${common[@]}" --nnodes 2 --node-rank 0 --nproc 1 --master-addr 127.0.0.1 \
+  --master-port "$closed" --timeout 2 --out alone
