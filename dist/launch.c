@@ -178,7 +178,10 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
     l->running--;
     uv_close((uv_handle_t *)p, on_proc_closed);
     bool bad = status != 0 || sig != 0;
-    bool interrupted = l->interrupts > 0 && (status == 130 || sig == SIGINT);
+    /* a rank that stopped because of a Ctrl-C (or a second one's SIGKILL)
+     * did not fail */
+    bool interrupted = (l->interrupts > 0 && (status == 130 || sig == SIGINT)) ||
+                       (l->interrupts > 1 && sig == SIGKILL);
     if (bad && !interrupted && l->failed < 0 && !l->remote_reason[0]) {
         l->failed = (int)(rp - l->r);
         char why[256];

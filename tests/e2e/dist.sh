@@ -178,6 +178,13 @@ closed=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 expect_fail "cannot reach the rendezvous store at 127.0.0.1:$closed" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 1 --nproc 1 --master-addr 127.0.0.1 \
   --master-port "$closed" --timeout 2 --out unreachable
+# flags that cannot work
+expect_fail "nnodes 2 needs --master-addr" "$T" --db db --nnodes 2 --nproc 1 --out bad
+expect_fail "node-rank 2 must be below --nnodes 2" "$T" --db db --nnodes 2 --node-rank 2 \
+  --master-addr 127.0.0.1 --master-port 1 --out bad
+expect_fail "gpus 0,0 names GPU 0 twice" "$T" --db db --gpus 0,0 --out bad
+expect_fail "nproc 3 disagrees with --gpus" "$T" --db db --gpus 2 --nproc 3 --out bad
+expect_fail "nproc.*0" "$T" --db db --nproc 0 --out bad
 # node 0 alone: its rank waits for a second node that never comes
 expect_fail "timed out after 2 s at 'train/joined': 1 of 2 ranks arrived" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 0 --nproc 1 --master-addr 127.0.0.1 \
