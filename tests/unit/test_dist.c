@@ -162,7 +162,13 @@ static int rank_main(int rank, int world, int port, int die_rank)
         bool named = rc == STK_EPEER && strstr(err.msg, expect);
         if (!named)
             fprintf(stderr, "rank %d: rc %d: %s\n", rank, rc, err.msg);
-        return named && stk_now() - t0 < 5 ? 0 : 11;
+        rc = named && stk_now() - t0 < 5 ? 0 : 11;
+        free(x);
+        free(want);
+        stk_comm_destroy(c);
+        stk_kv_close(kv);
+        stk_backend_destroy(be);
+        return rc;
     }
     if (rc || memcmp(x, want, N * sizeof *x)) {
         fprintf(stderr, "rank %d: all-reduce sum differs (%s)\n", rank, rc ? err.msg : "");
