@@ -122,6 +122,16 @@ last=$(ls whole/checkpoints | grep step- | tail -1)
 cmp whole/checkpoints/$last/model.safetensors stopped/checkpoints/$last/model.safetensors ||
   fail "resumed weights differ from the uninterrupted run's"
 ok "Ctrl-C at $stopped_at (exit 130), --resume auto ends at $last with identical weights"
+# SIGTERM (a batch system's stop) is passed on the same way
+"$T" "${common[@]}" "${run[@]}" --out termed > termed.out 2>&1 &
+L=$!
+wait_for_step termed
+kill -TERM $L
+rc=0
+wait $L || rc=$?
+[ "$rc" -eq 130 ] && ls termed/checkpoints | grep -q step- ||
+  { cat termed.out; fail "SIGTERM: exit $rc, or no checkpoint"; }
+ok "SIGTERM: the ranks stopped at a step boundary, rank 0 checkpointed (exit 130)"
 
 # ---- two launchers, one per node ------------------------------------------------
 port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
