@@ -187,10 +187,14 @@ int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
 }
 
 int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
-                    int planes, int h, int w, int oh, int ow, float *dx,
+                    int planes, int h, int w, int k, int st, float *dx,
                     stk_err *err)
 {
-    return be->ops->maxpool_bwd(be, dy, arg, planes, h, w, oh, ow, dx, err);
+    if (k < 1 || st < 1 || h < k || w < k)
+        return stk_fail(err, STK_EINVAL,
+                        "max-pool: kernel %d stride %d does not fit %dx%d", k,
+                        st, h, w);
+    return be->ops->maxpool_bwd(be, dy, arg, planes, h, w, k, st, dx, err);
 }
 
 int stk_dropout(stk_backend *be, float *x, size_t n, size_t group, float p,

@@ -40,7 +40,7 @@ typedef struct backend_ops {
                        int w, int k, int st, float *y, int32_t *arg,
                        stk_err *err);
     int (*maxpool_bwd)(stk_backend *be, const float *dy, const int32_t *arg,
-                       int planes, int h, int w, int oh, int ow, float *dx,
+                       int planes, int h, int w, int k, int st, float *dx,
                        stk_err *err);
     int (*dropout)(stk_backend *be, float *x, size_t n, size_t group, float p,
                    stk_philox_key key, uint64_t stream, stk_err *err);

@@ -560,13 +560,15 @@ static void maxpool_bwd_part(void *v, size_t b, size_t e)
     }
 }
 
+/* A scatter in output order; stk_maxpool_grad1 is the same sum as a gather
+ * (what the CUDA kernel runs), and a test checks they agree. */
 static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
                            const int32_t *arg, int planes, int h, int w,
-                           int oh, int ow, float *dx, stk_err *err)
+                           int k, int st, float *dx, stk_err *err)
 {
     (void)err;
-    pool_job j = {.x = dy, .y = dx, .carg = arg, .h = h, .w = w, .oh = oh,
-                  .ow = ow};
+    pool_job j = {.x = dy, .y = dx, .carg = arg, .h = h, .w = w,
+                  .oh = (h - k) / st + 1, .ow = (w - k) / st + 1};
     size_t per = (size_t)h * w;
     stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
                  maxpool_bwd_part, &j);

@@ -471,36 +471,26 @@ static int cuda_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
                   k, st, oh, ow, y, arg, n);
 }
 
-// Scatters dy[o] to its winner. Windows do not overlap when the stride is at
-// least the kernel size (then each dx gets at most one add); atomicAdd keeps
-// overlapping windows correct too.
+// One thread per input element gathers from the windows holding it
+// (stk_maxpool_grad1): no atomics, the CPU's floats also where windows
+// overlap.
 static __global__ void maxpool_bwd_kernel(const float *dy, const int32_t *arg,
-                                          size_t in_plane, size_t out_plane,
+                                          int h, int w, int k, int st,
                                           float *dx, size_t n)
 {
-    for (size_t o = first_index(); o < n; o += index_step())
-        atomicAdd(&dx[o / out_plane * in_plane + arg[o]], dy[o]);
+    for (size_t i = first_index(); i < n; i += index_step())
+        dx[i] = stk_maxpool_grad1(dy, arg, h, w, k, st, i);
 }
 
 static int cuda_maxpool_bwd(stk_backend *be, const float *dy,
                             const int32_t *arg, int planes, int h, int w,
-                            int oh, int ow, float *dx, stk_err *err)
+                            int k, int st, float *dx, stk_err *err)
 {
-    if (planes <= 0 || h <= 0 || w <= 0)
+    if (planes <= 0)
         return 0;
-    const char *op = "cuda maxpool_bwd";
-    int rc = use_device(be, op, err);
-    if (rc)
-        return rc;
-    size_t in_plane = (size_t)h * w;
-    CUDA_TRY(
-        op, cudaMemsetAsync,
-        (dx, 0, (size_t)planes * in_plane * sizeof *dx, impl(be)->stream));
-    if (oh <= 0 || ow <= 0)
-        return 0;
-    size_t out_plane = (size_t)oh * ow, n = (size_t)planes * out_plane;
-    return launch(be, op, n, err, maxpool_bwd_kernel, dy, arg, in_plane,
-                  out_plane, dx, n);
+    size_t n = (size_t)planes * h * w;
+    return launch(be, "cuda maxpool_bwd", n, err, maxpool_bwd_kernel, dy, arg,
+                  h, w, k, st, dx, n);
 }
 
 static __global__ void dropout_kernel(float *x, size_t n, size_t group,

@@ -114,9 +114,10 @@ int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,
  * winner's index within its plane for the backward pass. */
 int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
                     int k, int st, float *y, int32_t *arg, stk_err *err);
-/* dx (planes*h*w, overwritten) gets dy at each winner. */
+/* dx (planes*h*w, overwritten) gets dy at each winner, summed where
+ * windows overlap (stk_maxpool_grad1: the same floats on every backend). */
 int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
-                    int planes, int h, int w, int oh, int ow, float *dx,
+                    int planes, int h, int w, int k, int st, float *dx,
                     stk_err *err);
 
 /* In place: x[i] *= stk_dropout_scale1(key, stream, i, group, p). The same

@@ -199,6 +199,33 @@ STK_HD float stk_maxpool_at(const float *p, int h, int w, int k, int st,
     return best;
 }
 
+/* Input gradient at element i (plane, y, x) of a max-pool's input: the sum
+ * of dy over the windows that contain (y, x) and chose it, taken in
+ * ascending output order, which is the order of the CPU's scatter (one add
+ * per output, outputs in order): the two give the same floats, also where
+ * windows overlap, with no atomics. */
+STK_HD float stk_maxpool_grad1(const float *dy, const int32_t *arg, int h,
+                               int w, int k, int st, size_t i)
+{
+    int oh = (h - k) / st + 1, ow = (w - k) / st + 1;
+    size_t plane = i / ((size_t)h * w);
+    int32_t q = (int32_t)(i % ((size_t)h * w));
+    int y = q / w, x = q % w;
+    /* outputs whose window [o*st, o*st + k) holds the coordinate */
+    int oy0 = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
+    int ox0 = x - k + 1 > 0 ? (x - k + 1 + st - 1) / st : 0;
+    int oy1 = y / st < oh - 1 ? y / st : oh - 1;
+    int ox1 = x / st < ow - 1 ? x / st : ow - 1;
+    const float *g = dy + plane * (size_t)oh * ow;
+    const int32_t *a = arg + plane * (size_t)oh * ow;
+    float sum = 0.0f;
+    for (int oy = oy0; oy <= oy1; oy++)
+        for (int ox = ox0; ox <= ox1; ox++)
+            if (a[oy * ow + ox] == q)
+                sum += g[oy * ow + ox];
+    return sum;
+}
+
 /* Output element j (plane, oy, ox) of a max-pool over h x w planes. */
 STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
                           int ow, size_t j, int32_t *arg)

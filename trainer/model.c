@@ -457,7 +457,7 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
         return linear_backward(m, l, x, dy, dx, n, err);
     case STK_L_POOL:
         return dx ? stk_maxpool_bwd(m->be, dy, l->arg, n * l->c, l->h, l->w,
-                                    l->oh, l->ow, dx, err)
+                                    l->s.k, l->s.stride, dx, err)
                   : 0;
     case STK_L_RELU:
         *dx_out = dy;

@@ -162,11 +162,22 @@ static void conv_helpers_agree_exactly(void **state)
     got = host_copy(dpy, sizeof py);
     assert_memory_equal(got, py, sizeof py);
     free(got);
-    assert_int_equal(stk_maxpool_bwd(cpu, py, arg, 12, 9, 8, 4, 4, dx, &err), 0);
-    assert_int_equal(stk_maxpool_bwd(gpu, dpy, darg, 12, 9, 8, 4, 4, dx_dev, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(cpu, py, arg, 12, 9, 8, 2, 2, dx, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(gpu, dpy, darg, 12, 9, 8, 2, 2, dx_dev, &err), 0);
     got = host_copy(dx_dev, nx * 4);
     assert_memory_equal(got, dx, nx * 4);
     free(got);
+    /* overlapping windows (3x3, stride 1): the gather and the scatter agree */
+    int32_t arg3[12 * 7 * 6], *darg3 = (int32_t *)dev_copy(arg3, sizeof arg3);
+    float py3[12 * 7 * 6], *dpy3 = dev_copy(py3, sizeof py3);
+    assert_int_equal(stk_maxpool_fwd(cpu, x, 12, 9, 8, 3, 1, py3, arg3, &err), 0);
+    assert_int_equal(stk_maxpool_fwd(gpu, dsrc, 12, 9, 8, 3, 1, dpy3, darg3, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(cpu, py3, arg3, 12, 9, 8, 3, 1, dx, &err), 0);
+    assert_int_equal(stk_maxpool_bwd(gpu, dpy3, darg3, 12, 9, 8, 3, 1, dx_dev, &err), 0);
+    got = host_copy(dx_dev, nx * 4);
+    assert_memory_equal(got, dx, nx * 4);
+    free(got);
+    stk_dev_free(gpu, darg3), stk_dev_free(gpu, dpy3);
     stk_dev_free(gpu, dx_dev), stk_dev_free(gpu, dcol), stk_dev_free(gpu, dsw);
     stk_dev_free(gpu, dsrc), stk_dev_free(gpu, darg), stk_dev_free(gpu, dpy);
     free(x), free(col), free(dx), free(sw);
