@@ -3,6 +3,7 @@
 #include "trainer.h"
 
 #include <ctype.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,53 +72,67 @@ static int parse_kind(const char *w, stk_layer_kind *k)
     return -1;
 }
 
-/* Reads "key=value" or a positional integer/float into the spec. */
-static int parse_arg(stk_layer_spec *s, const char *tok, int pos)
+/* Reads "key=value" or a positional integer/float into the spec; on
+ * failure, why says what is wrong with tok. */
+static int parse_arg(stk_layer_spec *s, const char *tok, int pos, char *why,
+                     size_t n)
 {
     char *end;
     const char *eq = strchr(tok, '=');
     const char *val = eq ? eq + 1 : tok;
+    bool conv = s->kind == STK_L_CONV, pool = s->kind == STK_L_POOL;
+    if (eq && !(!strncmp(tok, "stride=", 7) && (conv || pool)) &&
+        !(!strncmp(tok, "pad=", 4) && conv)) {
+        snprintf(why, n, "'%s' does not apply to this layer", tok);
+        return -1;
+    }
     if (!strncmp(tok, "stride=", 7))
         s->stride = (int)strtol(val, &end, 10);
     else if (!strncmp(tok, "pad=", 4))
         s->pad = (int)strtol(val, &end, 10);
-    else if (eq)
-        return -1;
     else if (s->kind == STK_L_DROPOUT || s->kind == STK_L_DROPOUT2D)
         s->p = strtof(val, &end);
-    else if (s->kind == STK_L_POOL && pos == 0)
+    else if (pool && pos == 0)
         s->k = s->stride = (int)strtol(val, &end, 10);
     else if (s->kind == STK_L_LINEAR && pos == 0 && !strcmp(val, "classes"))
         return (s->out = 0), 0;
-    else if (pos == 0 && (s->kind == STK_L_CONV || s->kind == STK_L_LINEAR))
+    else if (pos == 0 && (conv || s->kind == STK_L_LINEAR))
         s->out = (int)strtol(val, &end, 10);
-    else if (pos == 1 && s->kind == STK_L_CONV)
+    else if (pos == 1 && conv)
         s->k = (int)strtol(val, &end, 10);
-    else
+    else {
+        snprintf(why, n, "unexpected '%s'", tok);
         return -1;
+    }
+    if (*end)
+        snprintf(why, n, "'%s' is not a number", tok);
     return *end ? -1 : 0;
 }
 
-static int parse_line(char *line, stk_layer_spec *s)
+static int parse_line(char *line, stk_layer_spec *s, char *why, size_t n)
 {
     char *save = NULL, *tok = strtok_r(line, " \t", &save);
     memset(s, 0, sizeof *s);
     s->stride = 1;
-    size_t n = strlen(tok);
-    if (tok[n - 1] == ':') { /* "conv1:" names the layer */
-        tok[n - 1] = '\0';
+    snprintf(why, n, "cannot read this layer");
+    size_t len = strlen(tok);
+    if (tok[len - 1] == ':') { /* "conv1:" names the layer */
+        tok[len - 1] = '\0';
         snprintf(s->name, sizeof s->name, "%s", tok);
         tok = strtok_r(NULL, " \t", &save);
         if (!tok)
             return -1;
     }
-    if (parse_kind(tok, &s->kind))
+    if (parse_kind(tok, &s->kind)) {
+        snprintf(why, n, "unknown layer '%s'", tok);
         return -1;
+    }
     s->p = 0.5f;
     int pos = 0;
     while ((tok = strtok_r(NULL, " \t", &save)))
-        if (parse_arg(s, tok, pos++))
+        if (parse_arg(s, tok, pos++, why, n))
             return -1;
+    snprintf(why, n, "a missing or out-of-range value");
     if (s->kind == STK_L_CONV && (s->out < 1 || s->k < 1))
         return -1;
     if (s->kind == STK_L_POOL && s->k < 1)
@@ -134,6 +149,7 @@ int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
     memset(out, 0, sizeof *out);
     char *copy = strdup(text), *next = NULL;
     int lineno = 0, rc = 0;
+    char why[160];
     for (char *line = copy; line && !rc; line = next) {
         next = strchr(line, '\n');
         if (next)
@@ -152,11 +168,9 @@ int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
         if (out->n == STK_MAX_LAYERS)
             rc = stk_fail(err, STK_EINVAL, "%s: more than %d layers", file,
                           STK_MAX_LAYERS);
-        else if (parse_line(line, &out->layers[out->n++]))
-            rc = stk_fail(err, STK_EINVAL,
-                          "%s:%d: cannot read this layer (see docs/models.md "
-                          "for the format)",
-                          file, lineno);
+        else if (parse_line(line, &out->layers[out->n++], why, sizeof why))
+            rc = stk_fail(err, STK_EINVAL, "%s:%d: %s (see docs/models.md for the format)",
+                          file, lineno, why);
     }
     free(copy);
     if (!rc && !out->n)

@@ -85,7 +85,9 @@ printf 'conv1: conv 4 3\nconv 4 3\nflatten\nlinear classes\n' > twins.txt
 printf 'a: conv 4 3\na: conv 4 3\nflatten\nlinear classes\n' > same.txt
 expect_fail "two layers are named \"a\"" "$T" --db db --model same.txt --out x
 printf 'conv 8 3\nwobble\n' > typo.txt
-expect_fail "typo.txt:2: cannot read this layer" "$T" --db db --model typo.txt --out x
+expect_fail "typo.txt:2: unknown layer 'wobble'" "$T" --db db --model typo.txt --out x
+printf 'conv 8 3\npool 2 pad=1\nflatten\nlinear classes\n' > padpool.txt
+expect_fail "padpool.txt:2: 'pad=1' does not apply to this layer" "$T" --db db --model padpool.txt --out x
 expect_fail "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
   "$T" --db db --model cnn --init-from run1/checkpoints/step-00000235/model.safetensors --out x
 expect_fail "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \

@@ -98,7 +98,7 @@ static void text_format_and_errors(void **state)
     /* errors name the file and line, or the layer and shapes */
     assert_int_equal(stk_model_parse("relu\nconv eight 3\n", "bad.txt", &spec, &err),
                      STK_EINVAL);
-    assert_non_null(strstr(err.msg, "bad.txt:2"));
+    assert_non_null(strstr(err.msg, "bad.txt:2: 'eight' is not a number"));
     assert_int_equal(stk_model_parse("conv 4 9\nflatten\nlinear classes\n", "big.txt",
                                      &spec, &err), 0);
     assert_int_equal(stk_model_create(be, &spec, 1, 5, 5, 3, 2, 1, &m, &err),
