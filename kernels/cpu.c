@@ -288,6 +288,8 @@ static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
                         int cols, int inner, stk_err *err)
 {
     (void)err;
+    if (rows <= 0 || cols <= 0 || inner <= 0)
+        return 0; /* nothing to add (as on CUDA) */
     bias_job j = {b, y, rows, cols, inner};
     size_t units = (size_t)rows * (inner == 1 ? 1 : (size_t)cols);
     size_t per = inner == 1 ? (size_t)cols : (size_t)inner;
@@ -337,6 +339,8 @@ static int cpu_bias_grad(stk_backend *be, const float *dy, float *db, int rows,
                          int cols, int inner, stk_err *err)
 {
     (void)err;
+    if (rows <= 0 || cols <= 0 || inner <= 0)
+        return 0; /* an empty sum adds nothing (as on CUDA) */
     bias_job j = {dy, db, rows, cols, inner};
     size_t per = (size_t)rows * inner;
     stk_pool_for(pool(be), (size_t)cols, (GRAIN + per - 1) / per,
@@ -691,6 +695,8 @@ static int cpu_transform(stk_backend *be, const uint8_t *x,
     (void)err;
     transform_job j = {x, ids, t, y};
     size_t per = (size_t)t->c * t->h * t->w;
+    if (n <= 0 || per == 0)
+        return 0;
     stk_pool_for(pool(be), (size_t)n, (GRAIN + per - 1) / per, transform_part,
                  &j);
     return 0;

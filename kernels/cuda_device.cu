@@ -10,6 +10,7 @@
     do {                                                                       \
         cudaError_t e_ = (call);                                               \
         if (e_ != cudaSuccess) {                                               \
+            (void)cudaGetLastError(); /* not the next launch's error */        \
             rc = stk_fail(err, STK_EIO, "%s: %s (%s)", what,                   \
                           cudaGetErrorString(e_), cudaGetErrorName(e_));       \
             goto out;                                                          \
@@ -38,6 +39,8 @@ extern "C" int stk_cuda_device_count(int *count, stk_err *err)
                   (e == cudaErrorInsufficientDriver &&
                    access("/dev/nvidiactl", F_OK) != 0);
     if (e != cudaSuccess)
+        (void)cudaGetLastError(); /* reported here, not by a later launch */
+    if (e != cudaSuccess)
         return stk_fail(err, absent ? STK_ENODEV : STK_EIO,
                         "%s: %s (%s)",
                         absent ? "no CUDA device" : "CUDA is broken here",
@@ -50,8 +53,8 @@ extern "C" int stk_cuda_device_count(int *count, stk_err *err)
 
 __global__ void fill_index(float *x, int n, float scale)
 {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += gridDim.x * blockDim.x)
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)n;
+         i += (size_t)gridDim.x * blockDim.x)
         x[i] = scale * (float)i;
 }
 

@@ -65,6 +65,7 @@ static int blas_check(cublasStatus_t s, const char *op, const char *call,
 {
     if (s == CUBLAS_STATUS_SUCCESS)
         return 0;
+    (void)cudaGetLastError(); // a failed internal launch: not the next op's
     return stk_fail(err,
                     s == CUBLAS_STATUS_ALLOC_FAILED ? STK_ENOMEM : STK_EIO,
                     "%s: %s: %s (%s)", op, call, cublasGetStatusString(s),
@@ -134,6 +135,8 @@ static int launch(stk_backend *be, const char *op, size_t n, stk_err *err,
     kernel<<<grid_for(n), THREADS, 0, impl(be)->stream>>>(args...);
     return launched(op, err);
 }
+
+static_assert((THREADS & (THREADS - 1)) == 0, "block_sum halves THREADS");
 
 // Sum of v over the block (blockDim.x == THREADS), in a fixed order so that
 // results repeat run to run; every thread gets the total. Once per kernel.
@@ -238,9 +241,12 @@ static void *cuda_alloc(stk_backend *be, size_t bytes, stk_err *err)
     return p;
 }
 
+// Frees wait for the stream first: queued work may still use the memory
+// (after a failed step), and cudaFree's own synchronisation is not promised.
 static void cuda_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
     cuda_quiet(cudaFree(p));
 }
 
@@ -260,6 +266,7 @@ static void *cuda_host_alloc(stk_backend *be, size_t bytes)
 static void cuda_host_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
     cuda_quiet(cudaFreeHost(p));
 }
 

@@ -286,16 +286,22 @@ static int alloc_ring(stk_loader *l, stk_err *err)
     l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
     if (!l->slots)
         return stk_fail(err, STK_ENOMEM, "out of memory");
+    /* one (pinnable) block per slot: samples, then labels and indices, so
+     * that all three copy to a GPU without a pageable staging step */
+    size_t n = (size_t)l->o.batch_size;
     size_t bytes = (size_t)l->o.batch_size * l->sample_bytes;
+    size_t at_labels = (bytes + 63) / 64 * 64;
+    size_t at_indices = at_labels + (n * sizeof(int32_t) + 63) / 64 * 64;
+    size_t total = at_indices + n * sizeof(uint64_t);
     for (int i = 0; i < l->nslots; i++) {
         slot *s = &l->slots[i];
-        s->data = host_alloc(l, bytes ? bytes : 1);
-        s->labels = malloc((size_t)l->o.batch_size * sizeof *s->labels);
-        s->indices = malloc((size_t)l->o.batch_size * sizeof *s->indices);
-        if (!s->data || !s->labels || !s->indices)
+        s->data = host_alloc(l, total);
+        if (!s->data)
             return stk_fail(err, STK_ENOMEM,
                             "cannot allocate %d batch buffers of %zu bytes",
-                            l->nslots, bytes);
+                            l->nslots, total);
+        s->labels = (int32_t *)(s->data + at_labels);
+        s->indices = (uint64_t *)(s->data + at_indices);
     }
     return 0;
 }
@@ -563,8 +569,6 @@ void stk_loader_close(stk_loader *l)
             l->o.host.free(l->slots[i].data, l->o.host.ctx);
         else
             free(l->slots[i].data);
-        free(l->slots[i].labels);
-        free(l->slots[i].indices);
     }
     while (l->shards) {
         shard *s = l->shards;
