@@ -34,9 +34,10 @@ typedef struct stk_rank_info {
 } stk_rank_info;
 
 /* Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
- * MASTER_PORT, or else SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (with
- * MASTER_ADDR/MASTER_PORT, or defaults for a one-node job), or else
- * describes a single process. Inconsistent values are an error naming the
+ * MASTER_PORT, or else, in a task srun started, SLURM_PROCID,
+ * SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_NUM_NODES and
+ * SLURM_STEP_TASKS_PER_NODE (with MASTER_ADDR/MASTER_PORT, or defaults on
+ * one node), or else describes a single process. Inconsistent values are an error naming the
  * variable. */
 int stk_rank_from_env(stk_rank_info *out, stk_err *err);
 
@@ -54,10 +55,13 @@ void stk_store_server_stop(stk_store_server *s); /* NULL is a no-op */
 typedef struct stk_kv stk_kv;
 
 /* Connects to the store, retrying refused connections until timeout_ms:
- * the server may start after its clients. */
+ * the server may start after its clients. SET and ADD wait at most
+ * timeout_ms for their answer too. */
 int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
                    stk_err *err);
 void stk_kv_close(stk_kv *kv); /* NULL is a no-op */
+/* From another thread: makes a call blocked on kv return with an error. */
+void stk_kv_interrupt(stk_kv *kv);
 int stk_kv_set(stk_kv *kv, const char *key, const void *val, size_t n,
                stk_err *err);
 /* Waits up to timeout_ms for key to exist; *val is malloc'd (free it). */

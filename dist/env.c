@@ -81,31 +81,42 @@ static int from_torchrun(stk_rank_info *r, stk_err *err)
     return rc ? rc : check(r, err);
 }
 
+/* The leading count of a SLURM tasks-per-node list ("4(x2)", "4,3"):
+ * this node's share when the nodes are alike. */
+static int first_count(const char *v)
+{
+    long n = v ? strtol(v, NULL, 10) : 0;
+    return n > 0 && n < (1 << 20) ? (int)n : 0;
+}
+
+/* A task that srun started: srun sets the step's variables (a batch
+ * script's shell has the job's, which say nothing about this process). */
 static int from_slurm(stk_rank_info *r, stk_err *err)
 {
     bool f1, f2, f3, f4;
+    int nodes = 1;
     int rc = env_int("SLURM_PROCID", 0, 1 << 20, &r->rank, &f1, err);
     if (!rc)
-        rc = env_int("SLURM_NTASKS", 1, 1 << 20, &r->world, &f2, err);
+        rc = env_int("SLURM_STEP_NUM_TASKS", 1, 1 << 20, &r->world, &f2, err);
     if (!rc)
         rc = env_int("SLURM_LOCALID", 0, 1 << 20, &r->local_rank, &f3, err);
-    /* tasks on this node: SLURM_NTASKS_PER_NODE is set only with
-     * --ntasks-per-node; a one-node job has them all */
-    r->local_world = r->world;
     if (!rc)
-        rc = env_int("SLURM_NTASKS_PER_NODE", 1, 1 << 20, &r->local_world, &f4, err);
+        rc = env_int("SLURM_STEP_NUM_NODES", 1, 1 << 20, &nodes, &f4, err);
     if (!rc && (!f1 || !f2 || !f3))
         rc = stk_fail(err, STK_EINVAL,
-                      "environment: SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID "
-                      "must all be set (run the ranks with srun)");
+                      "environment: SLURM_PROCID, SLURM_STEP_NUM_TASKS and "
+                      "SLURM_LOCALID must all be set (run the ranks with srun)");
+    int per = first_count(getenv("SLURM_STEP_TASKS_PER_NODE"));
+    r->local_world = nodes == 1 ? r->world : per ? per : 1;
     if (!rc)
         rc = master(r, false, err);
-    if (!rc && r->world > r->local_world && !getenv("MASTER_ADDR"))
+    if (!rc && nodes > 1 && !getenv("MASTER_ADDR"))
         rc = stk_fail(err, STK_EINVAL,
-                      "environment: a SLURM job over several nodes needs "
+                      "environment: a SLURM job over %d nodes needs "
                       "MASTER_ADDR (the first node's host name) and MASTER_PORT; "
                       "e.g. export MASTER_ADDR=$(scontrol show hostnames "
-                      "\"$SLURM_JOB_NODELIST\" | head -n1)");
+                      "\"$SLURM_JOB_NODELIST\" | head -n1)",
+                      nodes);
     r->host_store = r->rank == 0; /* no launcher: rank 0 serves the store */
     return rc ? rc : check(r, err);
 }
@@ -119,7 +130,7 @@ int stk_rank_from_env(stk_rank_info *out, stk_err *err)
         out->source = "torchrun variables";
         return from_torchrun(out, err);
     }
-    const char *tasks = getenv("SLURM_NTASKS");
+    const char *tasks = getenv("SLURM_STEP_NUM_TASKS");
     if (getenv("SLURM_PROCID") && tasks && strcmp(tasks, "1") != 0) {
         out->source = "SLURM";
         return from_slurm(out, err);

@@ -56,7 +56,9 @@ typedef struct launcher {
     int failed;        /* index of the first rank that failed, -1 */
     int interrupts;
     bool stopping;     /* ranks were asked to stop */
-    char remote_reason[512];
+    char remote_reason[512]; /* the loop thread's copy */
+    uv_mutex_t mu;             /* guards pending_reason */
+    char pending_reason[512];  /* written by the watcher thread */
     stk_kv *kv;        /* multi-node: to tell the other launchers */
     stk_kv *watch;     /* multi-node: the helper thread's connection */
     uv_thread_t watcher;
@@ -187,8 +189,8 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
         char why[256];
         snprintf(why, sizeof why, "rank %d on node %d failed", rp->rank,
                  l->o->node_rank);
+        stop_all(l, SIGTERM); /* first: telling the others may take a while */
         tell_other_nodes(l, why);
-        stop_all(l, SIGTERM);
     }
     if (l->running == 0) {
         uv_timer_stop(&l->grace);
@@ -214,6 +216,9 @@ static void on_signal(uv_signal_t *s, int sig)
 static void on_remote(uv_async_t *a)
 {
     launcher *l = a->data;
+    uv_mutex_lock(&l->mu);
+    memcpy(l->remote_reason, l->pending_reason, sizeof l->remote_reason);
+    uv_mutex_unlock(&l->mu);
     if (l->remote_reason[0] && l->running > 0)
         stop_all(l, SIGTERM);
 }
@@ -230,7 +235,9 @@ static void watch_main(void *arg)
     stk_err e;
     if (stk_kv_get(l->watch, key, 1 << 30, &v, &n, &e) == 0) {
         if (n) {
-            snprintf(l->remote_reason, sizeof l->remote_reason, "%s", (char *)v);
+            uv_mutex_lock(&l->mu);
+            snprintf(l->pending_reason, sizeof l->pending_reason, "%s", (char *)v);
+            uv_mutex_unlock(&l->mu);
             uv_async_send(&l->remote);
         }
         free(v);
@@ -345,6 +352,8 @@ static int spawn_rank(launcher *l, int local, const char *addr, int port,
     if (rc) {
         for (int i = 0; i < 2; i++)
             uv_close((uv_handle_t *)&pipes[i]->pipe, on_handle_closed);
+        l->open_handles++; /* uv_spawn initialised the handle even so */
+        uv_close((uv_handle_t *)&rp->proc, on_proc_closed);
         return stk_fail(err, STK_EIO, "launcher: cannot start rank %d: %s",
                         rp->rank, uv_strerror(rc));
     }
@@ -440,11 +449,8 @@ static int connect_nodes(launcher *l, const char *addr, int port, stk_err *err)
 static void release_watcher(launcher *l)
 {
     if (l->watching) {
-        char key[64];
-        stk_err e;
-        snprintf(key, sizeof key, "launcher/stop/%d", l->o->node_rank);
-        /* wakes our own helper; if the store is gone, so is its wait */
-        stk_kv_set(l->kv, key, "", 0, &e);
+        /* locally: a store that is gone (with its machine) answers nothing */
+        stk_kv_interrupt(l->watch);
         uv_thread_join(&l->watcher);
     }
     stk_kv_close(l->kv);
@@ -465,7 +471,10 @@ int stk_launch(const stk_launch_opts *o, int *exit_code, stk_err *err)
         return stk_fail(err, STK_ENOMEM, "launcher: out of memory");
     stk_store_server *srv = NULL;
     int port = o->master_port;
-    const char *addr = o->master_addr ? o->master_addr : "127.0.0.1";
+    /* one node: the store listens on loopback, whatever --master-addr says */
+    const char *addr = o->master_addr && o->nnodes > 1 ? o->master_addr : "127.0.0.1";
+    signal(SIGPIPE, SIG_IGN); /* a closed output pipe must not kill the ranks */
+    uv_mutex_init(&l.mu);
     if (o->node_rank == 0)
         rc = serve_store(o, &srv, &port, err);
     uv_loop_init(&l.loop);
@@ -482,8 +491,10 @@ int stk_launch(const stk_launch_opts *o, int *exit_code, stk_err *err)
     }
     for (int i = 0; i < l.n && !rc; i++)
         rc = spawn_rank(&l, i, addr, port, err);
-    if (rc)
+    if (rc) {
         stop_all(&l, SIGKILL);
+        tell_other_nodes(&l, "a launcher could not start its ranks");
+    }
     while (l.running > 0 || l.open_handles > 0)
         if (!uv_run(&l.loop, UV_RUN_ONCE) && l.running == 0)
             break;
@@ -500,6 +511,7 @@ int stk_launch(const stk_launch_opts *o, int *exit_code, stk_err *err)
     uv_close((uv_handle_t *)&l.remote, NULL);
     uv_run(&l.loop, UV_RUN_DEFAULT);
     uv_loop_close(&l.loop);
+    uv_mutex_destroy(&l.mu);
     stk_store_server_stop(srv);
     free(l.r);
     return rc;

@@ -60,6 +60,7 @@ struct shm_comm {
     size_t bytes;
     int rank, world, timeout_ms;
     unsigned parity;
+    char name[128]; /* rank 0: the segment's name until it is unlinked */
 };
 
 static float *slot(shm_comm *s, unsigned set, int r)
@@ -260,10 +261,12 @@ static int open_segment(shm_comm *s, stk_kv *kv, int timeout_ms, int *fd,
         if (*fd < 0)
             return stk_fail(err, STK_EIO, "shared memory %s: %s", name,
                             strerror(errno));
-        int e = posix_fallocate(*fd, 0, (off_t)s->bytes);
+        snprintf(s->name, sizeof s->name, "%s", name); /* shm_destroy unlinks */
+        int e;
+        while ((e = posix_fallocate(*fd, 0, (off_t)s->bytes)) == EINTR)
+            ; /* a Ctrl-C during startup */
         if (e) {
             close(*fd);
-            shm_unlink(name);
             return stk_fail(err, e == ENOSPC ? STK_ENOSPACE : STK_EIO,
                             "shared memory: cannot reserve %zu MiB in /dev/shm "
                             "for the collectives: %s",
@@ -318,14 +321,9 @@ int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
             atomic_store(&s->h->failed_rank, -1);
         rc = stk_kv_barrier(kv, "shm/mapped", world, timeout_ms, err);
     }
-    if (!rc && rank == 0) {
-        void *v;
-        size_t n;
-        /* everyone has it mapped: the name can go, nothing is left behind */
-        if (!stk_kv_get(kv, "shm/name", timeout_ms, &v, &n, err)) {
-            shm_unlink(v);
-            free(v);
-        }
+    if (!rc && rank == 0) { /* everyone has it mapped: the name can go */
+        shm_unlink(s->name);
+        s->name[0] = '\0';
     }
     if (rc) {
         shm_destroy(s);
@@ -347,6 +345,8 @@ void shm_destroy(shm_comm *s)
 {
     if (!s)
         return;
+    if (s->name[0]) /* rank 0 failed before the others mapped it */
+        shm_unlink(s->name);
     if (s->h)
         munmap(s->h, s->bytes);
     free(s);

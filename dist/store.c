@@ -14,6 +14,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -275,6 +276,8 @@ static bool drain(conn *c)
         if (!handle(c, p[0], key, p + 9 + klen, vlen))
             return false;
         at += 9 + (size_t)klen + vlen;
+        if (uv_is_closing((uv_handle_t *)&c->tcp))
+            return true; /* a reply failed: the connection is going */
     }
     memmove(c->buf, c->buf + at, c->len - at);
     c->len -= at;
@@ -378,6 +381,8 @@ static int listen_on(stk_store_server *s, const char *host, int port,
                      int *bound, stk_err *err)
 {
     struct sockaddr_storage addr;
+    uv_tcp_init(&s->loop, &s->listener); /* first: the error path closes it */
+    s->listener.data = s;
     int rc = uv_ip4_addr(host, port, (struct sockaddr_in *)&addr);
     if (rc)
         rc = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&addr);
@@ -385,8 +390,6 @@ static int listen_on(stk_store_server *s, const char *host, int port,
         return stk_fail(err, STK_EINVAL,
                         "rendezvous store: %s is not an IP address to listen on",
                         host);
-    uv_tcp_init(&s->loop, &s->listener);
-    s->listener.data = s;
     rc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
     if (!rc)
         rc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
@@ -409,6 +412,7 @@ int stk_store_server_start(const char *host, int port, int *bound,
     if (!s)
         return stk_fail(err, STK_ENOMEM, "rendezvous store: out of memory");
     uv_loop_init(&s->loop);
+    signal(SIGPIPE, SIG_IGN); /* a client gone mid-reply: an error, not death */
     int rc = listen_on(s, host, port, bound, err);
     if (!rc) {
         uv_async_init(&s->loop, &s->stop, on_stop);
@@ -443,6 +447,8 @@ void stk_store_server_stop(stk_store_server *s)
 
 struct stk_kv {
     int fd;
+    int timeout_ms; /* bounds SET and ADD too: a store that vanished with
+                       its machine never answers */
     char where[300]; /* host:port, for messages */
 };
 
@@ -484,7 +490,9 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
     *out = NULL;
     char service[16];
     snprintf(service, sizeof service, "%d", port);
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+    /* IPv4: the store listens on an IPv4 address */
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM},
+                    *ai = NULL;
     int g = getaddrinfo(host, service, &hints, &ai);
     if (g)
         return stk_fail(err, STK_EINVAL,
@@ -493,8 +501,12 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
     double deadline = now_ms() + timeout_ms;
     int fd = -1, e = 0;
     while (fd < 0) {
-        for (const struct addrinfo *a = ai; a && fd < 0; a = a->ai_next)
-            e = try_connect(a, (int)(deadline - now_ms()), &fd);
+        for (const struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
+            /* a few seconds per address: one that drops packets must not
+             * use up the whole timeout */
+            double left = deadline - now_ms();
+            e = try_connect(a, left < 2000 ? (int)left : 2000, &fd);
+        }
         if (fd >= 0 || now_ms() >= deadline)
             break;
         struct timespec pause = {0, 50 * 1000 * 1000};
@@ -513,9 +525,16 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
         return stk_fail(err, STK_ENOMEM, "rendezvous store: out of memory");
     }
     kv->fd = fd;
+    kv->timeout_ms = timeout_ms > 0 ? timeout_ms : 1;
     snprintf(kv->where, sizeof kv->where, "%s:%d", host, port);
     *out = kv;
     return 0;
+}
+
+void stk_kv_interrupt(stk_kv *kv)
+{
+    if (kv && kv->fd >= 0)
+        shutdown(kv->fd, SHUT_RDWR);
 }
 
 void stk_kv_close(stk_kv *kv)
@@ -606,11 +625,25 @@ static int status(stk_kv *kv, const char *key, double deadline, stk_err *err)
               : 0;
 }
 
+/* A reply that did not come within the client's timeout. */
+static int no_reply(stk_kv *kv, const char *key, stk_err *err)
+{
+    if (kv->fd >= 0)
+        close(kv->fd);
+    kv->fd = -1;
+    return stk_fail(err, STK_ETIMEDOUT,
+                    "the rendezvous store at %s did not answer within %d s "
+                    "(request on key '%s'); its machine may be gone",
+                    kv->where, kv->timeout_ms / 1000, key);
+}
+
 int stk_kv_set(stk_kv *kv, const char *key, const void *val, size_t n,
                stk_err *err)
 {
     int rc = request(kv, OP_SET, key, val, (uint32_t)n, err);
-    return rc ? rc : status(kv, key, -1, err);
+    if (!rc)
+        rc = status(kv, key, now_ms() + kv->timeout_ms, err);
+    return rc == STK_ETIMEDOUT ? no_reply(kv, key, err) : rc;
 }
 
 int stk_kv_get(stk_kv *kv, const char *key, int timeout_ms, void **val,
@@ -626,8 +659,11 @@ int stk_kv_get(stk_kv *kv, const char *key, int timeout_ms, void **val,
     if (!rc)
         rc = io_all(kv, &len, 4, false, deadline, err);
     uint8_t *buf = NULL;
-    if (!rc && !(buf = malloc(len + 1)))
+    if (!rc && !(buf = malloc(len + 1))) {
+        close(kv->fd); /* the unread value would desynchronise the stream */
+        kv->fd = -1;
         rc = stk_fail(err, STK_ENOMEM, "rendezvous store: out of memory");
+    }
     if (!rc)
         rc = io_all(kv, buf, len, false, deadline, err);
     if (rc == STK_ETIMEDOUT) {
@@ -652,12 +688,13 @@ int stk_kv_get(stk_kv *kv, const char *key, int timeout_ms, void **val,
 int stk_kv_add(stk_kv *kv, const char *key, int64_t delta, int64_t *after,
                stk_err *err)
 {
+    double deadline = now_ms() + kv->timeout_ms;
     int rc = request(kv, OP_ADD, key, &delta, sizeof delta, err);
     if (!rc)
-        rc = status(kv, key, -1, err);
+        rc = status(kv, key, deadline, err);
     if (!rc)
-        rc = io_all(kv, after, sizeof *after, false, -1, err);
-    return rc;
+        rc = io_all(kv, after, sizeof *after, false, deadline, err);
+    return rc == STK_ETIMEDOUT ? no_reply(kv, key, err) : rc;
 }
 
 int stk_kv_barrier(stk_kv *kv, const char *name, int world, int timeout_ms,

@@ -238,8 +238,9 @@ static uint64_t resume_batch(run_state *r, uint64_t batch, const cJSON *world)
                        ? (uint64_t)world->valuedouble
                        : 1;
     uint64_t now = (uint64_t)r->rank.world, accum = (uint64_t)r->o->accum;
-    if (was == now || batch == 0)
-        return batch;
+    if (was == now) /* a step starts at a multiple of --accum, whatever the
+                       checkpoint's run used */
+        return batch / accum * accum;
     uint64_t at = batch * was / now / accum * accum;
     if (!r->o->quiet)
         fprintf(stderr,

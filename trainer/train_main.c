@@ -207,6 +207,10 @@ static int check_dist(stk_train_opts *o, dist_opts *d)
         d->nproc = d->ngpus;
         o->device = STK_DEV_CUDA;
     }
+    if (d->node_rank < 0) { /* srun with one launcher per node: its node id */
+        const char *id = getenv("SLURM_NODEID");
+        d->node_rank = id && d->nnodes > 1 ? atoi(id) : 0;
+    }
     if (d->node_rank >= d->nnodes) {
         fprintf(stderr, "train: --node-rank %d must be below --nnodes %d\n",
                 d->node_rank, d->nnodes);
@@ -278,7 +282,7 @@ int main(int argc, char **argv)
     stk_train_opts o;
     stk_train_defaults(&o);
     o.stop = &stop_requested;
-    dist_opts d = {.nnodes = 1};
+    dist_opts d = {.nnodes = 1, .node_rank = -1};
     if (parse(argc, argv, &o, &d) || check_dist(&o, &d))
         return 2;
     stk_rank_info ri;
@@ -287,14 +291,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "train: error: %s\n", err.msg);
         return 2;
     }
-    bool is_rank = getenv("RANK") || ri.world > 1;
-    if (!is_rank && (d.nproc || d.nnodes > 1))
+    /* launcher flags start a launcher, also inside a SLURM step (one srun
+     * task per node); RANK (set by a launcher) makes a rank */
+    bool launcher_flags = d.nproc || d.gpus_given || d.nnodes > 1;
+    if (!getenv("RANK") && launcher_flags)
         return launch(&o, &d, argv);
+    bool is_rank = getenv("RANK") || ri.world > 1;
     if (is_rank && place_rank(&o, &d, &ri))
         return 2;
     o.rank = &ri;
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART; /* system calls go on; the flag is polled */
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     stk_train_result res;

@@ -163,7 +163,8 @@ ok "resumed a 2-rank run with 3 ranks, and a 3-rank run mid-epoch with 1"
 # ---- SLURM: srun starts the ranks, rank 0 serves the store ---------------------
 port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 for r in 1 0; do
-  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_LOCALID=$r MASTER_PORT=$port \
+  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 \
+    SLURM_STEP_NUM_NODES=1 SLURM_LOCALID=$r MASTER_PORT=$port \
     "$T" "${common[@]}" --batch 64 --epochs 1 --max-steps 8 --log-every 4 --out slurm \
     > slurm$r.out 2>&1 &
   eval "S$r=\$!"
