@@ -50,7 +50,7 @@ static int cuda_ok(cudaError_t e, const char *call, stk_err *err)
 static int nccl_ok(nccl_comm *n, ncclResult_t r, const char *call,
                    stk_err *err)
 {
-    if (r == ncclSuccess || r == ncclInProgress) /* in progress: see settle */
+    if (r == ncclSuccess || r == ncclInProgress) /* in progress: see await */
         return 0;
     const char *detail = n && n->comm ? ncclGetLastError(n->comm) : "";
     return stk_fail(err, r == ncclRemoteError ? STK_EPEER : STK_EIO,
@@ -83,51 +83,34 @@ static int deadline_passed(nccl_comm *n, double start, const char *what,
     return 0;
 }
 
-/* 0 once the communicator's state is ncclSuccess: a non-blocking call
- * (init, finalize, or queueing a collective) is complete. */
-static int settle(nccl_comm *n, const char *what, stk_err *err)
+/* Polls until the communicator's state is ncclSuccess (a non-blocking call
+ * such as init, finalize or queueing a collective is complete) or, with
+ * on_stream, until its stream is done; NCCL's asynchronous error is read
+ * between polls, under the timeout and the abort flag. */
+static int await(nccl_comm *n, bool on_stream, const char *what, stk_err *err)
 {
     double start = stk_now();
     struct timespec pause = {0, 50 * 1000}; /* 50 us */
     for (;;) {
+        if (on_stream) {
+            cudaError_t q = cudaStreamQuery(n->stream);
+            if (q == cudaSuccess)
+                return 0;
+            if (q != cudaErrorNotReady) {
+                int rc = cuda_ok(q, what, err);
+                abort_comm(n);
+                return rc;
+            }
+        }
         ncclResult_t state = ncclSuccess;
         ncclResult_t r = ncclCommGetAsyncError(n->comm, &state);
-        if (r == ncclSuccess && state == ncclSuccess)
-            return 0;
-        if (r != ncclSuccess || state != ncclInProgress) {
+        if (r != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
             int rc = nccl_ok(n, r != ncclSuccess ? r : state, what, err);
             abort_comm(n);
             return rc;
         }
-        int rc = deadline_passed(n, start, what, err);
-        if (rc)
-            return rc;
-        nanosleep(&pause, NULL);
-    }
-}
-
-/* Waits for the communicator's stream, reading NCCL's asynchronous error
- * between polls. */
-static int wait_done(nccl_comm *n, const char *what, stk_err *err)
-{
-    double start = stk_now();
-    struct timespec pause = {0, 50 * 1000}; /* 50 us */
-    for (;;) {
-        cudaError_t q = cudaStreamQuery(n->stream);
-        if (q == cudaSuccess)
+        if (!on_stream && state == ncclSuccess)
             return 0;
-        if (q != cudaErrorNotReady) {
-            int rc = cuda_ok(q, what, err);
-            abort_comm(n);
-            return rc;
-        }
-        ncclResult_t async = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(n->comm, &async);
-        if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
-            int rc = nccl_ok(n, r != ncclSuccess ? r : async, what, err);
-            abort_comm(n);
-            return rc;
-        }
         int rc = deadline_passed(n, start, what, err);
         if (rc)
             return rc;
@@ -213,7 +196,7 @@ static int setup(nccl_comm *n, stk_backend *be, stk_kv *kv, stk_err *err)
         rc = nccl_ok(n, ncclCommInitRankConfig(&n->comm, n->world, id, n->rank, &config),
                      "ncclCommInitRankConfig", err);
     if (!rc)
-        rc = settle(n, "the other ranks to create the communicator", err);
+        rc = await(n, false, "the other ranks to create the communicator", err);
     return rc;
 }
 
@@ -236,7 +219,7 @@ int nccl_create(stk_backend *be, int rank, int world, stk_kv *kv,
     return 0;
 }
 
-/* Another thread may be polling in wait_done: it performs the abort. */
+/* Another thread may be polling in await: it performs the abort. */
 void nccl_abort(nccl_comm *n) { atomic_store(&n->abort_requested, true); }
 
 void nccl_destroy(nccl_comm *n)
@@ -247,7 +230,7 @@ void nccl_destroy(nccl_comm *n)
     if (n->comm && !n->broken && !atomic_load(&n->abort_requested) &&
         cudaSetDevice(n->device) == cudaSuccess &&
         nccl_ok(n, ncclCommFinalize(n->comm), "ncclCommFinalize", &e) == 0 &&
-        settle(n, "the communicator to finish", &e) == 0)
+        await(n, false, "the communicator to finish", &e) == 0)
         ncclCommDestroy(n->comm); /* flushed and quiescent */
     else
         abort_comm(n); /* never blocks on a peer that may be gone */
@@ -269,8 +252,8 @@ static int run(nccl_comm *n, ncclResult_t queued, const char *call,
 {
     int rc = nccl_ok(n, queued, call, err);
     if (!rc)
-        rc = settle(n, what, err);
-    return rc ? rc : wait_done(n, what, err);
+        rc = await(n, false, what, err); /* queued */
+    return rc ? rc : await(n, true, what, err); /* and done */
 }
 
 int nccl_allreduce_after(nccl_comm *n, int slot, float *buf, size_t count,
