@@ -446,7 +446,9 @@ void stk_store_server_stop(stk_store_server *s)
 /* ---- client ------------------------------------------------------------- */
 
 struct stk_kv {
-    int fd;
+    int fd;         /* open until stk_kv_close, so that stk_kv_interrupt
+                       from another thread never meets a reused number */
+    bool dead;      /* an error or timeout left the stream unusable */
     int timeout_ms; /* bounds SET and ADD too: a store that vanished with
                        its machine never answers */
     char where[300]; /* host:port, for messages */
@@ -533,8 +535,8 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
 
 void stk_kv_interrupt(stk_kv *kv)
 {
-    if (kv && kv->fd >= 0)
-        shutdown(kv->fd, SHUT_RDWR);
+    if (kv)
+        shutdown(kv->fd, SHUT_RDWR); /* the blocked poll or recv returns */
 }
 
 void stk_kv_close(stk_kv *kv)
@@ -546,11 +548,16 @@ void stk_kv_close(stk_kv *kv)
     free(kv);
 }
 
+/* The stream cannot be used again (a reply may be half read or still to
+ * come): every later call fails; the descriptor stays open until close. */
+static void retire(stk_kv *kv)
+{
+    kv->dead = true;
+}
+
 static int lost(stk_kv *kv, const char *what, stk_err *err)
 {
-    if (kv->fd >= 0)
-        close(kv->fd);
-    kv->fd = -1;
+    retire(kv);
     return stk_fail(err, STK_EPEER,
                     "lost the rendezvous store at %s (%s); the launcher or rank 0 "
                     "has probably exited",
@@ -590,7 +597,7 @@ static int io_all(stk_kv *kv, void *buf, size_t n, bool out, double deadline,
 static int request(stk_kv *kv, uint8_t op, const char *key, const void *val,
                    uint32_t n, stk_err *err)
 {
-    if (kv->fd < 0)
+    if (kv->dead)
         return stk_fail(err, STK_EPEER,
                         "rendezvous store at %s: connection closed after an "
                         "earlier error", kv->where);
@@ -628,9 +635,7 @@ static int status(stk_kv *kv, const char *key, double deadline, stk_err *err)
 /* A reply that did not come within the client's timeout. */
 static int no_reply(stk_kv *kv, const char *key, stk_err *err)
 {
-    if (kv->fd >= 0)
-        close(kv->fd);
-    kv->fd = -1;
+    retire(kv);
     return stk_fail(err, STK_ETIMEDOUT,
                     "the rendezvous store at %s did not answer within %d s "
                     "(request on key '%s'); its machine may be gone",
@@ -660,15 +665,13 @@ int stk_kv_get(stk_kv *kv, const char *key, int timeout_ms, void **val,
         rc = io_all(kv, &len, 4, false, deadline, err);
     uint8_t *buf = NULL;
     if (!rc && !(buf = malloc(len + 1))) {
-        close(kv->fd); /* the unread value would desynchronise the stream */
-        kv->fd = -1;
+        retire(kv); /* the unread value would desynchronise the stream */
         rc = stk_fail(err, STK_ENOMEM, "rendezvous store: out of memory");
     }
     if (!rc)
         rc = io_all(kv, buf, len, false, deadline, err);
     if (rc == STK_ETIMEDOUT) {
-        close(kv->fd); /* the late reply would desynchronise the stream */
-        kv->fd = -1;
+        retire(kv); /* the late reply would desynchronise the stream */
         free(buf);
         return stk_fail(err, STK_ETIMEDOUT,
                         "timed out after %.0f s waiting for key '%s' in the "
