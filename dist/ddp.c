@@ -80,12 +80,10 @@ static int plan(stk_ddp *d, const size_t *offsets, size_t n,
     size_t end = n, cap = first_bytes;
     bucket *cur = NULL;
     for (int p = d->nparams - 1; p >= 0; p--) {
-        if (!cur) {
+        if (!cur)
             cur = &d->b[d->nb++];
-            cur->off = end;
-        }
         cur->off = offsets[p];
-        cur->n = end - offsets[p] + cur->n;
+        cur->n += end - offsets[p];
         end = offsets[p];
         cur->nparams++;
         d->param_bucket[p] = (int)(cur - d->b);

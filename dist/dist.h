@@ -96,8 +96,9 @@ void stk_comm_abort(stk_comm *c);
 int stk_comm_rank(const stk_comm *c);
 int stk_comm_world(const stk_comm *c);
 
-/* In place on backend memory. The result is bitwise identical on every
- * rank: each element is reduced in rank order by one rank. */
+/* In place on backend memory. Shared memory: the result is bitwise
+ * identical on every rank (each element is reduced in rank order by one
+ * rank); NCCL: as NCCL computes it. */
 int stk_comm_allreduce(stk_comm *c, float *buf, size_t n, stk_reduce op,
                        stk_err *err);
 int stk_comm_broadcast(stk_comm *c, void *buf, size_t bytes, int root,

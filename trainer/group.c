@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SYNC_MAX = 3 * 64 + 8 }; /* floats in one host reduction: log_step's */
+/* floats in one host reduction: log_step's three per listed rank */
+enum { SYNC_MAX = 3 * GROUP_LISTED_RANKS + 8 };
 
 int group_open(run_state *r, stk_err *err)
 {

@@ -321,8 +321,8 @@ static int log_step(run_state *r, stk_loader *l, window *w, stk_err *err)
     int world = r->rank.world, me = r->rank.rank;
     stk_loader_stats st;
     stk_loader_stats_get(l, &st);
-    float v[3 * 64] = {0};
-    if (world > 64)
+    float v[3 * GROUP_LISTED_RANKS] = {0};
+    if (world > GROUP_LISTED_RANKS)
         world = 0; /* too many ranks to list: the totals only */
     if (world) {
         v[3 * me] = (float)st.samples_per_s;
@@ -332,7 +332,7 @@ static int log_step(run_state *r, stk_loader *l, window *w, stk_err *err)
     int rc = group_sum(r, v, 3 * world, err);
     if (rc)
         return rc;
-    char per[64 * 40] = "";
+    char per[GROUP_LISTED_RANKS * 40] = "";
     double rate = 0;
     size_t used = 0;
     for (int k = 0; k < world && used < sizeof per; k++) {

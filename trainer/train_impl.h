@@ -49,6 +49,9 @@ typedef struct run_state {
 
 /* ---- data parallelism (group.c) ------------------------------------------ */
 
+/* Ranks whose own figures a step line lists (beyond: the totals only). */
+enum { GROUP_LISTED_RANKS = 64 };
+
 /* Joins the group of r->rank (a world of one needs nothing). */
 int group_open(run_state *r, stk_err *err);
 void group_close(run_state *r);

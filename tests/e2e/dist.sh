@@ -107,14 +107,18 @@ ok "killed rank 1: the job ended in $took s (exit $rc), naming it, no process le
 # ---- Ctrl-C, then --resume auto: the same weights as without a stop -----------
 run=(--nproc 2 --batch 64 --epochs 2 --log-every 1)
 "$T" "${common[@]}" "${run[@]}" --out whole > whole.out 2>&1 || { cat whole.out; fail "whole"; }
-"$T" "${common[@]}" "${run[@]}" --out stopped > stopped.out 2>&1 &
-L=$!
-wait_for_step stopped
-kill -INT $L
-rc=0
-wait $L || rc=$?
-[ "$rc" -eq 130 ] || { cat stopped.out; fail "Ctrl-C: exit $rc, not 130"; }
-ls stopped/checkpoints | grep -q step- || fail "no checkpoint after Ctrl-C"
+# stop_by SIGNAL RUN_DIR: a run signalled after its first step exits 130
+# with a checkpoint
+stop_by() {
+  "$T" "${common[@]}" "${run[@]}" --out $2 > $2.out 2>&1 &
+  local L=$! rc=0
+  wait_for_step $2
+  kill -$1 $L
+  wait $L || rc=$?
+  [ "$rc" -eq 130 ] || { cat $2.out; fail "SIG$1: exit $rc, not 130"; }
+  ls $2/checkpoints | grep -q step- || fail "no checkpoint after SIG$1"
+}
+stop_by INT stopped
 stopped_at=$(ls stopped/checkpoints | grep step- | tail -1)
 "$T" "${common[@]}" "${run[@]}" --out stopped --resume auto > resumed.out 2>&1 ||
   { cat resumed.out; fail "resume"; }
@@ -123,14 +127,7 @@ cmp whole/checkpoints/$last/model.safetensors stopped/checkpoints/$last/model.sa
   fail "resumed weights differ from the uninterrupted run's"
 ok "Ctrl-C at $stopped_at (exit 130), --resume auto ends at $last with identical weights"
 # SIGTERM (a batch system's stop) is passed on the same way
-"$T" "${common[@]}" "${run[@]}" --out termed > termed.out 2>&1 &
-L=$!
-wait_for_step termed
-kill -TERM $L
-rc=0
-wait $L || rc=$?
-[ "$rc" -eq 130 ] && ls termed/checkpoints | grep -q step- ||
-  { cat termed.out; fail "SIGTERM: exit $rc, or no checkpoint"; }
+stop_by TERM termed
 ok "SIGTERM: the ranks stopped at a step boundary, rank 0 checkpointed (exit 130)"
 
 # ---- two launchers, one per node ------------------------------------------------
