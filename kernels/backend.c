@@ -96,19 +96,42 @@ int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
 
 int stk_sync(stk_backend *be, stk_err *err) { return be->ops->sync(be, err); }
 
-int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
-             float alpha, const float *a, int lda, const float *b, int ldb,
-             float beta, float *c, int ldc, stk_err *err)
+static int check_gemm(bool ta, bool tb, int m, int n, int k, int lda,
+                      int ldb, int ldc, stk_err *err)
 {
     if (m < 0 || n < 0 || k < 0 || lda < (ta ? m : k) ||
         ldb < (tb ? k : n) || ldc < n)
         return stk_fail(err, STK_EINVAL,
                         "gemm: bad shape m=%d n=%d k=%d lda=%d ldb=%d ldc=%d",
                         m, n, k, lda, ldb, ldc);
-    if (!m || !n)
-        return 0;
+    return 0;
+}
+
+int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+             float alpha, const float *a, int lda, const float *b, int ldb,
+             float beta, float *c, int ldc, stk_err *err)
+{
+    int rc = check_gemm(ta, tb, m, n, k, lda, ldb, ldc, err);
+    if (rc || !m || !n)
+        return rc;
     return be->ops->gemm(be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
                          ldc, err);
+}
+
+int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+                     float alpha, const float *a, int lda, size_t stride_a,
+                     const float *b, int ldb, size_t stride_b, float beta,
+                     float *c, int ldc, size_t stride_c, int count,
+                     stk_err *err)
+{
+    int rc = check_gemm(ta, tb, m, n, k, lda, ldb, ldc, err);
+    if (!rc && count < 0)
+        rc = stk_fail(err, STK_EINVAL, "gemm: a batch of %d", count);
+    if (rc || !m || !n || !count)
+        return rc;
+    return be->ops->gemm_batched(be, ta, tb, m, n, k, alpha, a, lda, stride_a,
+                                 b, ldb, stride_b, beta, c, ldc, stride_c,
+                                 count, err);
 }
 
 int stk_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
@@ -166,6 +189,73 @@ int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
     if (!rc && n < 1)
         rc = stk_fail(err, STK_EINVAL, "col2im: %d samples", n);
     return rc ? rc : be->ops->col2im(be, col, s, n, dx, err);
+}
+
+bool stk_wino_fits(const stk_conv_shape *s, int cout)
+{
+    /* below 8 channels the 36 GEMMs are too thin to pay for the transforms */
+    return s->kh == 3 && s->kw == 3 && s->sh == 1 && s->sw == 1 &&
+           s->c >= 8 && cout >= 8 && !check_conv(s, NULL);
+}
+
+static int check_wino(const stk_conv_shape *s, int cout, int n, stk_err *err)
+{
+    int rc = check_conv(s, err);
+    if (!rc && (s->kh != 3 || s->kw != 3 || s->sh != 1 || s->sw != 1))
+        rc = stk_fail(err, STK_EINVAL,
+                      "winograd: a %dx%d kernel of stride %dx%d (3x3, "
+                      "stride 1 expected)",
+                      s->kh, s->kw, s->sh, s->sw);
+    if (!rc && (cout < 1 || n < 1))
+        rc = stk_fail(err, STK_EINVAL, "winograd: %d samples, %d outputs", n,
+                      cout);
+    return rc;
+}
+
+int stk_wino_filter(stk_backend *be, const float *w, int cout, int c, float *u,
+                    stk_err *err)
+{
+    if (cout < 1 || c < 1)
+        return stk_fail(err, STK_EINVAL, "winograd: %d x %d filters", cout, c);
+    return be->ops->wino_filter(be, w, cout, c, u, err);
+}
+
+int stk_wino_filter_grad(stk_backend *be, const float *du, int cout, int c,
+                         float *dw, stk_err *err)
+{
+    if (cout < 1 || c < 1)
+        return stk_fail(err, STK_EINVAL, "winograd: %d x %d filters", cout, c);
+    return be->ops->wino_filter_grad(be, du, cout, c, dw, err);
+}
+
+int stk_wino_input(stk_backend *be, const float *x, const stk_conv_shape *s,
+                   int n, float *v, stk_err *err)
+{
+    int rc = check_wino(s, 1, n, err);
+    return rc ? rc : be->ops->wino_input(be, x, s, n, v, err);
+}
+
+int stk_wino_input_grad(stk_backend *be, float *dv, const stk_conv_shape *s,
+                        int n, float *dx, stk_err *err)
+{
+    int rc = check_wino(s, 1, n, err);
+    return rc ? rc : be->ops->wino_input_grad(be, dv, s, n, dx, err);
+}
+
+int stk_wino_output(stk_backend *be, const float *m, const float *bias,
+                    const stk_conv_shape *s, int cout, int n, float *y,
+                    stk_err *err)
+{
+    int rc = check_wino(s, cout, n, err);
+    return rc ? rc : be->ops->wino_output(be, m, bias, s, cout, n, y, err);
+}
+
+int stk_wino_output_grad(stk_backend *be, const float *dy,
+                         const stk_conv_shape *s, int cout, int n, float *dm,
+                         stk_err *err)
+{
+    int rc = check_wino(s, cout, n, err);
+    return rc ? rc : be->ops->wino_output_grad(be, dy, s, cout, n, dm, err);
 }
 
 int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,

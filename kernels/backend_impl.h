@@ -22,6 +22,11 @@ typedef struct backend_ops {
     int (*gemm)(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                 float alpha, const float *a, int lda, const float *b, int ldb,
                 float beta, float *c, int ldc, stk_err *err);
+    int (*gemm_batched)(stk_backend *be, bool ta, bool tb, int m, int n,
+                        int k, float alpha, const float *a, int lda,
+                        size_t sa, const float *b, int ldb, size_t sb,
+                        float beta, float *c, int ldc, size_t sc, int count,
+                        stk_err *err);
     int (*relu_fwd)(stk_backend *be, const float *x, float *y, size_t n,
                     stk_err *err);
     int (*relu_bwd)(stk_backend *be, const float *y, const float *dy,
@@ -36,6 +41,20 @@ typedef struct backend_ops {
                   int n, float *dx, stk_err *err);
     int (*swap01)(stk_backend *be, const float *src, float *dst, size_t a,
                   size_t b, size_t inner, stk_err *err);
+    int (*wino_filter)(stk_backend *be, const float *w, int cout, int c,
+                       float *u, stk_err *err);
+    int (*wino_filter_grad)(stk_backend *be, const float *du, int cout, int c,
+                            float *dw, stk_err *err);
+    int (*wino_input)(stk_backend *be, const float *x, const stk_conv_shape *s,
+                      int n, float *v, stk_err *err);
+    int (*wino_input_grad)(stk_backend *be, float *dv, const stk_conv_shape *s,
+                           int n, float *dx, stk_err *err);
+    int (*wino_output)(stk_backend *be, const float *m, const float *bias,
+                       const stk_conv_shape *s, int cout, int n, float *y,
+                       stk_err *err);
+    int (*wino_output_grad)(stk_backend *be, const float *dy,
+                            const stk_conv_shape *s, int cout, int n,
+                            float *dm, stk_err *err);
     int (*maxpool_fwd)(stk_backend *be, const float *x, int planes, int h,
                        int w, int k, int st, float *y, int32_t *arg,
                        stk_err *err);

@@ -24,7 +24,8 @@ enum {
     GEMM_PANELS = 8,      /* a GEMM in about this many OpenBLAS calls, */
     GEMM_PANEL_MIN = 32,  /* each this wide at least (rows or columns) */
     GEMM_PANEL_MAX = 256, /* and at most */
-    SUMSQ_CHUNK = 1 << 15 /* fixed chunks: the sum's order ignores threads */
+    SUMSQ_CHUNK = 1 << 15, /* fixed chunks: the sum's order ignores threads */
+    BIAS_LANES = 16        /* partial sums per channel in bias_grad */
 };
 
 static stk_pool *pool(stk_backend *be) { return be->impl; }
@@ -184,6 +185,38 @@ static int cpu_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
     return 0;
 }
 
+typedef struct batch_job {
+    gemm_job g;
+    size_t sa, sb, sc;
+} batch_job;
+
+/* GEMMs [lo, hi) of the batch, one whole OpenBLAS call each. */
+static void batch_part(void *v, size_t lo, size_t hi)
+{
+    const batch_job *j = v;
+    for (size_t i = lo; i < hi; i++) {
+        gemm_job g = j->g;
+        g.a += i * j->sa;
+        g.b += i * j->sb;
+        g.c += i * j->sc;
+        gemm_panel(&g, 0, g.m);
+    }
+}
+
+static int cpu_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n,
+                            int k, float alpha, const float *a, int lda,
+                            size_t sa, const float *b, int ldb, size_t sb,
+                            float beta, float *c, int ldc, size_t sc,
+                            int count, stk_err *err)
+{
+    (void)err;
+    batch_job j = {{ta, tb, false, true, m, n, k, lda, ldb, ldc, m, alpha,
+                    beta, a, b, c},
+                   sa, sb, sc};
+    stk_pool_for(pool(be), (size_t)count, 1, batch_part, &j);
+    return 0;
+}
+
 /* ---- element-wise ------------------------------------------------------------ */
 
 typedef struct ew_job {
@@ -298,7 +331,8 @@ static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
 }
 
 /* Channels [b, e): each summed in double by one thread, rows in order and
- * within a row in four lanes that the compiler can vectorise, so the sum
+ * within a row in 16 lanes (independent chains, which the compiler
+ * vectorises; four were bound by the adds' latency), so the sum
  * does not depend on the split. With inner 1 (a linear layer) the rows
  * are walked outside, so that the reads run along memory; each channel
  * still adds its rows in order. */
@@ -321,17 +355,20 @@ static void bias_grad_part(void *v, size_t b, size_t e)
         return;
     }
     for (size_t c = b; c < e; c++) {
-        double lane[4] = {0.0, 0.0, 0.0, 0.0};
+        double lane[BIAS_LANES] = {0.0};
         for (int r = 0; r < j->rows; r++) {
             const float *p = j->src + ((size_t)r * j->cols + c) * j->inner;
             int i = 0;
-            for (; i + 4 <= j->inner; i += 4)
-                for (int l = 0; l < 4; l++)
+            for (; i + BIAS_LANES <= j->inner; i += BIAS_LANES)
+                for (int l = 0; l < BIAS_LANES; l++)
                     lane[l] += p[i + l];
             for (; i < j->inner; i++)
-                lane[0] += p[i];
+                lane[i % BIAS_LANES] += p[i];
         }
-        j->dst[c] += (float)((lane[0] + lane[1]) + (lane[2] + lane[3]));
+        for (int w = BIAS_LANES / 2; w > 0; w /= 2) /* a fixed tree */
+            for (int l = 0; l < w; l++)
+                lane[l] += lane[l + w];
+        j->dst[c] += (float)lane[0];
     }
 }
 
@@ -505,6 +542,319 @@ static int cpu_swap01(stk_backend *be, const float *src, float *dst, size_t a,
     return 0;
 }
 
+/* ---- Winograd F(4x4, 3x3) ------------------------------------------------ */
+
+typedef struct wino_job {
+    const float *src, *bias;
+    float *dst;
+    const stk_conv_shape *s; /* NULL for the filter transforms */
+    int n, ch, tiles;        /* samples; channels of the transformed side */
+    size_t blocks;           /* of STK_WINO_LANES columns per channel */
+} wino_job;
+
+enum { LANES = STK_WINO_LANES };
+
+/* Lanes in block b of n columns: LANES but for the last block. The full
+ * blocks call the bodies with the constant LANES, which vectorises. */
+static int lanes_in(size_t b, size_t n)
+{
+    return n - b * LANES < LANES ? (int)(n - b * LANES) : LANES;
+}
+
+/* Blocks [b, e) of the cout * c filters. */
+static void wino_filter_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    size_t nf = (size_t)j->ch * j->n; /* n: the filters' input channels */
+    for (size_t k = b; k < e; k++) {
+        const float *w = j->src + k * LANES * 9;
+        float *u = j->dst + k * LANES;
+        if (lanes_in(k, nf) == LANES)
+            stk_wino_filter_n(w, LANES, u, nf);
+        else
+            stk_wino_filter_n(w, lanes_in(k, nf), u, nf);
+    }
+}
+
+static void wino_filter_grad_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    size_t nf = (size_t)j->ch * j->n;
+    for (size_t k = b; k < e; k++) {
+        const float *du = j->src + k * LANES;
+        float *dw = j->dst + k * LANES * 9;
+        if (lanes_in(k, nf) == LANES)
+            stk_wino_filter_grad_n(du, nf, LANES, dw);
+        else
+            stk_wino_filter_grad_n(du, nf, lanes_in(k, nf), dw);
+    }
+}
+
+static int wino_filters(stk_backend *be, const float *src, int cout, int c,
+                        float *dst, stk_pool_fn part)
+{
+    wino_job j = {.src = src, .dst = dst, .n = c, .ch = cout};
+    size_t nf = (size_t)cout * c;
+    stk_pool_for(pool(be), (nf + LANES - 1) / LANES, 16, part, &j);
+    return 0;
+}
+
+static int cpu_wino_filter(stk_backend *be, const float *w, int cout, int c,
+                           float *u, stk_err *err)
+{
+    (void)err;
+    return wino_filters(be, w, cout, c, u, wino_filter_part);
+}
+
+static int cpu_wino_filter_grad(stk_backend *be, const float *du, int cout,
+                                int c, float *dw, stk_err *err)
+{
+    (void)err;
+    return wino_filters(be, du, cout, c, dw, wino_filter_grad_part);
+}
+
+/* The job over ch channels x blocks of n samples' tile columns. */
+static wino_job wino_columns(const float *src, const float *bias, float *dst,
+                             const stk_conv_shape *s, int n, int ch)
+{
+    int th, tw, tiles = stk_wino_tiles(s, &th, &tw);
+    size_t nt = (size_t)n * tiles;
+    return (wino_job){src, bias, dst, s, n, ch, tiles, (nt + LANES - 1) / LANES};
+}
+
+/* Runs part over every (channel, block) unit of j. */
+static int wino_run(stk_backend *be, const wino_job *j, stk_pool_fn part)
+{
+    /* a unit is LANES tiles of 36 points */
+    stk_pool_for(pool(be), (size_t)j->ch * j->blocks,
+                 GRAIN / (LANES * STK_WINO_P), part, (void *)j);
+    return 0;
+}
+
+/* The CPU's transforms of images (input, output gradient) work a row of
+ * up to ROW_TILES tiles at a time: the first (column) pass of the 2-D map
+ * runs along whole image rows, which vectorises, then the second pass runs
+ * per tile. The expressions are those of stk_wino_input1 and
+ * stk_wino_output_grad1 (the same floats as CUDA). */
+enum { ROW_TILES = 16, ROW_W = ROW_TILES * STK_WINO_M + 2 };
+
+/* n floats, n often 3 (a row of the cnn's tiles): 4 at a time as fixed
+ * moves, not a call to memcpy whose start-up costs more than the copy. */
+static inline void copy_few(float *dst, const float *src, int n)
+{
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        memcpy(dst + i, src + i, 4 * sizeof *dst);
+    switch (n - i) { /* (a loop here would become a memmove call again) */
+    case 3:
+        dst[i + 2] = src[i + 2];
+        /* fall through */
+    case 2:
+        dst[i + 1] = src[i + 1];
+        /* fall through */
+    case 1:
+        dst[i] = src[i];
+    }
+}
+
+/* row[0, width) = image row y from column x0, 0 outside [0, h) x [0, w). */
+static void padded_row(const float *plane, int h, int w, int y, int x0,
+                       int width, float *row)
+{
+    if (y < 0 || y >= h) {
+        memset(row, 0, (size_t)width * sizeof *row);
+        return;
+    }
+    int lo = x0 < 0 ? -x0 : 0, hi = w - x0 < width ? w - x0 : width;
+    hi = hi < lo ? lo : hi; /* row[lo, hi) lies inside the image */
+    for (int x = 0; x < lo; x++)
+        row[x] = 0.0f;
+    copy_few(row + lo, plane + (size_t)y * w + x0 + lo, hi - lo);
+    for (int x = hi; x < width; x++)
+        row[x] = 0.0f;
+}
+
+/* Tiles (ty, tx0 .. tx0 + nt - 1) of one plane: o[p * ROW_TILES + t] =
+ * point p of tile tx0 + t, from `in` rows of the image starting at row y0,
+ * column x0, through the 1-D map (in -> STK_WINO_A) on both axes. */
+static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
+                              int x0, int nt, stk_wino_map map, int in,
+                              float o[STK_WINO_P * ROW_TILES])
+{
+    float r[STK_WINO_A * ROW_W], t[STK_WINO_A * ROW_W];
+    int width = (nt - 1) * STK_WINO_M + in;
+    for (int k = 0; k < in; k++)
+        padded_row(plane, h, w, y0 + k, x0, width, r + k * ROW_W);
+    for (int x = 0; x < width; x++)
+        stk_wino_1d(map, r + x, ROW_W, t + x, ROW_W);
+    for (int tt = 0; tt < nt; tt++)
+        for (int k = 0; k < STK_WINO_A; k++)
+            stk_wino_1d(map, t + k * ROW_W + tt * STK_WINO_M, 1,
+                        o + k * STK_WINO_A * ROW_TILES + tt, ROW_TILES);
+}
+
+/* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
+ * into the columns of a [36, ch, n * tiles] array. */
+static void wino_image_part(const wino_job *j, size_t b, size_t e,
+                            stk_wino_map map, int in, int h, int w, int pad_y,
+                            int pad_x)
+{
+    int th, tw;
+    stk_wino_tiles(j->s, &th, &tw);
+    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)j->ch * nt;
+    float o[STK_WINO_P * ROW_TILES];
+    for (size_t q = b; q < e; q++) {
+        const float *plane = j->src + q * h * w;
+        float *out = j->dst + q % j->ch * nt + q / j->ch * j->tiles;
+        for (int ty = 0; ty < th; ty++)
+            for (int tx0 = 0; tx0 < tw; tx0 += ROW_TILES) {
+                int cnt = tw - tx0 < ROW_TILES ? tw - tx0 : ROW_TILES;
+                wino_row_of_tiles(plane, h, w, ty * STK_WINO_M - pad_y,
+                                  tx0 * STK_WINO_M - pad_x, cnt, map, in, o);
+                float *col = out + ty * tw + tx0;
+                for (int p = 0; p < STK_WINO_P; p++)
+                    copy_few(col + p * vs, o + p * ROW_TILES, cnt);
+            }
+    }
+}
+
+static void wino_input_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    const stk_conv_shape *s = j->s;
+    wino_image_part(j, b, e, STK_WINO_BT, STK_WINO_A, s->h, s->w, s->ph, s->pw);
+}
+
+/* Runs part over the n * ch planes of j. */
+static int wino_planes(stk_backend *be, const wino_job *j, stk_pool_fn part)
+{
+    size_t per = (size_t)j->tiles * STK_WINO_P;
+    stk_pool_for(pool(be), (size_t)j->n * j->ch, (GRAIN + per - 1) / per,
+                 part, (void *)j);
+    return 0;
+}
+
+static int cpu_wino_input(stk_backend *be, const float *x,
+                          const stk_conv_shape *s, int n, float *v,
+                          stk_err *err)
+{
+    (void)err;
+    wino_job j = wino_columns(x, NULL, v, s, n, s->c);
+    return wino_planes(be, &j, wino_input_part);
+}
+
+/* Units [b, e): the tiles' pixel gradients, in place in dv (src, made
+ * mutable by the caller). */
+static void wino_input_tiles_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)j->ch * nt;
+    for (size_t k = b; k < e; k++) {
+        int lanes = lanes_in(k % j->blocks, nt);
+        float *dd = (float *)j->src + k / j->blocks * nt + k % j->blocks * LANES;
+        if (lanes == LANES)
+            stk_wino_input_grad_n(dd, vs, LANES);
+        else
+            stk_wino_input_grad_n(dd, vs, lanes);
+    }
+}
+
+/* Planes [b, e) of dx (sample * c + ci): the tiles' pixel gradients added
+ * tile by tile in stk_wino_gather1's order (the same floats). */
+static void wino_scatter_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    const stk_conv_shape *s = j->s;
+    int th, tw;
+    stk_wino_tiles(s, &th, &tw);
+    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)s->c * nt;
+    for (size_t q = b; q < e; q++) {
+        float *plane = j->dst + q * s->h * s->w;
+        const float *dd = j->src + q % s->c * nt + q / s->c * j->tiles;
+        memset(plane, 0, (size_t)s->h * s->w * sizeof *plane);
+        for (int t = 0; t < j->tiles; t++) {
+            int iy = t / tw * STK_WINO_M - s->ph, ix = t % tw * STK_WINO_M - s->pw;
+            for (int r = 0; r < STK_WINO_A; r++) {
+                if (iy + r < 0 || iy + r >= s->h)
+                    continue;
+                for (int c = 0; c < STK_WINO_A; c++)
+                    if (ix + c >= 0 && ix + c < s->w)
+                        plane[(iy + r) * s->w + ix + c] +=
+                            dd[(size_t)(r * STK_WINO_A + c) * vs + t];
+            }
+        }
+    }
+}
+
+static int cpu_wino_input_grad(stk_backend *be, float *dv,
+                               const stk_conv_shape *s, int n, float *dx,
+                               stk_err *err)
+{
+    (void)err;
+    wino_job j = wino_columns(dv, NULL, dx, s, n, s->c);
+    wino_run(be, &j, wino_input_tiles_part);
+    size_t per = (size_t)j.tiles * STK_WINO_P;
+    stk_pool_for(pool(be), (size_t)n * s->c, (GRAIN + per - 1) / per,
+                 wino_scatter_part, &j);
+    return 0;
+}
+
+/* Planes [b, e) of y (sample * cout + co): the plane's tiles, up to
+ * LANES_MAX side by side through stk_wino_2d, plus the bias. */
+enum { LANES_MAX = 64 };
+
+static void wino_output_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    const stk_conv_shape *s = j->s;
+    int th, tw;
+    stk_wino_tiles(s, &th, &tw);
+    size_t nt = (size_t)j->n * j->tiles, ms = (size_t)j->ch * nt;
+    float d[STK_WINO_P * LANES_MAX], t[24 * LANES_MAX], o[16 * LANES_MAX];
+    for (size_t q = b; q < e; q++) {
+        float *plane = j->dst + q * s->oh * s->ow, bias = j->bias[q % j->ch];
+        const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
+        for (int t0 = 0; t0 < j->tiles; t0 += LANES_MAX) {
+            int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
+            for (int p = 0; p < STK_WINO_P; p++)
+                copy_few(d + p * lanes, m + p * ms + t0, lanes);
+            stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, d, t, o, lanes);
+            for (int l = 0; l < lanes; l++) {
+                int oy = (t0 + l) / tw * STK_WINO_M, ox = (t0 + l) % tw * STK_WINO_M;
+                for (int r = 0; r < STK_WINO_M && oy + r < s->oh; r++)
+                    for (int c = 0; c < STK_WINO_M && ox + c < s->ow; c++)
+                        plane[(oy + r) * s->ow + ox + c] =
+                            o[(r * STK_WINO_M + c) * lanes + l] + bias;
+            }
+        }
+    }
+}
+
+static int cpu_wino_output(stk_backend *be, const float *m, const float *bias,
+                           const stk_conv_shape *s, int cout, int n, float *y,
+                           stk_err *err)
+{
+    (void)err;
+    wino_job j = wino_columns(m, bias, y, s, n, cout);
+    return wino_planes(be, &j, wino_output_part);
+}
+
+static void wino_output_grad_part(void *v, size_t b, size_t e)
+{
+    const wino_job *j = v;
+    const stk_conv_shape *s = j->s;
+    wino_image_part(j, b, e, STK_WINO_A1, STK_WINO_M, s->oh, s->ow, 0, 0);
+}
+
+static int cpu_wino_output_grad(stk_backend *be, const float *dy,
+                                const stk_conv_shape *s, int cout, int n,
+                                float *dm, stk_err *err)
+{
+    (void)err;
+    wino_job j = wino_columns(dy, NULL, dm, s, n, cout);
+    return wino_planes(be, &j, wino_output_grad_part);
+}
+
 /* ---- max-pool ------------------------------------------------------------------- */
 
 typedef struct pool_job {
@@ -611,11 +961,12 @@ static void dropout_part(void *v, size_t b, size_t e)
 {
     const dropout_job *j = v;
     uint32_t r[4];
+    float kept = stk_dropout_kept_scale(j->p);
     size_t end_group = 4 * e < j->groups ? 4 * e : j->groups;
     for (size_t g = 4 * b; g < end_group; g++) {
         if (g % 4 == 0)
             stk_philox_block(j->key, j->stream, g / 4, r);
-        float scale = stk_dropout_keep(stk_u01(r[g % 4]), j->p);
+        float scale = stk_dropout_keep(stk_u01(r[g % 4]), j->p, kept);
         size_t end = (g + 1) * j->group < j->n ? (g + 1) * j->group : j->n;
         for (size_t i = g * j->group; i < end; i++)
             j->x[i] *= scale;
@@ -790,12 +1141,37 @@ static int cpu_adamw(stk_backend *be, float *w, const float *g, float *m,
 }
 
 const backend_ops stk_cpu_ops = {
-    cpu_destroy,  cpu_alloc,       cpu_free,        cpu_host_alloc,
-    cpu_free,     cpu_copy,        cpu_memzero,     cpu_sync,
-    cpu_gemm,     cpu_relu_fwd,    cpu_relu_bwd,    cpu_bias_add,
-    cpu_bias_grad, cpu_im2col,     cpu_col2im,      cpu_swap01,
-    cpu_maxpool_fwd,
-    cpu_maxpool_bwd, cpu_dropout,  cpu_xent,        cpu_transform,
-    cpu_axpy,     cpu_scale,       cpu_sumsq,       cpu_sgd,
-    cpu_adamw,
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_free,
+    .copy = cpu_copy,
+    .memzero = cpu_memzero,
+    .sync = cpu_sync,
+    .gemm = cpu_gemm,
+    .gemm_batched = cpu_gemm_batched,
+    .relu_fwd = cpu_relu_fwd,
+    .relu_bwd = cpu_relu_bwd,
+    .bias_add = cpu_bias_add,
+    .bias_grad = cpu_bias_grad,
+    .im2col = cpu_im2col,
+    .col2im = cpu_col2im,
+    .swap01 = cpu_swap01,
+    .wino_filter = cpu_wino_filter,
+    .wino_filter_grad = cpu_wino_filter_grad,
+    .wino_input = cpu_wino_input,
+    .wino_input_grad = cpu_wino_input_grad,
+    .wino_output = cpu_wino_output,
+    .wino_output_grad = cpu_wino_output_grad,
+    .maxpool_fwd = cpu_maxpool_fwd,
+    .maxpool_bwd = cpu_maxpool_bwd,
+    .dropout = cpu_dropout,
+    .xent = cpu_xent,
+    .transform = cpu_transform,
+    .axpy = cpu_axpy,
+    .scale = cpu_scale,
+    .sumsq = cpu_sumsq,
+    .sgd = cpu_sgd,
+    .adamw = cpu_adamw,
 };

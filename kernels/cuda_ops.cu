@@ -336,6 +336,28 @@ static int cuda_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                       "cuda gemm", "cublasSgemm", err);
 }
 
+// Batch of GEMMs of one shape, with the same row-major mapping as
+// cuda_gemm; the strides are those of A, B and C as the caller stores them.
+static int cuda_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n,
+                             int k, float alpha, const float *a, int lda,
+                             size_t sa, const float *b, int ldb, size_t sb,
+                             float beta, float *c, int ldc, size_t sc,
+                             int count, stk_err *err)
+{
+    int rc = use_device(be, "cuda gemm_batched", err);
+    if (rc)
+        return rc;
+    lda = lda > 0 ? lda : 1;
+    ldb = ldb > 0 ? ldb : 1;
+    return blas_check(
+        cublasSgemmStridedBatched(impl(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                                  &alpha, b, ldb, (long long)sb, a, lda,
+                                  (long long)sa, &beta, c, ldc, (long long)sc,
+                                  count),
+        "cuda gemm_batched", "cublasSgemmStridedBatched", err);
+}
+
 // ---- element-wise ops ------------------------------------------------------
 
 static __global__ void relu_fwd_kernel(const float *x, float *y, size_t n)
@@ -456,6 +478,136 @@ static int cuda_swap01(stk_backend *be, const float *src, float *dst, size_t a,
     size_t total = a * b * inner;
     return launch(be, "cuda swap01", total, err, swap01_kernel, src, dst, a, b,
                   inner, total);
+}
+
+// ---- Winograd F(4x4, 3x3): one thread per filter, tile or pixel ---------
+
+static __global__ void wino_filter_kernel(const float *w, float *u, size_t n)
+{
+    for (size_t f = first_index(); f < n; f += index_step())
+        stk_wino_filter_n(w + f * 9, 1, u + f, n);
+}
+
+static int cuda_wino_filter(stk_backend *be, const float *w, int cout, int c,
+                            float *u, stk_err *err)
+{
+    size_t n = (size_t)cout * c;
+    return launch(be, "cuda wino_filter", n, err, wino_filter_kernel, w, u, n);
+}
+
+static __global__ void wino_filter_grad_kernel(const float *du, float *dw,
+                                               size_t n)
+{
+    for (size_t f = first_index(); f < n; f += index_step())
+        stk_wino_filter_grad_n(du + f, n, 1, dw + f * 9);
+}
+
+static int cuda_wino_filter_grad(stk_backend *be, const float *du, int cout,
+                                 int c, float *dw, stk_err *err)
+{
+    size_t n = (size_t)cout * c;
+    return launch(be, "cuda wino_filter_grad", n, err, wino_filter_grad_kernel,
+                  du, dw, n);
+}
+
+// Tile columns of n samples: thread i takes channel i / nt, column i % nt,
+// whose point 0 sits at index i of a [36, ch, nt] array (stride ch * nt).
+static size_t wino_columns(const stk_conv_shape *s, int n)
+{
+    int th, tw;
+    return (size_t)stk_wino_tiles(s, &th, &tw) * n;
+}
+
+static __global__ void wino_input_kernel(const float *x, stk_conv_shape s,
+                                         float *v, size_t nt)
+{
+    size_t total = nt * s.c;
+    for (size_t i = first_index(); i < total; i += index_step())
+        stk_wino_input1(x, &s, (int)(i / nt), i % nt, v + i, total);
+}
+
+static int cuda_wino_input(stk_backend *be, const float *x,
+                           const stk_conv_shape *s, int n, float *v,
+                           stk_err *err)
+{
+    size_t nt = wino_columns(s, n);
+    return launch(be, "cuda wino_input", nt * s->c, err, wino_input_kernel, x,
+                  *s, v, nt);
+}
+
+static __global__ void wino_input_tiles_kernel(float *dv, size_t total)
+{
+    for (size_t i = first_index(); i < total; i += index_step())
+        stk_wino_input_grad_n(dv + i, total, 1);
+}
+
+static __global__ void wino_gather_kernel(const float *dd, stk_conv_shape s,
+                                          float *dx, size_t n)
+{
+    int th, tw;
+    size_t tiles = (size_t)stk_wino_tiles(&s, &th, &tw);
+    size_t nt = n * tiles, plane = (size_t)s.h * s.w, total = plane * s.c * n;
+    for (size_t i = first_index(); i < total; i += index_step()) {
+        size_t q = i / plane, px = i % plane;
+        dx[i] = stk_wino_gather1(dd + q % s.c * nt + q / s.c * tiles,
+                                 (size_t)s.c * nt, &s, (int)(px / s.w),
+                                 (int)(px % s.w));
+    }
+}
+
+// The tiles' pixel gradients in place, then a gather per pixel (no atomics;
+// the CPU's scatter adds in the same order).
+static int cuda_wino_input_grad(stk_backend *be, float *dv,
+                                const stk_conv_shape *s, int n, float *dx,
+                                stk_err *err)
+{
+    size_t total = wino_columns(s, n) * s->c;
+    int rc = launch(be, "cuda wino_input_grad", total, err,
+                    wino_input_tiles_kernel, dv, total);
+    size_t pixels = (size_t)s->h * s->w * s->c * n;
+    return rc ? rc
+              : launch(be, "cuda wino_input_grad", pixels, err,
+                       wino_gather_kernel, (const float *)dv, *s, dx,
+                       (size_t)n);
+}
+
+static __global__ void wino_output_kernel(const float *m, const float *bias,
+                                          stk_conv_shape s, int cout, float *y,
+                                          size_t nt)
+{
+    size_t total = nt * cout;
+    for (size_t i = first_index(); i < total; i += index_step()) {
+        int co = (int)(i / nt);
+        stk_wino_output1(m + i, total, bias[co], &s, co, cout, i % nt, y);
+    }
+}
+
+static int cuda_wino_output(stk_backend *be, const float *m, const float *bias,
+                            const stk_conv_shape *s, int cout, int n, float *y,
+                            stk_err *err)
+{
+    size_t nt = wino_columns(s, n);
+    return launch(be, "cuda wino_output", nt * cout, err, wino_output_kernel, m,
+                  bias, *s, cout, y, nt);
+}
+
+static __global__ void wino_output_grad_kernel(const float *dy,
+                                               stk_conv_shape s, int cout,
+                                               float *dm, size_t nt)
+{
+    size_t total = nt * cout;
+    for (size_t i = first_index(); i < total; i += index_step())
+        stk_wino_output_grad1(dy, &s, (int)(i / nt), cout, i % nt, dm + i,
+                              total);
+}
+
+static int cuda_wino_output_grad(stk_backend *be, const float *dy,
+                                 const stk_conv_shape *s, int cout, int n,
+                                 float *dm, stk_err *err)
+{
+    size_t nt = wino_columns(s, n);
+    return launch(be, "cuda wino_output_grad", nt * cout, err,
+                  wino_output_grad_kernel, dy, *s, cout, dm, nt);
 }
 
 static __global__ void maxpool_fwd_kernel(const float *x, int h, int w, int k,
@@ -726,6 +878,7 @@ static constexpr backend_ops cuda_ops_table()
     o.memzero = cuda_memzero;
     o.sync = cuda_sync;
     o.gemm = cuda_gemm;
+    o.gemm_batched = cuda_gemm_batched;
     o.relu_fwd = cuda_relu_fwd;
     o.relu_bwd = cuda_relu_bwd;
     o.bias_add = cuda_bias_add;
@@ -733,6 +886,12 @@ static constexpr backend_ops cuda_ops_table()
     o.im2col = cuda_im2col;
     o.col2im = cuda_col2im;
     o.swap01 = cuda_swap01;
+    o.wino_filter = cuda_wino_filter;
+    o.wino_filter_grad = cuda_wino_filter_grad;
+    o.wino_input = cuda_wino_input;
+    o.wino_input_grad = cuda_wino_input_grad;
+    o.wino_output = cuda_wino_output;
+    o.wino_output_grad = cuda_wino_output_grad;
     o.maxpool_fwd = cuda_maxpool_fwd;
     o.maxpool_bwd = cuda_maxpool_bwd;
     o.dropout = cuda_dropout;

@@ -84,6 +84,16 @@ int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
              float alpha, const float *a, int lda, const float *b, int ldb,
              float beta, float *c, int ldc, stk_err *err);
 
+/* count independent GEMMs of one shape: for i < count, C_i = alpha
+ * op(A_i) op(B_i) + beta C_i with X_i = X + i * stride_x. The CPU runs
+ * each as one OpenBLAS call on one thread (the same floats for any thread
+ * count), CUDA as one cublasSgemmStridedBatched. */
+int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
+                     float alpha, const float *a, int lda, size_t stride_a,
+                     const float *b, int ldb, size_t stride_b, float beta,
+                     float *c, int ldc, size_t stride_c, int count,
+                     stk_err *err);
+
 /* ---- ops ---------------------------------------------------------------- */
 
 int stk_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
@@ -109,6 +119,36 @@ int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
 /* dst[b, a, inner] = src[a, b, inner] (dst must not alias src). */
 int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,
                size_t b, size_t inner, stk_err *err);
+
+/* Winograd F(4x4, 3x3) (ops_inline.h): a 3x3 convolution of stride 1 as
+ * transforms around 36 GEMMs (stk_gemm_batched), one per point p:
+ *   forward    M_p [cout, T] = U_p [cout, c] V_p [c, T]
+ *   weights    dU_p [cout, c] (+)= dM_p V_p^T
+ *   input      dV_p [c, T] = U_p^T dM_p
+ * with T = n * tiles (stk_wino_tiles) and layouts U [36, cout, c],
+ * V [36, c, T], M [36, cout, T]; a column is sample * tiles + tile. */
+bool stk_wino_fits(const stk_conv_shape *s, int cout);
+/* u = G w G^T for w [cout, c, 3, 3]. */
+int stk_wino_filter(stk_backend *be, const float *w, int cout, int c, float *u,
+                    stk_err *err);
+/* dw [cout, c, 3, 3] += G^T du G. */
+int stk_wino_filter_grad(stk_backend *be, const float *du, int cout, int c,
+                         float *dw, stk_err *err);
+/* v = B^T d B for every tile of the n samples x [n, c, h, w]. */
+int stk_wino_input(stk_backend *be, const float *x, const stk_conv_shape *s,
+                   int n, float *v, stk_err *err);
+/* dx [n, c, h, w] = the adjoint of stk_wino_input applied to dv
+ * (overwrites dx; dv is left holding the tiles' pixel gradients). */
+int stk_wino_input_grad(stk_backend *be, float *dv, const stk_conv_shape *s,
+                        int n, float *dx, stk_err *err);
+/* y [n, cout, oh, ow] = A^T m A + bias[cout]. */
+int stk_wino_output(stk_backend *be, const float *m, const float *bias,
+                    const stk_conv_shape *s, int cout, int n, float *y,
+                    stk_err *err);
+/* dm = A dy A^T for dy [n, cout, oh, ow]. */
+int stk_wino_output_grad(stk_backend *be, const float *dy,
+                         const stk_conv_shape *s, int cout, int n, float *dm,
+                         stk_err *err);
 
 /* k x k max-pool with stride st over planes [planes, h, w]; arg keeps the
  * winner's index within its plane for the backward pass. */

@@ -16,20 +16,24 @@ typedef struct layer {
     float *y;           /* output, max_batch * oc*oh*ow (aliases x for
                            flatten and dropout, which work in place) */
     int32_t *arg;       /* max-pool winners */
-    float *col;         /* conv: the columns of one piece of the batch */
+    float *col;         /* conv: the columns (Winograd: V) of one piece */
     int piece;          /* conv: samples per piece (stk_conv_chunk) */
     stk_conv_shape cs;
+    bool wino;          /* conv: Winograd F(4x4, 3x3) */
+    bool col_kept;      /* conv: col holds the whole batch's, from forward */
+    float *u, *du;      /* Winograd: transformed filters and their gradient */
 } layer;
 
 struct stk_model {
     stk_backend *be;
     int nl, np, classes, max_batch;
+    stk_conv_algo conv;
     layer l[STK_MAX_LAYERS];
     stk_param p[2 * STK_MAX_LAYERS];
     size_t total;
     float *w, *g;
     float *tmp;             /* conv outputs/gradients in [C, N, HW] order */
-    float *dcol;            /* conv column gradients */
+    float *dcol;            /* conv column gradients (Winograd: M and dM) */
     float *grad[2];         /* backward ping-pong, max activation size */
     float *dlogits;
     const float *x;         /* the last forward input */
@@ -81,6 +85,7 @@ static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
                             s->name, s->k, s->k, l->c, l->h, l->w);
         l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
                                  s->stride, s->pad, s->pad, l->oh, l->ow};
+        l->wino = m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
         add_param(m, l, "weight", 4, (int[]){s->out, l->c, s->k, s->k}, &l->pw);
         add_param(m, l, "bias", 1, (int[]){s->out}, &l->pb);
         break;
@@ -144,6 +149,32 @@ static int init_params(stk_model *m, uint64_t seed, stk_err *err)
     return rc;
 }
 
+/* A convolution's piece of the batch and its scratch: columns (and their
+ * gradient, of the size *dcol grows to) or, for Winograd, V and M, and
+ * the transformed filters. */
+static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
+{
+    stk_backend *be = m->be;
+    size_t per, dper; /* floats per sample: col (V), dcol (M) */
+    if (l->wino) {
+        int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw);
+        per = (size_t)STK_WINO_P * l->c * tiles;
+        dper = (size_t)STK_WINO_P * l->oc * tiles;
+    } else {
+        per = dper = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow;
+    }
+    size_t both = l->wino ? per + dper : per + out_size(l);
+    l->piece = stk_conv_chunk(be, both * sizeof(float), m->max_batch);
+    size_t d = dper * (size_t)l->piece, u = (size_t)STK_WINO_P * l->oc * l->c;
+    *dcol = d > *dcol ? d : *dcol;
+    if (!(l->col = stk_dev_alloc(be, per * l->piece * sizeof(float), err)))
+        return STK_ENOMEM;
+    if (l->wino && (!(l->u = stk_dev_alloc(be, u * sizeof(float), err)) ||
+                    !(l->du = stk_dev_alloc(be, u * sizeof(float), err))))
+        return STK_ENOMEM;
+    return 0;
+}
+
 /* Device buffers: parameters, gradients, activations, scratch. */
 static int alloc_buffers(stk_model *m, stk_err *err)
 {
@@ -165,15 +196,8 @@ static int alloc_buffers(stk_model *m, stk_err *err)
         if (l->s.kind == STK_L_POOL &&
             !(l->arg = stk_dev_alloc(be, out_size(l) * B * sizeof(int32_t), err)))
             return STK_ENOMEM;
-        if (l->s.kind == STK_L_CONV) {
-            size_t per = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow;
-            l->piece = stk_conv_chunk(be, (per + out_size(l)) * sizeof(float),
-                                      m->max_batch);
-            size_t c = per * (size_t)l->piece;
-            col = c > col ? c : col;
-            if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
-                return STK_ENOMEM;
-        }
+        if (l->s.kind == STK_L_CONV && conv_buffers(m, l, &col, err))
+            return STK_ENOMEM;
     }
     act *= B;
     m->tmp = stk_dev_alloc(be, act * sizeof(float), err);
@@ -197,6 +221,7 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         return stk_fail(err, STK_ENOMEM, "model: out of memory");
     m->be = be;
     m->nl = spec->n;
+    m->conv = spec->conv;
     m->classes = nclasses;
     m->max_batch = max_batch;
     int rc = 0, auto_conv = 0, auto_fc = 0;
@@ -256,6 +281,8 @@ void stk_model_destroy(stk_model *m)
             stk_dev_free(m->be, m->l[i].y);
         stk_dev_free(m->be, m->l[i].arg);
         stk_dev_free(m->be, m->l[i].col);
+        stk_dev_free(m->be, m->l[i].u);
+        stk_dev_free(m->be, m->l[i].du);
     }
     stk_dev_free(m->be, m->w);
     stk_dev_free(m->be, m->g);
@@ -297,25 +324,55 @@ static uint64_t layer_stream(uint64_t stream, int layer)
     return stream * STK_MAX_LAYERS + (uint64_t)layer;
 }
 
+/* Winograd, piece by piece: V from the input, M_p = U_p V_p, outputs with
+ * the bias from M. */
+static int wino_forward(stk_model *m, layer *l, const float *x, int n,
+                        stk_err *err)
+{
+    int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
+    int rc = stk_wino_filter(m->be, m->w + m->p[l->pw].offset, oc, c, l->u, err);
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece, nt = cn * tiles;
+        rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
+        if (!rc)
+            rc = stk_gemm_batched(m->be, false, false, oc, nt, c, 1.0f, l->u, c,
+                                  (size_t)oc * c, l->col, nt, (size_t)c * nt,
+                                  0.0f, m->dcol, nt, (size_t)oc * nt,
+                                  STK_WINO_P, err);
+        if (!rc)
+            rc = stk_wino_output(m->be, m->dcol, m->w + m->p[l->pb].offset,
+                                 &l->cs, oc, cn, l->y + s0 * out_size(l), err);
+    }
+    l->col_kept = l->piece >= n;
+    return rc;
+}
+
 /* Piece by piece (all of the batch at once on CUDA): columns [K, n*HW],
- * W [cout, K] times them gives [cout, n, HW], swapped to NCHW. */
+ * W [cout, K] times them added to the bias gives [cout, n, HW], swapped to
+ * NCHW. (The bias goes in while the piece is in cache: a pass over the
+ * whole output afterwards would read it back from memory.) */
 static int conv_forward(stk_model *m, layer *l, const float *x, int n,
                         stk_err *err)
 {
     int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, rc = 0;
     for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
-        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
         rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
         if (!rc)
-            rc = stk_gemm(m->be, false, false, l->oc, cn * hw, K, 1.0f,
-                          m->w + m->p[l->pw].offset, K, l->col, cn * hw, 0.0f,
-                          m->tmp, cn * hw, err);
+            rc = stk_memzero(m->be, m->tmp, (size_t)l->oc * nhw * sizeof(float),
+                             err);
+        if (!rc)
+            rc = stk_bias_add(m->be, m->tmp, m->w + m->p[l->pb].offset, 1,
+                              l->oc, nhw, err);
+        if (!rc)
+            rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
+                          m->w + m->p[l->pw].offset, K, l->col, nhw, 1.0f,
+                          m->tmp, nhw, err);
         if (!rc)
             rc = stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
                             (size_t)l->oc, (size_t)cn, (size_t)hw, err);
     }
-    return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset,
-                                  n, l->oc, hw, err);
+    return rc;
 }
 
 static int layer_forward(stk_model *m, int i, const float *x, int n,
@@ -326,7 +383,8 @@ static int layer_forward(stk_model *m, int i, const float *x, int n,
     size_t total = out_size(l) * (size_t)n;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return conv_forward(m, l, x, n, err);
+        return l->wino ? wino_forward(m, l, x, n, err)
+                       : conv_forward(m, l, x, n, err);
     case STK_L_POOL:
         return stk_maxpool_fwd(m->be, x, n * l->c, l->h, l->w, l->s.k,
                                l->s.stride, l->y, l->arg, err);
@@ -387,8 +445,51 @@ static void report(stk_model *m, const layer *l)
     }
 }
 
-/* Per piece: dy [n, cout, HW] swapped to [cout, n*HW]; dW += dy cols^T,
- * dcols = W^T dy, then back to pixels; db += sums over the batch. The
+/* Winograd, piece by piece: dM from dy; dU_p (+)= dM_p V_p^T (V rebuilt
+ * unless forward left the whole batch's); dV_p = U_p^T dM_p into V's
+ * place, then back to pixels. dW += the adjoint of U's transform of dU
+ * once every piece is in; the layer reports after its input gradient. */
+static int wino_backward(stk_model *m, layer *l, const float *x,
+                         const float *dy, float *dx, int n, stk_err *err)
+{
+    int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
+    size_t su = (size_t)oc * c;
+    int rc = 0;
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece, nt = cn * tiles;
+        size_t sv = (size_t)c * nt, sm = (size_t)oc * nt;
+        rc = stk_wino_output_grad(m->be, dy + s0 * out_size(l), &l->cs, oc, cn,
+                                  m->dcol, err);
+        if (!rc && !l->col_kept)
+            rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
+                                err);
+        if (!rc)
+            rc = stk_gemm_batched(m->be, false, true, oc, c, nt, 1.0f, m->dcol,
+                                  nt, sm, l->col, nt, sv, s0 ? 1.0f : 0.0f,
+                                  l->du, c, su, STK_WINO_P, err);
+        if (!rc && dx) {
+            l->col_kept = false; /* V's place now holds dV */
+            rc = stk_gemm_batched(m->be, true, false, c, nt, oc, 1.0f, l->u, c,
+                                  su, m->dcol, nt, sm, 0.0f, l->col, nt, sv,
+                                  STK_WINO_P, err);
+        }
+        if (!rc && dx)
+            rc = stk_wino_input_grad(m->be, l->col, &l->cs, cn,
+                                     dx + s0 * in_size(l), err);
+    }
+    if (!rc)
+        rc = stk_wino_filter_grad(m->be, l->du, oc, c,
+                                  m->g + m->p[l->pw].offset, err);
+    if (!rc)
+        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, oc,
+                           l->oh * l->ow, err);
+    if (!rc)
+        report(m, l);
+    return rc;
+}
+
+/* Per piece: dy [n, cout, HW] swapped to [cout, n*HW]; db += its rows'
+ * sums, dW += dy cols^T, dcols = W^T dy, then back to pixels. The
  * columns are rebuilt from x unless the batch was one piece, whose columns
  * forward left in place. dW is final only after the last piece, so the
  * layer reports its gradients after its input gradient. */
@@ -402,6 +503,9 @@ static int conv_backward(stk_model *m, layer *l, const float *x,
         int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
         rc = stk_swap01(m->be, dy + s0 * out_size(l), m->tmp, (size_t)cn,
                         (size_t)l->oc, (size_t)hw, err);
+        if (!rc)
+            rc = stk_bias_grad(m->be, m->tmp, m->g + m->p[l->pb].offset, 1,
+                               l->oc, nhw, err);
         if (!rc && l->piece < n)
             rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
                             err);
@@ -415,9 +519,6 @@ static int conv_backward(stk_model *m, layer *l, const float *x,
             rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l),
                             err);
     }
-    if (!rc)
-        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, l->oc, hw,
-                           err);
     if (!rc)
         report(m, l);
     return rc;
@@ -452,7 +553,8 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
     *dx_out = dx;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return conv_backward(m, l, x, dy, dx, n, err);
+        return l->wino ? wino_backward(m, l, x, dy, dx, n, err)
+                       : conv_backward(m, l, x, dy, dx, n, err);
     case STK_L_LINEAR:
         return linear_backward(m, l, x, dy, dx, n, err);
     case STK_L_POOL:

@@ -40,9 +40,15 @@ typedef struct stk_layer_spec {
     float p;                 /* dropout */
 } stk_layer_spec;
 
+/* How 3x3 convolutions of stride 1 (and at least 8 channels in and out)
+ * are computed: Winograd F(4x4, 3x3), the default, or im2col + GEMM like
+ * every other convolution (docs/architecture.md, "Convolutions"). */
+typedef enum stk_conv_algo { STK_CONV_AUTO = 0, STK_CONV_IM2COL } stk_conv_algo;
+
 typedef struct stk_model_spec {
     int n;
     stk_layer_spec layers[STK_MAX_LAYERS];
+    stk_conv_algo conv;
 } stk_model_spec;
 
 /* Built-ins: "cnn" (the PyTorch DDP tutorial network) and "mlp"
