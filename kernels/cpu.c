@@ -565,28 +565,28 @@ static int lanes_in(size_t b, size_t n)
 static void wino_filter_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
-    size_t nf = (size_t)j->ch * j->n; /* n: the filters' input channels */
+    size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf); /* n: c */
     for (size_t k = b; k < e; k++) {
         const float *w = j->src + k * LANES * 9;
         float *u = j->dst + k * LANES;
         if (lanes_in(k, nf) == LANES)
-            stk_wino_filter_n(w, LANES, u, nf);
+            stk_wino_filter_n(w, LANES, u, us);
         else
-            stk_wino_filter_n(w, lanes_in(k, nf), u, nf);
+            stk_wino_filter_n(w, lanes_in(k, nf), u, us);
     }
 }
 
 static void wino_filter_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
-    size_t nf = (size_t)j->ch * j->n;
+    size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf);
     for (size_t k = b; k < e; k++) {
         const float *du = j->src + k * LANES;
         float *dw = j->dst + k * LANES * 9;
         if (lanes_in(k, nf) == LANES)
-            stk_wino_filter_grad_n(du, nf, LANES, dw);
+            stk_wino_filter_grad_n(du, us, LANES, dw);
         else
-            stk_wino_filter_grad_n(du, nf, lanes_in(k, nf), dw);
+            stk_wino_filter_grad_n(du, us, lanes_in(k, nf), dw);
     }
 }
 
@@ -636,73 +636,66 @@ static int wino_run(stk_backend *be, const wino_job *j, stk_pool_fn part)
  * runs along whole image rows, which vectorises, then the second pass runs
  * per tile. The expressions are those of stk_wino_input1 and
  * stk_wino_output_grad1 (the same floats as CUDA). */
-enum { ROW_TILES = 16, ROW_W = ROW_TILES * STK_WINO_M + 2 };
+enum { ROW_TILES = 16, ROW_W = ROW_TILES * STK_WINO_M + STK_WINO_A - STK_WINO_M };
 
-/* n floats, n often 3 (a row of the cnn's tiles): 4 at a time as fixed
- * moves, not a call to memcpy whose start-up costs more than the copy. */
-static inline void copy_few(float *dst, const float *src, int n)
+/* The first pass of a row of tiles: t[k * ROW_W + x] = map (k) of the
+ * `in` image values below (y0, x0 + x), 0 outside the image. Rows inside
+ * the image are read in place (a copy would be read back through
+ * mismatched store-to-load forwarding); a zero column is the map of zeros,
+ * the value the padded tile has there. */
+static void wino_first_pass(const float *plane, int h, int w, int y0, int x0,
+                            int width, stk_wino_map map, int in, float *t)
 {
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        memcpy(dst + i, src + i, 4 * sizeof *dst);
-    switch (n - i) { /* (a loop here would become a memmove call again) */
-    case 3:
-        dst[i + 2] = src[i + 2];
-        /* fall through */
-    case 2:
-        dst[i + 1] = src[i + 1];
-        /* fall through */
-    case 1:
-        dst[i] = src[i];
-    }
-}
-
-/* row[0, width) = image row y from column x0, 0 outside [0, h) x [0, w). */
-static void padded_row(const float *plane, int h, int w, int y, int x0,
-                       int width, float *row)
-{
-    if (y < 0 || y >= h) {
-        memset(row, 0, (size_t)width * sizeof *row);
+    if (y0 < 0 || y0 + in > h) { /* padding rows: a column at a time */
+        for (int x = 0; x < width; x++) {
+            float v[STK_WINO_A] = {0.0f};
+            for (int k = 0; k < in; k++)
+                if (y0 + k >= 0 && y0 + k < h && x0 + x >= 0 && x0 + x < w)
+                    v[k] = plane[(size_t)(y0 + k) * w + x0 + x];
+            stk_wino_1d(map, v, 1, t + x, ROW_W);
+        }
         return;
     }
+    float zero[STK_WINO_A] = {0.0f}, z[STK_WINO_A];
+    stk_wino_1d(map, zero, 1, z, 1);
     int lo = x0 < 0 ? -x0 : 0, hi = w - x0 < width ? w - x0 : width;
-    hi = hi < lo ? lo : hi; /* row[lo, hi) lies inside the image */
-    for (int x = 0; x < lo; x++)
-        row[x] = 0.0f;
-    copy_few(row + lo, plane + (size_t)y * w + x0 + lo, hi - lo);
-    for (int x = hi; x < width; x++)
-        row[x] = 0.0f;
+    hi = hi < lo ? lo : hi;
+    const float *in0 = plane + (size_t)y0 * w + x0;
+    for (int x = lo; x < hi; x++)
+        stk_wino_1d(map, in0 + x, (size_t)w, t + x, ROW_W);
+    for (int k = 0; k < STK_WINO_A; k++) {
+        for (int x = 0; x < lo; x++)
+            t[k * ROW_W + x] = z[k];
+        for (int x = hi; x < width; x++)
+            t[k * ROW_W + x] = z[k];
+    }
 }
 
-/* Tiles (ty, tx0 .. tx0 + nt - 1) of one plane: o[p * ROW_TILES + t] =
- * point p of tile tx0 + t, from `in` rows of the image starting at row y0,
+/* Tiles (ty, tx0 .. tx0 + nt - 1) of one plane: point p of tile tx0 + t
+ * into col[p * cs + t], from `in` rows of the image starting at row y0,
  * column x0, through the 1-D map (in -> STK_WINO_A) on both axes. */
 static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
                               int x0, int nt, stk_wino_map map, int in,
-                              float o[STK_WINO_P * ROW_TILES])
+                              float *col, size_t cs)
 {
-    float r[STK_WINO_A * ROW_W], t[STK_WINO_A * ROW_W];
-    int width = (nt - 1) * STK_WINO_M + in;
-    for (int k = 0; k < in; k++)
-        padded_row(plane, h, w, y0 + k, x0, width, r + k * ROW_W);
-    for (int x = 0; x < width; x++)
-        stk_wino_1d(map, r + x, ROW_W, t + x, ROW_W);
+    float t[STK_WINO_A * ROW_W];
+    wino_first_pass(plane, h, w, y0, x0, (nt - 1) * STK_WINO_M + in, map, in,
+                    t);
     for (int tt = 0; tt < nt; tt++)
         for (int k = 0; k < STK_WINO_A; k++)
             stk_wino_1d(map, t + k * ROW_W + tt * STK_WINO_M, 1,
-                        o + k * STK_WINO_A * ROW_TILES + tt, ROW_TILES);
+                        col + k * STK_WINO_A * cs + tt, cs);
 }
 
 /* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
- * into the columns of a [36, ch, n * tiles] array. */
+ * into the columns of a [points, ch, n * tiles] array. */
 static void wino_image_part(const wino_job *j, size_t b, size_t e,
                             stk_wino_map map, int in, int h, int w, int pad_y,
                             int pad_x)
 {
     int th, tw;
     stk_wino_tiles(j->s, &th, &tw);
-    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)j->ch * nt;
-    float o[STK_WINO_P * ROW_TILES];
+    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
     for (size_t q = b; q < e; q++) {
         const float *plane = j->src + q * h * w;
         float *out = j->dst + q % j->ch * nt + q / j->ch * j->tiles;
@@ -710,10 +703,8 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
             for (int tx0 = 0; tx0 < tw; tx0 += ROW_TILES) {
                 int cnt = tw - tx0 < ROW_TILES ? tw - tx0 : ROW_TILES;
                 wino_row_of_tiles(plane, h, w, ty * STK_WINO_M - pad_y,
-                                  tx0 * STK_WINO_M - pad_x, cnt, map, in, o);
-                float *col = out + ty * tw + tx0;
-                for (int p = 0; p < STK_WINO_P; p++)
-                    copy_few(col + p * vs, o + p * ROW_TILES, cnt);
+                                  tx0 * STK_WINO_M - pad_x, cnt, map, in,
+                                  out + ty * tw + tx0, vs);
             }
     }
 }
@@ -748,7 +739,7 @@ static int cpu_wino_input(stk_backend *be, const float *x,
 static void wino_input_tiles_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
-    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)j->ch * nt;
+    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
     for (size_t k = b; k < e; k++) {
         int lanes = lanes_in(k % j->blocks, nt);
         float *dd = (float *)j->src + k / j->blocks * nt + k % j->blocks * LANES;
@@ -767,7 +758,7 @@ static void wino_scatter_part(void *v, size_t b, size_t e)
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
-    size_t nt = (size_t)j->n * j->tiles, vs = (size_t)s->c * nt;
+    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->h * s->w;
         const float *dd = j->src + q % s->c * nt + q / s->c * j->tiles;
@@ -809,22 +800,21 @@ static void wino_output_part(void *v, size_t b, size_t e)
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
-    size_t nt = (size_t)j->n * j->tiles, ms = (size_t)j->ch * nt;
-    float d[STK_WINO_P * LANES_MAX], t[24 * LANES_MAX], o[16 * LANES_MAX];
+    size_t nt = (size_t)j->n * j->tiles, ms = stk_wino_stride(j->ch * nt);
+    float t[STK_WINO_P * LANES_MAX], o[STK_WINO_M * STK_WINO_M * LANES_MAX];
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->oh * s->ow, bias = j->bias[q % j->ch];
         const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
         for (int t0 = 0; t0 < j->tiles; t0 += LANES_MAX) {
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
-            for (int p = 0; p < STK_WINO_P; p++)
-                copy_few(d + p * lanes, m + p * ms + t0, lanes);
-            stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, d, t, o, lanes);
+            stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, m + t0, ms, t, o,
+                        (size_t)lanes, lanes);
             for (int l = 0; l < lanes; l++) {
                 int oy = (t0 + l) / tw * STK_WINO_M, ox = (t0 + l) % tw * STK_WINO_M;
                 for (int r = 0; r < STK_WINO_M && oy + r < s->oh; r++)
                     for (int c = 0; c < STK_WINO_M && ox + c < s->ow; c++)
-                        plane[(oy + r) * s->ow + ox + c] =
-                            o[(r * STK_WINO_M + c) * lanes + l] + bias;
+                        plane[(oy + r) * s->ow + ox + c] = stk_wino_out1(
+                            o[(r * STK_WINO_M + c) * lanes + l], bias);
             }
         }
     }

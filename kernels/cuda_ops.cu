@@ -485,7 +485,7 @@ static int cuda_swap01(stk_backend *be, const float *src, float *dst, size_t a,
 static __global__ void wino_filter_kernel(const float *w, float *u, size_t n)
 {
     for (size_t f = first_index(); f < n; f += index_step())
-        stk_wino_filter_n(w + f * 9, 1, u + f, n);
+        stk_wino_filter_n(w + f * 9, 1, u + f, stk_wino_stride(n));
 }
 
 static int cuda_wino_filter(stk_backend *be, const float *w, int cout, int c,
@@ -499,7 +499,7 @@ static __global__ void wino_filter_grad_kernel(const float *du, float *dw,
                                                size_t n)
 {
     for (size_t f = first_index(); f < n; f += index_step())
-        stk_wino_filter_grad_n(du + f, n, 1, dw + f * 9);
+        stk_wino_filter_grad_n(du + f, stk_wino_stride(n), 1, dw + f * 9);
 }
 
 static int cuda_wino_filter_grad(stk_backend *be, const float *du, int cout,
@@ -523,7 +523,8 @@ static __global__ void wino_input_kernel(const float *x, stk_conv_shape s,
 {
     size_t total = nt * s.c;
     for (size_t i = first_index(); i < total; i += index_step())
-        stk_wino_input1(x, &s, (int)(i / nt), i % nt, v + i, total);
+        stk_wino_input1(x, &s, (int)(i / nt), i % nt, v + i,
+                        stk_wino_stride(total));
 }
 
 static int cuda_wino_input(stk_backend *be, const float *x,
@@ -538,7 +539,7 @@ static int cuda_wino_input(stk_backend *be, const float *x,
 static __global__ void wino_input_tiles_kernel(float *dv, size_t total)
 {
     for (size_t i = first_index(); i < total; i += index_step())
-        stk_wino_input_grad_n(dv + i, total, 1);
+        stk_wino_input_grad_n(dv + i, stk_wino_stride(total), 1);
 }
 
 static __global__ void wino_gather_kernel(const float *dd, stk_conv_shape s,
@@ -550,7 +551,7 @@ static __global__ void wino_gather_kernel(const float *dd, stk_conv_shape s,
     for (size_t i = first_index(); i < total; i += index_step()) {
         size_t q = i / plane, px = i % plane;
         dx[i] = stk_wino_gather1(dd + q % s.c * nt + q / s.c * tiles,
-                                 (size_t)s.c * nt, &s, (int)(px / s.w),
+                                 stk_wino_stride(s.c * nt), &s, (int)(px / s.w),
                                  (int)(px % s.w));
     }
 }
@@ -578,7 +579,8 @@ static __global__ void wino_output_kernel(const float *m, const float *bias,
     size_t total = nt * cout;
     for (size_t i = first_index(); i < total; i += index_step()) {
         int co = (int)(i / nt);
-        stk_wino_output1(m + i, total, bias[co], &s, co, cout, i % nt, y);
+        stk_wino_output1(m + i, stk_wino_stride(total), bias[co], &s, co, cout,
+                         i % nt, y);
     }
 }
 
@@ -598,7 +600,7 @@ static __global__ void wino_output_grad_kernel(const float *dy,
     size_t total = nt * cout;
     for (size_t i = first_index(); i < total; i += index_step())
         stk_wino_output_grad1(dy, &s, (int)(i / nt), cout, i % nt, dm + i,
-                              total);
+                              stk_wino_stride(total));
 }
 
 static int cuda_wino_output_grad(stk_backend *be, const float *dy,

@@ -171,85 +171,75 @@ STK_HD float stk_swap01_1(const float *src, size_t a, size_t b, size_t inner,
     return src[(ai * b + bi) * inner + in];
 }
 
-/* ---- Winograd F(4x4, 3x3) ------------------------------------------------- */
+/* ---- Winograd F(2x2, 3x3) ------------------------------------------------- */
 
-/* A 3x3 convolution of stride 1 in tiles of 4x4 outputs (Lavin and Gray,
- * "Fast Algorithms for Convolutional Neural Networks", 2016): each 6x6
+/* A 3x3 convolution of stride 1 in tiles of 2x2 outputs (Lavin and Gray,
+ * "Fast Algorithms for Convolutional Neural Networks", 2016): each 4x4
  * input tile d and 3x3 filter g are transformed (V = B^T d B, U = G g G^T),
- * multiplied point by point, summed over input channels (36 GEMMs, one per
- * point), and transformed back (Y = A^T M A). 4 multiplies per output and
+ * multiplied point by point, summed over input channels (16 GEMMs, one per
+ * point), and transformed back (Y = A^T M A): 4 multiplies per output and
  * channel pair instead of 9. The backward passes are the exact adjoints of
  * these maps (dM = A dY A^T, dd = B dV B^T, dg = G^T dU G), so the
- * gradients are those of the function forward computes. Interpolation
- * points 0, +-1, +-2 and infinity, the usual choice; in float the outputs
- * carry about 10x the rounding error of a direct sum (2e-6 relative
- * against 2e-7 on the cnn's second layer). */
+ * gradients are those of the function forward computes. Every coefficient
+ * is 0, +-1 or +-1/2, so in float the outputs carry about the rounding
+ * error of a direct sum (1.9e-7 against 2.1e-7 relative on the cnn's
+ * second layer). F(4x4, 3x3) would need 4x fewer multiplies but carries
+ * 10x the error, enough to take AdamW off PyTorch's track within 30 steps
+ * (docs/architecture.md, "Convolutions"). */
 enum {
-    STK_WINO_M = 4,  /* outputs per tile side */
-    STK_WINO_A = 6,  /* input tile side, the transforms' size */
-    STK_WINO_P = 36  /* points per tile: GEMMs per convolution */
+    STK_WINO_M = 2,  /* outputs per tile side */
+    STK_WINO_A = 4,  /* input tile side, the transforms' size */
+    STK_WINO_P = 16  /* points per tile: GEMMs per convolution */
 };
 
-/* The six 1-D maps: B^T (6 -> 6) and its adjoint B, G (3 -> 6) and G^T,
- * A^T (6 -> 4) and A. */
+/* The six 1-D maps: B^T (4 -> 4) and its adjoint B, G (3 -> 4) and G^T,
+ * A^T (4 -> 2) and A. */
 typedef enum stk_wino_map {
     STK_WINO_BT, STK_WINO_B, STK_WINO_G, STK_WINO_GT, STK_WINO_AT, STK_WINO_A1
 } stk_wino_map;
 
 /* y (stride ys) = map applied to x (stride xs). */
-STK_HD void stk_wino_1d(stk_wino_map map, const float *x, int xs, float *y,
-                        int ys)
+STK_HD void stk_wino_1d(stk_wino_map map, const float *x, size_t xs, float *y,
+                        size_t ys)
 {
-    float a = x[0], b = x[xs], c = x[2 * xs], d = 0.0f, e = 0.0f, f = 0.0f;
-    if (map != STK_WINO_G) /* G reads 3 values, A 4, the others 6 */
+    float a = x[0], b = x[xs], c = 0.0f, d = 0.0f;
+    if (map != STK_WINO_A1) /* A reads 2 values, G 3, the others 4 */
+        c = x[2 * xs];
+    if (map != STK_WINO_A1 && map != STK_WINO_G)
         d = x[3 * xs];
-    if (map != STK_WINO_G && map != STK_WINO_A1) {
-        e = x[4 * xs];
-        f = x[5 * xs];
-    }
     switch (map) {
     case STK_WINO_BT:
-        y[0] = 4.0f * a - 5.0f * c + e;
-        y[ys] = -4.0f * (b + c) + (d + e);
-        y[2 * ys] = 4.0f * (b - c) + (e - d);
-        y[3 * ys] = 2.0f * (d - b) + (e - c);
-        y[4 * ys] = 2.0f * (b - d) + (e - c);
-        y[5 * ys] = 4.0f * b - 5.0f * d + f;
+        y[0] = a - c;
+        y[ys] = b + c;
+        y[2 * ys] = c - b;
+        y[3 * ys] = b - d;
         break;
     case STK_WINO_B:
-        y[0] = 4.0f * a;
-        y[ys] = 4.0f * (c - b) + 2.0f * (e - d) + 4.0f * f;
-        y[2 * ys] = -5.0f * a - 4.0f * (b + c) - (d + e);
-        y[3 * ys] = (b - c) + 2.0f * (d - e) - 5.0f * f;
-        y[4 * ys] = a + b + c + d + e;
-        y[5 * ys] = f;
+        y[0] = a;
+        y[ys] = (b - c) + d;
+        y[2 * ys] = (b + c) - a;
+        y[3 * ys] = -d;
         break;
     case STK_WINO_G:
-        y[0] = a * 0.25f;
-        y[ys] = -(a + b + c) * (1.0f / 6.0f);
-        y[2 * ys] = -(a - b + c) * (1.0f / 6.0f);
-        y[3 * ys] = a * (1.0f / 24.0f) + b * (1.0f / 12.0f) + c * (1.0f / 6.0f);
-        y[4 * ys] = a * (1.0f / 24.0f) - b * (1.0f / 12.0f) + c * (1.0f / 6.0f);
-        y[5 * ys] = c;
+        y[0] = a;
+        y[ys] = (a + b + c) * 0.5f;
+        y[2 * ys] = (a - b + c) * 0.5f;
+        y[3 * ys] = c;
         break;
     case STK_WINO_GT:
-        y[0] = a * 0.25f - (b + c) * (1.0f / 6.0f) + (d + e) * (1.0f / 24.0f);
-        y[ys] = (c - b) * (1.0f / 6.0f) + (d - e) * (1.0f / 12.0f);
-        y[2 * ys] = (d + e - b - c) * (1.0f / 6.0f) + f;
+        y[0] = a + (b + c) * 0.5f;
+        y[ys] = (b - c) * 0.5f;
+        y[2 * ys] = (b + c) * 0.5f + d;
         break;
     case STK_WINO_AT:
-        y[0] = a + b + c + d + e;
-        y[ys] = (b - c) + 2.0f * (d - e);
-        y[2 * ys] = (b + c) + 4.0f * (d + e);
-        y[3 * ys] = (b - c) + 8.0f * (d - e) + f;
+        y[0] = a + b + c;
+        y[ys] = (b - c) - d;
         break;
     case STK_WINO_A1:
         y[0] = a;
-        y[ys] = a + b + c + d;
-        y[2 * ys] = a - b + c - d;
-        y[3 * ys] = a + 2.0f * b + 4.0f * c + 8.0f * d;
-        y[4 * ys] = a - 2.0f * b + 4.0f * c - 8.0f * d;
-        y[5 * ys] = d;
+        y[ys] = a + b;
+        y[2 * ys] = a - b;
+        y[3 * ys] = -b;
         break;
     }
 }
@@ -263,24 +253,35 @@ STK_HD void stk_wino_1d(stk_wino_map map, const float *x, int xs, float *y,
 #endif
 
 /* out = P in P^T on `lanes` tiles at once, for the map P of size o x i:
- * in [i, i] and out [o, o] per tile, element (r, c) of tile l at
- * (r * side + c) * lanes + l. The columns first, then the rows; t is
- * scratch. Every tile gets the same operations in the same order, so
- * the lane count never changes a result. */
+ * element (r, c) of tile l at in[(r * i + c) * is + l] and at
+ * out[(r * o + c) * os + l]. The columns first, then the rows, through
+ * t (o * i * lanes floats); out may be in. Every tile gets the same
+ * operations in the same order, so no lane count or layout changes a
+ * result. */
 STK_HD void stk_wino_2d(stk_wino_map map, int i, int o, const float *in,
-                        float *t, float *out, int lanes)
+                        size_t is, float *t, float *out, size_t os, int lanes)
 {
+    size_t ti = (size_t)i * lanes;
     for (int c = 0; c < i; c++)
         for (int l = 0; l < lanes; l++)
-            stk_wino_1d(map, in + c * lanes + l, i * lanes, t + c * lanes + l,
-                        i * lanes);
+            stk_wino_1d(map, in + c * is + l, i * is, t + c * lanes + l, ti);
     for (int r = 0; r < o; r++)
         for (int l = 0; l < lanes; l++)
-            stk_wino_1d(map, t + r * i * lanes + l, lanes,
-                        out + r * o * lanes + l, lanes);
+            stk_wino_1d(map, t + r * ti + l, lanes, out + r * o * os + l, os);
 }
 
-/* Tiles per sample: rows *th, columns *tw of 4x4 outputs. */
+/* Floats from one point's matrix to the next in U, V and M (layouts
+ * [points, rows, cols]): rows * cols rounded up to whole 64-byte lines,
+ * plus a line when the lines are a multiple of 16. Points a multiple of
+ * 4 KiB apart would share their L1 sets: a transform writing 16 points
+ * of a tile would evict its own lines (a 12-way cache). */
+STK_HD size_t stk_wino_stride(size_t elems)
+{
+    size_t lines = (elems + 15) / 16;
+    return (lines + (lines % 16 == 0 ? 1 : 0)) * 16;
+}
+
+/* Tiles per sample: rows *th, columns *tw of 2x2 outputs. */
 STK_HD int stk_wino_tiles(const stk_conv_shape *s, int *th, int *tw)
 {
     *th = (s->oh + STK_WINO_M - 1) / STK_WINO_M;
@@ -304,43 +305,36 @@ STK_HD stk_wino_at stk_wino_column(size_t j, int tiles, int tw)
 }
 
 /* Filters f0 .. f0 + lanes - 1 of [cout * c] (9 floats each, at w):
- * u[p * us + l] = (G g G^T)[p] of filter f0 + l (u at point 0, filter f0). */
+ * u[p * us + l] = (G g G^T)[p] of filter f0 + l. */
 STK_HD void stk_wino_filter_n(const float *w, int lanes, float *u, size_t us)
 {
-    float d[9 * STK_WINO_LANES], t[18 * STK_WINO_LANES],
-        o[STK_WINO_P * STK_WINO_LANES];
+    float d[9 * STK_WINO_LANES], t[3 * STK_WINO_A * STK_WINO_LANES];
     for (int k = 0; k < 9; k++)
         for (int l = 0; l < lanes; l++)
             d[k * lanes + l] = w[l * 9 + k];
-    stk_wino_2d(STK_WINO_G, 3, STK_WINO_A, d, t, o, lanes);
-    for (int p = 0; p < STK_WINO_P; p++)
-        for (int l = 0; l < lanes; l++)
-            u[p * us + l] = o[p * lanes + l];
+    stk_wino_2d(STK_WINO_G, 3, STK_WINO_A, d, lanes, t, u, us, lanes);
 }
 
-/* The adjoint: dw[l * 9 + k] += (G^T dU G)[k] of filter f0 + l. */
+/* The adjoint: dw[l * 9 + k] += (G^T dU G)[k] of filter f0 + l, its
+ * points at du[p * us + l]. */
 STK_HD void stk_wino_filter_grad_n(const float *du, size_t us, int lanes,
                                    float *dw)
 {
-    float d[STK_WINO_P * STK_WINO_LANES], t[STK_WINO_P * STK_WINO_LANES],
-        o[9 * STK_WINO_LANES];
-    for (int p = 0; p < STK_WINO_P; p++)
-        for (int l = 0; l < lanes; l++)
-            d[p * lanes + l] = du[p * us + l];
-    stk_wino_2d(STK_WINO_GT, STK_WINO_A, 3, d, t, o, lanes);
+    float t[3 * STK_WINO_A * STK_WINO_LANES], o[9 * STK_WINO_LANES];
+    stk_wino_2d(STK_WINO_GT, STK_WINO_A, 3, du, us, t, o, lanes, lanes);
     for (int k = 0; k < 9; k++)
         for (int l = 0; l < lanes; l++)
             dw[l * 9 + k] += o[k * lanes + l];
 }
 
 /* Column j (sample * tiles + tile) of channel ci: v[p * vs] = (B^T d B)[p]
- * for the 6x6 input tile of x [n, s->c, h, w] that column stands for,
+ * for the 4x4 input tile of x [n, s->c, h, w] that column stands for,
  * read as 0 outside the image (the padding). The CPU computes the same
- * expressions a row of tiles at a time (cpu.c, wino_input_plane). */
+ * expressions a row of tiles at a time (cpu.c, wino_row_of_tiles). */
 STK_HD void stk_wino_input1(const float *x, const stk_conv_shape *s, int ci,
                             size_t j, float *v, size_t vs)
 {
-    float d[STK_WINO_P], t[STK_WINO_P], o[STK_WINO_P];
+    float d[STK_WINO_P], t[STK_WINO_P];
     int th, tw, tiles = stk_wino_tiles(s, &th, &tw);
     stk_wino_at a = stk_wino_column(j, tiles, tw);
     const float *plane = x + (a.sample * s->c + ci) * s->h * s->w;
@@ -351,25 +345,16 @@ STK_HD void stk_wino_input1(const float *x, const stk_conv_shape *s, int ci,
                                         ? plane[y * s->w + xx]
                                         : 0.0f;
         }
-    stk_wino_2d(STK_WINO_BT, STK_WINO_A, STK_WINO_A, d, t, o, 1);
-    for (int p = 0; p < STK_WINO_P; p++)
-        v[p * vs] = o[p];
+    stk_wino_2d(STK_WINO_BT, STK_WINO_A, STK_WINO_A, d, 1, t, v, vs, 1);
 }
 
 /* In place, `lanes` columns: dv[p * vs + l] becomes the tile's input
- * gradient (B dV B^T)[p], the pixel at row p / 6, column p % 6 of the
+ * gradient (B dV B^T)[p], the pixel at row p / 4, column p % 4 of the
  * tile (before the padding is cut off). */
 STK_HD void stk_wino_input_grad_n(float *dv, size_t vs, int lanes)
 {
-    float d[STK_WINO_P * STK_WINO_LANES], t[STK_WINO_P * STK_WINO_LANES],
-        o[STK_WINO_P * STK_WINO_LANES];
-    for (int p = 0; p < STK_WINO_P; p++)
-        for (int l = 0; l < lanes; l++)
-            d[p * lanes + l] = dv[p * vs + l];
-    stk_wino_2d(STK_WINO_B, STK_WINO_A, STK_WINO_A, d, t, o, lanes);
-    for (int p = 0; p < STK_WINO_P; p++)
-        for (int l = 0; l < lanes; l++)
-            dv[p * vs + l] = o[p * lanes + l];
+    float t[STK_WINO_P * STK_WINO_LANES];
+    stk_wino_2d(STK_WINO_B, STK_WINO_A, STK_WINO_A, dv, vs, t, dv, vs, lanes);
 }
 
 /* Input gradient at pixel (y, x) of one plane: the sum of the tile
@@ -397,22 +382,24 @@ STK_HD float stk_wino_gather1(const float *dd, size_t ds,
     return sum;
 }
 
+/* One output value: point q of a tile's A^T M A plus the bias. */
+STK_HD float stk_wino_out1(float v, float bias) { return v + bias; }
+
 /* Column j of output channel co: the tile's outputs (A^T M A) + bias from
  * m[p * ms], into y [n, cout, oh, ow] where they fall inside the image. */
 STK_HD void stk_wino_output1(const float *m, size_t ms, float bias,
                              const stk_conv_shape *s, int co, int cout,
                              size_t j, float *y)
 {
-    float d[STK_WINO_P], t[24], o[16];
+    float t[STK_WINO_P], o[STK_WINO_M * STK_WINO_M];
     int th, tw, tiles = stk_wino_tiles(s, &th, &tw);
     stk_wino_at a = stk_wino_column(j, tiles, tw);
     float *plane = y + (a.sample * cout + co) * s->oh * s->ow;
-    for (int p = 0; p < STK_WINO_P; p++)
-        d[p] = m[p * ms];
-    stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, d, t, o, 1);
+    stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, m, ms, t, o, 1, 1);
     for (int r = 0; r < STK_WINO_M && a.oy + r < s->oh; r++)
         for (int c = 0; c < STK_WINO_M && a.ox + c < s->ow; c++)
-            plane[(a.oy + r) * s->ow + a.ox + c] = o[r * STK_WINO_M + c] + bias;
+            plane[(a.oy + r) * s->ow + a.ox + c] =
+                stk_wino_out1(o[r * STK_WINO_M + c], bias);
 }
 
 /* The adjoint: dm[p * ms] = (A dY A^T)[p] for the output-gradient tile of
@@ -422,7 +409,7 @@ STK_HD void stk_wino_output_grad1(const float *dy, const stk_conv_shape *s,
                                   int co, int cout, size_t j, float *dm,
                                   size_t ms)
 {
-    float d[16], t[24], o[STK_WINO_P];
+    float d[STK_WINO_M * STK_WINO_M], t[STK_WINO_P];
     int th, tw, tiles = stk_wino_tiles(s, &th, &tw);
     stk_wino_at a = stk_wino_column(j, tiles, tw);
     const float *plane = dy + (a.sample * cout + co) * s->oh * s->ow;
@@ -431,9 +418,7 @@ STK_HD void stk_wino_output_grad1(const float *dy, const stk_conv_shape *s,
             d[r * STK_WINO_M + c] = a.oy + r < s->oh && a.ox + c < s->ow
                                         ? plane[(a.oy + r) * s->ow + a.ox + c]
                                         : 0.0f;
-    stk_wino_2d(STK_WINO_A1, STK_WINO_M, STK_WINO_A, d, t, o, 1);
-    for (int p = 0; p < STK_WINO_P; p++)
-        dm[p * ms] = o[p];
+    stk_wino_2d(STK_WINO_A1, STK_WINO_M, STK_WINO_A, d, 1, t, dm, ms, 1);
 }
 
 /* ---- max-pool ------------------------------------------------------------ */

@@ -85,7 +85,7 @@ static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
                             s->name, s->k, s->k, l->c, l->h, l->w);
         l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
                                  s->stride, s->pad, s->pad, l->oh, l->ow};
-        l->wino = m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
+        l->wino = !getenv("XI") && m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
         add_param(m, l, "weight", 4, (int[]){s->out, l->c, s->k, s->k}, &l->pw);
         add_param(m, l, "bias", 1, (int[]){s->out}, &l->pb);
         break;
@@ -163,11 +163,18 @@ static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
     } else {
         per = dper = (size_t)l->cs.c * l->cs.kh * l->cs.kw * l->oh * l->ow;
     }
-    size_t both = l->wino ? per + dper : per + out_size(l);
+    /* a piece's hot scratch: its columns and output; Winograd's M, the
+     * larger of V and M, which are not both worked on at once */
+    size_t both = l->wino ? dper : per + out_size(l);
     l->piece = stk_conv_chunk(be, both * sizeof(float), m->max_batch);
-    size_t d = dper * (size_t)l->piece, u = (size_t)STK_WINO_P * l->oc * l->c;
+    size_t c = per * (size_t)l->piece, d = dper * (size_t)l->piece, u = 0;
+    if (l->wino) { /* with the points' padding (stk_wino_stride) */
+        c = STK_WINO_P * stk_wino_stride(c / STK_WINO_P);
+        d = STK_WINO_P * stk_wino_stride(d / STK_WINO_P);
+        u = STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c);
+    }
     *dcol = d > *dcol ? d : *dcol;
-    if (!(l->col = stk_dev_alloc(be, per * l->piece * sizeof(float), err)))
+    if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
         return STK_ENOMEM;
     if (l->wino && (!(l->u = stk_dev_alloc(be, u * sizeof(float), err)) ||
                     !(l->du = stk_dev_alloc(be, u * sizeof(float), err))))
@@ -336,8 +343,9 @@ static int wino_forward(stk_model *m, layer *l, const float *x, int n,
         rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
         if (!rc)
             rc = stk_gemm_batched(m->be, false, false, oc, nt, c, 1.0f, l->u, c,
-                                  (size_t)oc * c, l->col, nt, (size_t)c * nt,
-                                  0.0f, m->dcol, nt, (size_t)oc * nt,
+                                  stk_wino_stride((size_t)oc * c), l->col, nt,
+                                  stk_wino_stride((size_t)c * nt), 0.0f,
+                                  m->dcol, nt, stk_wino_stride((size_t)oc * nt),
                                   STK_WINO_P, err);
         if (!rc)
             rc = stk_wino_output(m->be, m->dcol, m->w + m->p[l->pb].offset,
@@ -453,11 +461,12 @@ static int wino_backward(stk_model *m, layer *l, const float *x,
                          const float *dy, float *dx, int n, stk_err *err)
 {
     int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
-    size_t su = (size_t)oc * c;
+    size_t su = stk_wino_stride((size_t)oc * c);
     int rc = 0;
     for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
         int cn = n - s0 < l->piece ? n - s0 : l->piece, nt = cn * tiles;
-        size_t sv = (size_t)c * nt, sm = (size_t)oc * nt;
+        size_t sv = stk_wino_stride((size_t)c * nt);
+        size_t sm = stk_wino_stride((size_t)oc * nt);
         rc = stk_wino_output_grad(m->be, dy + s0 * out_size(l), &l->cs, oc, cn,
                                   m->dcol, err);
         if (!rc && !l->col_kept)
@@ -477,7 +486,15 @@ static int wino_backward(stk_model *m, layer *l, const float *x,
             rc = stk_wino_input_grad(m->be, l->col, &l->cs, cn,
                                      dx + s0 * in_size(l), err);
     }
-    if (!rc)
+    if (getenv("XW")) {
+        int K = c * 9, hw = l->oh * l->ow;
+        float *col = stk_dev_alloc(m->be, (size_t)K * hw * n * 4, err);
+        float *t = stk_dev_alloc(m->be, (size_t)oc * hw * n * 4, err);
+        stk_swap01(m->be, dy, t, (size_t)n, (size_t)oc, (size_t)hw, err);
+        stk_im2col(m->be, x, &l->cs, n, col, err);
+        stk_gemm(m->be, false, true, oc, K, n * hw, 1.0f, t, n * hw, col, n * hw, 1.0f, m->g + m->p[l->pw].offset, K, err);
+        stk_dev_free(m->be, col); stk_dev_free(m->be, t);
+    } else if (!rc)
         rc = stk_wino_filter_grad(m->be, l->du, oc, c,
                                   m->g + m->p[l->pw].offset, err);
     if (!rc)
