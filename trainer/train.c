@@ -511,8 +511,11 @@ static void pinned_free(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 static int load_spec(run_state *r, stk_err *err)
 {
     const char *m = r->o->model;
-    if (!strcmp(m, "cnn") || !strcmp(m, "mlp"))
-        return stk_model_builtin(m, &r->spec, err);
+    if (!strcmp(m, "cnn") || !strcmp(m, "mlp")) {
+        int rc = stk_model_builtin(m, &r->spec, err);
+        r->spec.conv = r->o->conv;
+        return rc;
+    }
     uint8_t *text;
     size_t len;
     int rc = stk_read_file(m, &text, &len, err); /* names the file */
@@ -526,6 +529,7 @@ static int load_spec(run_state *r, stk_err *err)
     memcpy(s, text, len);
     s[len] = '\0';
     rc = stk_model_parse(s, m, &r->spec, err);
+    r->spec.conv = r->o->conv;
     free(s);
     free(text);
     return rc;

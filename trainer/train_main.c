@@ -36,7 +36,9 @@ static const char usage[] =
     "  --schedule constant|step|cosine  (default cosine)\n"
     "  --warmup STEPS      (default 100)     --step-size E --gamma G (step)\n"
     "  --workers N         loader threads (default 2)\n"
-    "  --threads N         BLAS threads (default: OpenBLAS's)\n"
+    "  --threads N         CPU compute threads (default: the CPUs usable)\n"
+    "  --conv auto|im2col  3x3 stride-1 convolutions by Winograd F(2x2,3x3)\n"
+    "                      (auto, default) or im2col + GEMM like the others\n"
     "  --augment           random crop (padding h/8) and horizontal flip\n"
     "  --no-dropout        turn dropout layers off\n"
     "  --seed S            (default 1)\n"
@@ -116,7 +118,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
            O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
-           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT };
+           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
         {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
@@ -135,10 +137,12 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"node-rank", 1, 0, O_NODE}, {"master-addr", 1, 0, O_MADDR},
         {"master-port", 1, 0, O_MPORT}, {"log-all-ranks", 0, 0, O_LOGALL},
         {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
+        {"conv", 1, 0, O_CONV},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
     static const char *const optims[] = {"sgd", "adamw"};
     static const char *const scheds[] = {"constant", "step", "cosine"};
+    static const char *const convs[] = {"auto", "im2col"};
     int ch, rc = 0, v;
     opterr = 0;
     while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
@@ -181,6 +185,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_LOGALL: d->log_all_ranks = true; break;
         case O_BUCKET: rc = num_f("--bucket-mb", optarg, 0.001, 4096, &o->bucket_mb); break;
         case O_TIMEOUT: rc = num_i("--timeout", optarg, 1, 1 << 20, &o->timeout_s); break;
+        case O_CONV: rc = choose("--conv", optarg, convs, 2, &v); o->conv = (stk_conv_algo)v; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
         default:

@@ -129,6 +129,7 @@ typedef struct stk_train_opts {
     float gamma;
     bool augment;             /* random crop (pad h/8) + horizontal flip */
     bool dropout;             /* false turns dropout off (parity tests) */
+    stk_conv_algo conv;       /* 3x3 convolutions: Winograd or im2col */
     uint64_t seed;
     const char *out;          /* RUN_DIR: metrics.jsonl, checkpoints/ */
     const char *resume;       /* NULL, "auto" or a checkpoint directory */

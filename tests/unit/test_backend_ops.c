@@ -183,6 +183,120 @@ static void conv_helpers_agree_exactly(void **state)
     free(x), free(col), free(dx), free(sw);
 }
 
+/* One Winograd transform on both backends: cpu_out and the GPU's from the
+ * same input must be the same bytes (the shared bodies, no FMA). */
+typedef int (*wino_op)(stk_backend *be, const float *in, float *out,
+                       const void *ctx, stk_err *err);
+
+static void wino_agrees(wino_op op, const void *ctx, const float *in,
+                        size_t nin, size_t nout, const char *what)
+{
+    stk_err err;
+    float *out = calloc(nout, 4), *din = dev_copy(in, nin * 4),
+          *dout = dev_copy(out, nout * 4), *in1 = malloc(nin * 4);
+    memcpy(in1, in, nin * 4); /* the input gradient writes into its input */
+    assert_int_equal(op(cpu, in1, out, ctx, &err), 0);
+    assert_int_equal(op(gpu, din, dout, ctx, &err), 0);
+    float *got = host_copy(dout, nout * 4);
+    if (memcmp(got, out, nout * 4))
+        fail_msg("winograd %s: the GPU's floats differ from the CPU's", what);
+    free(got), free(out), free(in1);
+    stk_dev_free(gpu, din), stk_dev_free(gpu, dout);
+}
+
+typedef struct wino_ctx {
+    stk_conv_shape s;
+    int n, cout;
+    const float *bias; /* device or host, per backend: see wino_output */
+    const float *dbias;
+} wino_ctx;
+
+static int w_filter(stk_backend *be, const float *in, float *out,
+                    const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_filter(be, in, c->cout, c->s.c, out, err);
+}
+
+static int w_filter_grad(stk_backend *be, const float *in, float *out,
+                         const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_filter_grad(be, in, c->cout, c->s.c, out, err);
+}
+
+static int w_input(stk_backend *be, const float *in, float *out,
+                   const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_input(be, in, &c->s, c->n, out, err);
+}
+
+static int w_input_grad(stk_backend *be, const float *in, float *out,
+                        const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_input_grad(be, (float *)in, &c->s, c->n, out, err);
+}
+
+static int w_output(stk_backend *be, const float *in, float *out,
+                    const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_output(be, in, be == cpu ? c->bias : c->dbias, &c->s,
+                           c->cout, c->n, out, err);
+}
+
+static int w_output_grad(stk_backend *be, const float *in, float *out,
+                         const void *ctx, stk_err *err)
+{
+    const wino_ctx *c = ctx;
+    return stk_wino_output_grad(be, in, &c->s, c->cout, c->n, out, err);
+}
+
+/* Every Winograd transform, with padding and tiles running past the image;
+ * and the batched GEMM within rounding of the CPU's. */
+static void winograd_agrees(void **state)
+{
+    (void)state;
+    float bias[6];
+    fill(bias, 6, 21);
+    wino_ctx c = {{5, 9, 11, 3, 3, 1, 1, 1, 0, 9, 9}, 3, 6, bias, NULL};
+    float *dbias = dev_copy(bias, sizeof bias);
+    c.dbias = dbias;
+    int th, tw, nt = stk_wino_tiles(&c.s, &th, &tw) * c.n;
+    size_t su = stk_wino_stride((size_t)c.cout * c.s.c);
+    size_t sv = stk_wino_stride((size_t)c.s.c * nt);
+    size_t sm = stk_wino_stride((size_t)c.cout * nt);
+    size_t nx = (size_t)c.n * c.s.c * c.s.h * c.s.w;
+    size_t ny = (size_t)c.n * c.cout * c.s.oh * c.s.ow, nw = (size_t)c.cout * c.s.c * 9;
+    size_t big = STK_WINO_P * (sm > sv ? sm : sv) + nx + ny + nw;
+    float *in = malloc(big * 4);
+    fill(in, big, 22);
+    wino_agrees(w_filter, &c, in, nw, STK_WINO_P * su, "filter");
+    wino_agrees(w_filter_grad, &c, in, STK_WINO_P * su, nw, "filter_grad");
+    wino_agrees(w_input, &c, in, nx, STK_WINO_P * sv, "input");
+    wino_agrees(w_input_grad, &c, in, STK_WINO_P * sv, nx, "input_grad");
+    wino_agrees(w_output, &c, in, STK_WINO_P * sm, ny, "output");
+    wino_agrees(w_output_grad, &c, in, ny, STK_WINO_P * sm, "output_grad");
+    /* 16 GEMMs M_p = U_p V_p as the forward pass runs them */
+    stk_err err;
+    float *m = malloc(STK_WINO_P * sm * 4), *du = dev_copy(in, STK_WINO_P * su * 4),
+          *dv = dev_copy(in, STK_WINO_P * sv * 4), *dm = dev_copy(in, STK_WINO_P * sm * 4);
+    assert_int_equal(stk_gemm_batched(cpu, false, false, c.cout, nt, c.s.c, 1, in, c.s.c,
+                                      su, in, nt, sv, 0, m, nt, sm, STK_WINO_P, &err), 0);
+    assert_int_equal(stk_gemm_batched(gpu, false, false, c.cout, nt, c.s.c, 1, du, c.s.c,
+                                      su, dv, nt, sv, 0, dm, nt, sm, STK_WINO_P, &err), 0);
+    float *got = host_copy(dm, STK_WINO_P * sm * 4);
+    for (int p = 0; p < STK_WINO_P; p++)
+        for (int r = 0; r < c.cout; r++)
+            assert_true(nerr(got + p * sm + (size_t)r * nt, m + p * sm + (size_t)r * nt,
+                             (size_t)nt) < 1e-5);
+    free(got), free(m), free(in);
+    stk_dev_free(gpu, du), stk_dev_free(gpu, dv), stk_dev_free(gpu, dm);
+    stk_dev_free(gpu, dbias);
+}
+
 static void xent_transform_and_optimizers_agree(void **state)
 {
     (void)state;
@@ -268,6 +382,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(gemm_agrees),
     cmocka_unit_test(elementwise_ops_agree_exactly),
     cmocka_unit_test(conv_helpers_agree_exactly),
+    cmocka_unit_test(winograd_agrees),
     cmocka_unit_test(xent_transform_and_optimizers_agree),
     cmocka_unit_test(pinned_memory_round_trip),
 };

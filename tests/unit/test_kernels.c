@@ -296,6 +296,164 @@ static void conv_backward_matches_fd(void **state)
     }
 }
 
+/* Point stride of a Winograd array of rows x cols per point. */
+static size_t wino_ps(int rows, int cols)
+{
+    return stk_wino_stride((size_t)rows * cols);
+}
+
+/* The same convolution through Winograd F(2x2, 3x3): forward from the
+ * transforms and 16 batched GEMMs, backward through the adjoints, against
+ * the direct double convolution and its finite differences. */
+static void winograd_matches_fd(void **state)
+{
+    (void)state;
+    stk_conv_shape shapes[] = {
+        {3, 7, 9, 3, 3, 1, 1, 0, 0, 5, 7}, /* odd sizes: tiles run past */
+        {2, 6, 5, 3, 3, 1, 1, 1, 1, 6, 5}, /* padding on every side */
+    };
+    for (int t = 0; t < 2; t++) {
+        stk_conv_shape s = shapes[t];
+        int cout = 4, th, tw, T = stk_wino_tiles(&s, &th, &tw), HW = s.oh * s.ow;
+        size_t nx = (size_t)s.c * s.h * s.w, nw = (size_t)cout * s.c * 9;
+        size_t su = wino_ps(cout, s.c), sv = wino_ps(s.c, T), sm = wino_ps(cout, T);
+        float *x = malloc(nx * 4), *w = malloc(nw * 4), b[4], db[4] = {0},
+              *g = malloc((size_t)cout * HW * 4), *y = malloc((size_t)cout * HW * 4),
+              *u = malloc(STK_WINO_P * su * 4), *du = malloc(STK_WINO_P * su * 4),
+              *v = malloc(STK_WINO_P * sv * 4), *m = malloc(STK_WINO_P * sm * 4),
+              *dx = malloc(nx * 4), *dw = calloc(nw, 4);
+        fill(x, nx, 41 + t);
+        fill(w, nw, 42);
+        fill(b, 4, 43);
+        fill(g, (size_t)cout * HW, 44);
+        stk_err err;
+        assert_int_equal(stk_wino_filter(be, w, cout, s.c, u, &err), 0);
+        assert_int_equal(stk_wino_input(be, x, &s, 1, v, &err), 0);
+        assert_int_equal(stk_gemm_batched(be, false, false, cout, T, s.c, 1, u, s.c, su,
+                                          v, T, sv, 0, m, T, sm, STK_WINO_P, &err), 0);
+        assert_int_equal(stk_wino_output(be, m, b, &s, cout, 1, y, &err), 0);
+        /* backward: dM from g; dU = dM V^T; dV = U^T dM; dx and dW */
+        assert_int_equal(stk_wino_output_grad(be, g, &s, cout, 1, m, &err), 0);
+        assert_int_equal(stk_gemm_batched(be, false, true, cout, s.c, T, 1, m, T, sm,
+                                          v, T, sv, 0, du, s.c, su, STK_WINO_P, &err), 0);
+        assert_int_equal(stk_gemm_batched(be, true, false, s.c, T, cout, 1, u, s.c, su,
+                                          m, T, sm, 0, v, T, sv, STK_WINO_P, &err), 0);
+        assert_int_equal(stk_wino_input_grad(be, v, &s, 1, dx, &err), 0);
+        assert_int_equal(stk_wino_filter_grad(be, du, cout, s.c, dw, &err), 0);
+        assert_int_equal(stk_bias_grad(be, g, db, 1, cout, HW, &err), 0);
+        double *xd = malloc(nx * 8), *wd = malloc(nw * 8), bd[4],
+               *num = malloc((nw + nx) * 8);
+        to_double(x, xd, nx);
+        to_double(w, wd, nw);
+        to_double(b, bd, 4);
+        conv_ctx c = {s, cout, g, xd, wd, bd, 0};
+        double L = 0;
+        for (int i = 0; i < cout * HW; i++)
+            L += (double)g[i] * y[i];
+        assert_true(fabs(L - conv_loss(xd, &c)) < 1e-4);
+        numgrad(conv_loss, xd, nx, &c, num);
+        near(dx, num, nx, 1e-5, "winograd dx");
+        c.wrt = 1;
+        numgrad(conv_loss, wd, nw, &c, num);
+        near(dw, num, nw, 1e-5, "winograd dW");
+        /* every output against the direct double convolution */
+        for (int i = 0; i < cout * HW; i++) {
+            memset(g, 0, (size_t)cout * HW * 4);
+            g[i] = 1;
+            c.wrt = 0;
+            double want = conv_loss(xd, &c);
+            if (!(fabs(y[i] - want) <= 1e-5 * (fabs(want) > 1 ? fabs(want) : 1)))
+                fail_msg("winograd y[%d]: %.7g, expected %.7g", i, y[i], want);
+        }
+        free(x), free(w), free(g), free(y), free(u), free(du), free(v), free(m);
+        free(dx), free(dw), free(xd), free(wd), free(num);
+    }
+}
+
+/* The CPU transforms images a row of tiles at a time and scatters the
+ * input gradient; CUDA runs the per-tile bodies and gathers. Both must give
+ * the same floats: the bodies are run here on the CPU, tile by tile. */
+static void winograd_rows_equal_per_tile_bodies(void **state)
+{
+    (void)state;
+    enum { N = 3, COUT = 5 };
+    stk_conv_shape s = {4, 13, 11, 3, 3, 1, 1, 1, 0, 13, 9};
+    int th, tw, T = stk_wino_tiles(&s, &th, &tw), nt = N * T;
+    size_t nx = (size_t)N * s.c * s.h * s.w, ny = (size_t)N * COUT * s.oh * s.ow;
+    size_t sv = wino_ps(s.c, nt), sm = wino_ps(COUT, nt);
+    float *x = malloc(nx * 4), *dy = malloc(ny * 4), b[COUT];
+    float *v = calloc(STK_WINO_P * sv, 4), *v1 = calloc(STK_WINO_P * sv, 4);
+    float *m = calloc(STK_WINO_P * sm, 4), *m1 = calloc(STK_WINO_P * sm, 4);
+    float *y = malloc(ny * 4), *y1 = malloc(ny * 4);
+    float *dx = malloc(nx * 4), *dx1 = malloc(nx * 4);
+    fill(x, nx, 51);
+    fill(dy, ny, 52);
+    fill(b, COUT, 53);
+    stk_err err;
+    assert_int_equal(stk_wino_input(be, x, &s, N, v, &err), 0);
+    for (int ci = 0; ci < s.c; ci++)
+        for (int j = 0; j < nt; j++)
+            stk_wino_input1(x, &s, ci, (size_t)j, v1 + (size_t)ci * nt + j, sv);
+    assert_memory_equal(v, v1, STK_WINO_P * sv * 4);
+    assert_int_equal(stk_wino_output_grad(be, dy, &s, COUT, N, m, &err), 0);
+    for (int co = 0; co < COUT; co++)
+        for (int j = 0; j < nt; j++)
+            stk_wino_output_grad1(dy, &s, co, COUT, (size_t)j,
+                                  m1 + (size_t)co * nt + j, sm);
+    assert_memory_equal(m, m1, STK_WINO_P * sm * 4);
+    assert_int_equal(stk_wino_output(be, m, b, &s, COUT, N, y, &err), 0);
+    for (int co = 0; co < COUT; co++)
+        for (int j = 0; j < nt; j++)
+            stk_wino_output1(m + (size_t)co * nt + j, sm, b[co], &s, co, COUT,
+                             (size_t)j, y1);
+    assert_memory_equal(y, y1, ny * 4);
+    /* the input gradient from v as dV: CPU scatter against body + gather */
+    memcpy(v1, v, STK_WINO_P * sv * 4);
+    assert_int_equal(stk_wino_input_grad(be, v, &s, N, dx, &err), 0);
+    for (int ci = 0; ci < s.c; ci++)
+        for (int j = 0; j < nt; j++)
+            stk_wino_input_grad_n(v1 + (size_t)ci * nt + j, sv, 1);
+    for (size_t i = 0; i < nx; i++) {
+        size_t q = i / ((size_t)s.h * s.w), px = i % ((size_t)s.h * s.w);
+        dx1[i] = stk_wino_gather1(v1 + q % s.c * nt + q / s.c * T, sv, &s,
+                                  (int)(px / s.w), (int)(px % s.w));
+    }
+    assert_memory_equal(dx, dx1, nx * 4);
+    free(x), free(dy), free(v), free(v1), free(m), free(m1), free(y), free(y1);
+    free(dx), free(dx1);
+}
+
+/* A batch of GEMMs equals the GEMMs one by one (within float rounding: the
+ * single GEMM is cut into panels), and a shape that cannot work is
+ * refused. */
+static void gemm_batched_equals_one_by_one(void **state)
+{
+    (void)state;
+    enum { M = 37, N = 70, K = 19, COUNT = 5 };
+    size_t sa = M * K + 3, sb = K * N + 5, sc = M * N + 7;
+    float *a = malloc(COUNT * sa * 4), *b = malloc(COUNT * sb * 4),
+          *c = malloc(COUNT * sc * 4), *c1 = malloc(COUNT * sc * 4);
+    fill(a, COUNT * sa, 61);
+    fill(b, COUNT * sb, 62);
+    fill(c, COUNT * sc, 63);
+    memcpy(c1, c, COUNT * sc * 4);
+    stk_err err;
+    assert_int_equal(stk_gemm_batched(be, true, false, M, N, K, 0.5f, a, M, sa, b, N,
+                                      sb, 1.0f, c, N, sc, COUNT, &err), 0);
+    for (int i = 0; i < COUNT; i++)
+        assert_int_equal(stk_gemm(be, true, false, M, N, K, 0.5f, a + i * sa, M,
+                                  b + i * sb, N, 1.0f, c1 + i * sc, N, &err), 0);
+    for (size_t i = 0; i < COUNT * sc; i++)
+        assert_float_equal(c[i], c1[i], 1e-5);
+    assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K - 1, sa,
+                                      b, N, sb, 0, c, N, sc, COUNT, &err),
+                     STK_EINVAL);
+    assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K, sa, b, N,
+                                      sb, 0, c, N, sc, -1, &err),
+                     STK_EINVAL);
+    free(a), free(b), free(c), free(c1);
+}
+
 /* Max-pool 2x2 stride 2 over 2 planes of 5x6 (odd edge dropped). */
 typedef struct { int planes, h, w; const float *g; } pool_ctx;
 static double pool_loss(const double *x, void *ctx)
@@ -638,6 +796,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(relu_backward_matches_fd),
     cmocka_unit_test(linear_backward_matches_fd),
     cmocka_unit_test(conv_backward_matches_fd),
+    cmocka_unit_test(winograd_matches_fd),
+    cmocka_unit_test(winograd_rows_equal_per_tile_bodies),
+    cmocka_unit_test(gemm_batched_equals_one_by_one),
     cmocka_unit_test(batched_im2col_and_swap),
     cmocka_unit_test(maxpool_backward_matches_fd),
     cmocka_unit_test(maxpool_gather_equals_scatter),

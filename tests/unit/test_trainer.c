@@ -122,18 +122,17 @@ static double batch_loss(stk_model *m, const float *x, const int32_t *y, int n)
     return loss;
 }
 
-static void whole_model_backward_matches_fd(void **state)
+/* Backward of the model in `text` on inputs N x C x 8 x 8 against central
+ * differences of its loss, on every 7th parameter. */
+static void model_backward_matches_fd(const char *text, int C)
 {
-    (void)state;
-    const char *text = "conv 3 3 pad=1\npool 2\nrelu\nconv 4 2 stride=2\nrelu\n"
-                       "flatten\nlinear 6\nrelu\nlinear classes\n";
     stk_model_spec spec;
     stk_err err;
     assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
     stk_model *m;
-    enum { N = 3, C = 2, H = 8, W = 8 };
+    enum { N = 3, H = 8, W = 8 };
     assert_int_equal(stk_model_create(be, &spec, C, H, W, 4, N, 9, &m, &err), 0);
-    float x[N * C * H * W];
+    float *x = malloc((size_t)N * C * H * W * sizeof *x);
     for (int i = 0; i < N * C * H * W; i++)
         x[i] = sinf((float)i * 0.37f);
     int32_t y[N] = {1, 3, 0};
@@ -179,20 +178,41 @@ static void whole_model_backward_matches_fd(void **state)
                  "at smooth points (%d kinks)",
                  bad, checked, kinks);
     free(g);
+    free(x);
     stk_model_destroy(m);
 }
 
+static void whole_model_backward_matches_fd(void **state)
+{
+    (void)state;
+    model_backward_matches_fd("conv 3 3 pad=1\npool 2\nrelu\nconv 4 2 stride=2\n"
+                              "relu\nflatten\nlinear 6\nrelu\nlinear classes\n",
+                              2);
+}
+
+/* The same with a Winograd convolution (3x3, stride 1, 8 channels in and
+ * out) between im2col ones, padded and not. */
+static void winograd_model_backward_matches_fd(void **state)
+{
+    (void)state;
+    model_backward_matches_fd("conv 8 3 pad=1\nrelu\nconv 8 3\nrelu\n"
+                              "conv 8 3 pad=1\npool 2\nrelu\nflatten\n"
+                              "linear classes\n",
+                              2);
+}
 
 enum { CNN_N = 16, CNN_PX = 28 * 28, CNN_PARAMS = 824326 };
 
 /* One train-mode step of the cnn on a batch of 16 Fashion-MNIST-sized
  * inputs (dropout on): the logits and the gradients it leaves. */
-static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
-                     bool train, float *logits_out, float *grads_out)
+static void cnn_step_conv(stk_backend *b, stk_conv_algo conv, int n,
+                          const float *x, const int32_t *y, bool train,
+                          float *logits_out, float *grads_out)
 {
     stk_model_spec spec;
     stk_err err;
     assert_int_equal(stk_model_builtin("cnn", &spec, &err), 0);
+    spec.conv = conv;
     stk_model *m;
     assert_int_equal(stk_model_create(b, &spec, 1, 28, 28, 10, 16, 5, &m, &err), 0);
     assert_int_equal(stk_model_param_count(m), CNN_PARAMS);
@@ -206,6 +226,12 @@ static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
                                         NULL, NULL, &err), 0);
     memcpy(grads_out, stk_model_grads(m), stk_model_param_count(m) * sizeof(float));
     stk_model_destroy(m);
+}
+
+static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
+                     bool train, float *logits_out, float *grads_out)
+{
+    cnn_step_conv(b, STK_CONV_AUTO, n, x, y, train, logits_out, grads_out);
 }
 
 static void cnn_batch(float *x, int32_t *y)
@@ -235,9 +261,10 @@ static void cnn_results_do_not_depend_on_threads(void **state)
     assert_memory_equal(g1, g3, sizeof g1);
 }
 
-/* The CPU computes a convolution in cache-sized pieces of the batch (6
- * samples for the cnn's second conv) and rebuilds each piece's columns in
- * backward: a batch's gradient must be the mean of its samples' own. */
+/* The CPU computes a convolution in cache-sized pieces of the batch (7
+ * samples for the cnn's second conv, 9 for its first) and rebuilds each
+ * piece's columns (Winograd: V) in backward: a batch's gradient must be the
+ * mean of its samples' own. */
 static void pieces_add_up_to_the_batch(void **state)
 {
     (void)state;
@@ -266,10 +293,38 @@ static void pieces_add_up_to_the_batch(void **state)
                  "%g (largest gradient %g)", worst, scale);
 }
 
+/* --conv im2col and the default Winograd compute the same cnn: logits and
+ * gradients within float rounding of each other. */
+static void winograd_and_im2col_agree(void **state)
+{
+    (void)state;
+    static float x[CNN_N * CNN_PX], l1[CNN_N * 10], l2[CNN_N * 10];
+    static float g1[CNN_PARAMS], g2[CNN_PARAMS];
+    int32_t y[CNN_N];
+    cnn_batch(x, y);
+    cnn_step_conv(be, STK_CONV_AUTO, CNN_N, x, y, true, l1, g1);
+    cnn_step_conv(be, STK_CONV_IM2COL, CNN_N, x, y, true, l2, g2);
+    for (int i = 0; i < CNN_N * 10; i++)
+        assert_float_equal(l1[i], l2[i], 1e-5);
+    double worst = 0, scale = 0, differ = 0;
+    for (int j = 0; j < CNN_PARAMS; j++) {
+        double d = fabs(g1[j] - g2[j]);
+        worst = d > worst ? d : worst;
+        scale = fabs(g2[j]) > scale ? fabs(g2[j]) : scale;
+        differ += g1[j] != g2[j];
+    }
+    if (worst > 1e-5 * scale)
+        fail_msg("Winograd and im2col gradients differ by %g (largest %g)",
+                 worst, scale);
+    assert_true(differ > 0); /* they are two computations, not one */
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(cnn_has_pytorch_names_and_shapes),
     cmocka_unit_test(text_format_and_errors),
     cmocka_unit_test(whole_model_backward_matches_fd),
+    cmocka_unit_test(winograd_model_backward_matches_fd),
+    cmocka_unit_test(winograd_and_im2col_agree),
     cmocka_unit_test(cnn_results_do_not_depend_on_threads),
     cmocka_unit_test(pieces_add_up_to_the_batch),
 };
