@@ -356,7 +356,7 @@ static int wino_forward(stk_model *m, layer *l, const float *x, int n,
 }
 
 /* Piece by piece (all of the batch at once on CUDA): columns [K, n*HW],
- * W [cout, K] times them added to the bias gives [cout, n, HW], swapped to
+ * W [cout, K] times them plus the bias gives [cout, n, HW], swapped to
  * NCHW. (The bias goes in while the piece is in cache: a pass over the
  * whole output afterwards would read it back from memory.) */
 static int conv_forward(stk_model *m, layer *l, const float *x, int n,
@@ -367,15 +367,12 @@ static int conv_forward(stk_model *m, layer *l, const float *x, int n,
         int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
         rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
         if (!rc)
-            rc = stk_memzero(m->be, m->tmp, (size_t)l->oc * nhw * sizeof(float),
-                             err);
+            rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
+                          m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f,
+                          m->tmp, nhw, err);
         if (!rc)
             rc = stk_bias_add(m->be, m->tmp, m->w + m->p[l->pb].offset, 1,
                               l->oc, nhw, err);
-        if (!rc)
-            rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
-                          m->w + m->p[l->pw].offset, K, l->col, nhw, 1.0f,
-                          m->tmp, nhw, err);
         if (!rc)
             rc = stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
                             (size_t)l->oc, (size_t)cn, (size_t)hw, err);
