@@ -21,8 +21,8 @@ void openblas_set_num_threads(int n);
 
 enum {
     GRAIN = 1 << 14,      /* elements per thread at least, simple loops */
-    GEMM_PANELS = 8,      /* a GEMM in about this many OpenBLAS calls, */
-    GEMM_PANEL_MIN = 32,  /* each this wide at least (rows or columns) */
+    GEMM_PANELS = 4,      /* a GEMM in about this many OpenBLAS calls, */
+    GEMM_PANEL_MIN = 64,  /* each this wide at least (rows or columns) */
     GEMM_PANEL_MAX = 256, /* and at most */
     SUMSQ_CHUNK = 1 << 15, /* fixed chunks: the sum's order ignores threads */
     BIAS_LANES = 16        /* partial sums per channel in bias_grad */
@@ -542,13 +542,14 @@ static int cpu_swap01(stk_backend *be, const float *src, float *dst, size_t a,
     return 0;
 }
 
-/* ---- Winograd F(4x4, 3x3) ------------------------------------------------ */
+/* ---- Winograd F(2x2, 3x3) ------------------------------------------------ */
 
 typedef struct wino_job {
     const float *src, *bias;
     float *dst;
     const stk_conv_shape *s; /* NULL for the filter transforms */
-    int n, ch, tiles;        /* samples; channels of the transformed side */
+    int n, ch, tiles;        /* samples (filters: their input channels);
+                                channels of the transformed side */
     size_t blocks;           /* of STK_WINO_LANES columns per channel */
 } wino_job;
 
@@ -565,7 +566,7 @@ static int lanes_in(size_t b, size_t n)
 static void wino_filter_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
-    size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf); /* n: c */
+    size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf);
     for (size_t k = b; k < e; k++) {
         const float *w = j->src + k * LANES * 9;
         float *u = j->dst + k * LANES;
@@ -625,7 +626,7 @@ static wino_job wino_columns(const float *src, const float *bias, float *dst,
 /* Runs part over every (channel, block) unit of j. */
 static int wino_run(stk_backend *be, const wino_job *j, stk_pool_fn part)
 {
-    /* a unit is LANES tiles of 36 points */
+    /* a unit is LANES tiles of STK_WINO_P points */
     stk_pool_for(pool(be), (size_t)j->ch * j->blocks,
                  GRAIN / (LANES * STK_WINO_P), part, (void *)j);
     return 0;
@@ -765,13 +766,14 @@ static void wino_scatter_part(void *v, size_t b, size_t e)
         memset(plane, 0, (size_t)s->h * s->w * sizeof *plane);
         for (int t = 0; t < j->tiles; t++) {
             int iy = t / tw * STK_WINO_M - s->ph, ix = t % tw * STK_WINO_M - s->pw;
-            for (int r = 0; r < STK_WINO_A; r++) {
-                if (iy + r < 0 || iy + r >= s->h)
-                    continue;
-                for (int c = 0; c < STK_WINO_A; c++)
-                    if (ix + c >= 0 && ix + c < s->w)
-                        plane[(iy + r) * s->w + ix + c] +=
-                            dd[(size_t)(r * STK_WINO_A + c) * vs + t];
+            /* the tile's rows [r0, r1) and columns [c0, c1) in the image */
+            int r0 = iy < 0 ? -iy : 0, r1 = s->h - iy < STK_WINO_A ? s->h - iy : STK_WINO_A;
+            int c0 = ix < 0 ? -ix : 0, c1 = s->w - ix < STK_WINO_A ? s->w - ix : STK_WINO_A;
+            for (int r = r0; r < r1; r++) {
+                float *row = plane + (iy + r) * s->w + ix;
+                const float *d = dd + (size_t)r * STK_WINO_A * vs + t;
+                for (int c = c0; c < c1; c++)
+                    row[c] += d[c * vs];
             }
         }
     }
