@@ -85,7 +85,7 @@ static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
                             s->name, s->k, s->k, l->c, l->h, l->w);
         l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
                                  s->stride, s->pad, s->pad, l->oh, l->ow};
-        l->wino = !getenv("XI") && m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
+        l->wino = m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
         add_param(m, l, "weight", 4, (int[]){s->out, l->c, s->k, s->k}, &l->pw);
         add_param(m, l, "bias", 1, (int[]){s->out}, &l->pb);
         break;
@@ -483,15 +483,7 @@ static int wino_backward(stk_model *m, layer *l, const float *x,
             rc = stk_wino_input_grad(m->be, l->col, &l->cs, cn,
                                      dx + s0 * in_size(l), err);
     }
-    if (getenv("XW")) {
-        int K = c * 9, hw = l->oh * l->ow;
-        float *col = stk_dev_alloc(m->be, (size_t)K * hw * n * 4, err);
-        float *t = stk_dev_alloc(m->be, (size_t)oc * hw * n * 4, err);
-        stk_swap01(m->be, dy, t, (size_t)n, (size_t)oc, (size_t)hw, err);
-        stk_im2col(m->be, x, &l->cs, n, col, err);
-        stk_gemm(m->be, false, true, oc, K, n * hw, 1.0f, t, n * hw, col, n * hw, 1.0f, m->g + m->p[l->pw].offset, K, err);
-        stk_dev_free(m->be, col); stk_dev_free(m->be, t);
-    } else if (!rc)
+    if (!rc)
         rc = stk_wino_filter_grad(m->be, l->du, oc, c,
                                   m->g + m->p[l->pw].offset, err);
     if (!rc)
