@@ -22,6 +22,8 @@ typedef struct layer {
     bool wino;          /* conv: Winograd F(4x4, 3x3) */
     bool col_kept;      /* conv: col holds the whole batch's, from forward */
     float *u, *du;      /* Winograd: transformed filters and their gradient */
+    bool pooled;        /* conv: the next layer, a max-pool, runs piece by
+                           piece with it (its input stays in cache) */
 } layer;
 
 struct stk_model {
@@ -34,7 +36,8 @@ struct stk_model {
     float *w, *g;
     float *tmp;             /* conv outputs/gradients in [C, N, HW] order */
     float *dcol;            /* conv column gradients (Winograd: M and dM) */
-    float *grad[2];         /* backward ping-pong, max activation size */
+    float *grad[3];         /* backward ping-pong, max activation size, and
+                               a pooled conv's output gradient */
     float *dlogits;
     const float *x;         /* the last forward input */
     int n;                  /* and its batch size */
@@ -211,7 +214,8 @@ static int alloc_buffers(stk_model *m, stk_err *err)
     m->dcol = m->tmp ? stk_dev_alloc(be, col * sizeof(float), err) : NULL;
     m->grad[0] = m->dcol ? stk_dev_alloc(be, act * sizeof(float), err) : NULL;
     m->grad[1] = m->grad[0] ? stk_dev_alloc(be, act * sizeof(float), err) : NULL;
-    m->dlogits = m->grad[1] ? stk_dev_alloc(be, B * m->classes * sizeof(float), err)
+    m->grad[2] = m->grad[1] ? stk_dev_alloc(be, act * sizeof(float), err) : NULL;
+    m->dlogits = m->grad[2] ? stk_dev_alloc(be, B * m->classes * sizeof(float), err)
                             : NULL;
     return m->dlogits ? 0 : STK_ENOMEM;
 }
@@ -240,6 +244,9 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         l->w = i ? m->l[i - 1].ow : w;
         rc = shape_layer(m, l, &auto_conv, &auto_fc, err);
     }
+    for (int i = 0; i + 1 < m->nl; i++) /* a conv and the max-pool after it */
+        m->l[i].pooled = m->l[i].s.kind == STK_L_CONV &&
+                         m->l[i + 1].s.kind == STK_L_POOL;
     for (int i = 0; !rc && i < m->np; i++)
         for (int j = 0; j < i; j++)
             if (!strcmp(m->p[i].name, m->p[j].name)) {
@@ -297,6 +304,7 @@ void stk_model_destroy(stk_model *m)
     stk_dev_free(m->be, m->dcol);
     stk_dev_free(m->be, m->grad[0]);
     stk_dev_free(m->be, m->grad[1]);
+    stk_dev_free(m->be, m->grad[2]);
     stk_dev_free(m->be, m->dlogits);
     free(m);
 }
@@ -331,52 +339,72 @@ static uint64_t layer_stream(uint64_t stream, int layer)
     return stream * STK_MAX_LAYERS + (uint64_t)layer;
 }
 
-/* Winograd, piece by piece: V from the input, M_p = U_p V_p, outputs with
- * the bias from M. */
-static int wino_forward(stk_model *m, layer *l, const float *x, int n,
-                        stk_err *err)
+/* Winograd, one piece: V from the input, M_p = U_p V_p (U transformed
+ * before the first piece), outputs with the bias from M. */
+static int wino_forward_piece(stk_model *m, layer *l, const float *x, int s0,
+                              int cn, stk_err *err)
 {
-    int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
-    int rc = stk_wino_filter(m->be, m->w + m->p[l->pw].offset, oc, c, l->u, err);
-    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
-        int cn = n - s0 < l->piece ? n - s0 : l->piece, nt = cn * tiles;
-        rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
-        if (!rc)
-            rc = stk_gemm_batched(m->be, false, false, oc, nt, c, 1.0f, l->u, c,
-                                  stk_wino_stride((size_t)oc * c), l->col, nt,
-                                  stk_wino_stride((size_t)c * nt), 0.0f,
-                                  m->dcol, nt, stk_wino_stride((size_t)oc * nt),
-                                  STK_WINO_P, err);
-        if (!rc)
-            rc = stk_wino_output(m->be, m->dcol, m->w + m->p[l->pb].offset,
-                                 &l->cs, oc, cn, l->y + s0 * out_size(l), err);
-    }
-    l->col_kept = l->piece >= n;
-    return rc;
+    int th, tw, nt = cn * stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
+    int rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
+    if (!rc)
+        rc = stk_gemm_batched(m->be, false, false, oc, nt, c, 1.0f, l->u, c,
+                              stk_wino_stride((size_t)oc * c), l->col, nt,
+                              stk_wino_stride((size_t)c * nt), 0.0f, m->dcol,
+                              nt, stk_wino_stride((size_t)oc * nt), STK_WINO_P,
+                              err);
+    return rc ? rc
+              : stk_wino_output(m->be, m->dcol, m->w + m->p[l->pb].offset,
+                                &l->cs, oc, cn, l->y + s0 * out_size(l), err);
 }
 
-/* Piece by piece (all of the batch at once on CUDA): columns [K, n*HW],
- * W [cout, K] times them plus the bias gives [cout, n, HW], swapped to
- * NCHW. (The bias goes in while the piece is in cache: a pass over the
- * whole output afterwards would read it back from memory.) */
-static int conv_forward(stk_model *m, layer *l, const float *x, int n,
+/* im2col, one piece: columns [K, n*HW], W [cout, K] times them plus the
+ * bias gives [cout, n, HW], swapped to NCHW. (The bias goes in while the
+ * piece is in cache: a pass over the whole output afterwards would read
+ * it back from memory.) */
+static int im2col_forward_piece(stk_model *m, layer *l, const float *x, int s0,
+                                int cn, stk_err *err)
+{
+    int K = l->cs.c * l->cs.kh * l->cs.kw, nhw = cn * l->oh * l->ow;
+    int rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
+    if (!rc)
+        rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
+                      m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f, m->tmp,
+                      nhw, err);
+    if (!rc)
+        rc = stk_bias_add(m->be, m->tmp, m->w + m->p[l->pb].offset, 1, l->oc,
+                          nhw, err);
+    return rc ? rc
+              : stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
+                           (size_t)l->oc, (size_t)cn, (size_t)l->oh * l->ow,
+                           err);
+}
+
+/* A max-pool on samples [s0, s0 + cn) of its input. */
+static int pool_forward_piece(stk_model *m, layer *p, const float *x, int s0,
+                              int cn, stk_err *err)
+{
+    size_t in = in_size(p) * s0, out = out_size(p) * s0;
+    return stk_maxpool_fwd(m->be, x + in, cn * p->c, p->h, p->w, p->s.k,
+                           p->s.stride, p->y + out, p->arg + out, err);
+}
+
+/* Piece by piece (all of the batch at once on CUDA), with the max-pool
+ * that follows a pooled convolution on each piece as it comes. */
+static int conv_forward(stk_model *m, int i, const float *x, int n,
                         stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, rc = 0;
+    layer *l = &m->l[i], *pool = l->pooled ? &m->l[i + 1] : NULL;
+    int rc = l->wino ? stk_wino_filter(m->be, m->w + m->p[l->pw].offset, l->oc,
+                                       l->c, l->u, err)
+                     : 0;
     for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
-        int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
-        rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
-        if (!rc)
-            rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
-                          m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f,
-                          m->tmp, nhw, err);
-        if (!rc)
-            rc = stk_bias_add(m->be, m->tmp, m->w + m->p[l->pb].offset, 1,
-                              l->oc, nhw, err);
-        if (!rc)
-            rc = stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
-                            (size_t)l->oc, (size_t)cn, (size_t)hw, err);
+        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        rc = l->wino ? wino_forward_piece(m, l, x, s0, cn, err)
+                     : im2col_forward_piece(m, l, x, s0, cn, err);
+        if (!rc && pool)
+            rc = pool_forward_piece(m, pool, l->y, s0, cn, err);
     }
+    l->col_kept = l->piece >= n;
     return rc;
 }
 
@@ -388,11 +416,10 @@ static int layer_forward(stk_model *m, int i, const float *x, int n,
     size_t total = out_size(l) * (size_t)n;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return l->wino ? wino_forward(m, l, x, n, err)
-                       : conv_forward(m, l, x, n, err);
-    case STK_L_POOL:
-        return stk_maxpool_fwd(m->be, x, n * l->c, l->h, l->w, l->s.k,
-                               l->s.stride, l->y, l->arg, err);
+        return conv_forward(m, i, x, n, err);
+    case STK_L_POOL: /* after a pooled conv: done with its pieces */
+        return i && m->l[i - 1].pooled ? 0
+                                       : pool_forward_piece(m, l, x, 0, n, err);
     case STK_L_RELU:
         return stk_relu_fwd(m->be, x, l->y, total, err);
     case STK_L_FLATTEN:
@@ -450,81 +477,93 @@ static void report(stk_model *m, const layer *l)
     }
 }
 
-/* Winograd, piece by piece: dM from dy; dU_p (+)= dM_p V_p^T (V rebuilt
- * unless forward left the whole batch's); dV_p = U_p^T dM_p into V's
- * place, then back to pixels. dW += the adjoint of U's transform of dU
- * once every piece is in; the layer reports after its input gradient. */
-static int wino_backward(stk_model *m, layer *l, const float *x,
-                         const float *dy, float *dx, int n, stk_err *err)
+/* Winograd, one piece: dM from dy; dU_p (+)= dM_p V_p^T (V rebuilt unless
+ * forward left the whole batch's); dV_p = U_p^T dM_p into V's place, then
+ * back to pixels; db += the piece's sums. */
+static int wino_backward_piece(stk_model *m, layer *l, const float *x,
+                               const float *dy, float *dx, int s0, int cn,
+                               stk_err *err)
 {
-    int th, tw, tiles = stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
-    size_t su = stk_wino_stride((size_t)oc * c);
-    int rc = 0;
-    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
-        int cn = n - s0 < l->piece ? n - s0 : l->piece, nt = cn * tiles;
-        size_t sv = stk_wino_stride((size_t)c * nt);
-        size_t sm = stk_wino_stride((size_t)oc * nt);
-        rc = stk_wino_output_grad(m->be, dy + s0 * out_size(l), &l->cs, oc, cn,
+    int th, tw, nt = cn * stk_wino_tiles(&l->cs, &th, &tw), c = l->c, oc = l->oc;
+    size_t su = stk_wino_stride((size_t)oc * c), sv = stk_wino_stride((size_t)c * nt);
+    size_t sm = stk_wino_stride((size_t)oc * nt);
+    int rc = stk_wino_output_grad(m->be, dy + s0 * out_size(l), &l->cs, oc, cn,
                                   m->dcol, err);
-        if (!rc && !l->col_kept)
-            rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
-                                err);
+    if (!rc && !l->col_kept)
+        rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
+    if (!rc)
+        rc = stk_gemm_batched(m->be, false, true, oc, c, nt, 1.0f, m->dcol, nt,
+                              sm, l->col, nt, sv, s0 ? 1.0f : 0.0f, l->du, c,
+                              su, STK_WINO_P, err);
+    if (!rc && dx) {
+        l->col_kept = false; /* V's place now holds dV */
+        rc = stk_gemm_batched(m->be, true, false, c, nt, oc, 1.0f, l->u, c, su,
+                              m->dcol, nt, sm, 0.0f, l->col, nt, sv, STK_WINO_P,
+                              err);
         if (!rc)
-            rc = stk_gemm_batched(m->be, false, true, oc, c, nt, 1.0f, m->dcol,
-                                  nt, sm, l->col, nt, sv, s0 ? 1.0f : 0.0f,
-                                  l->du, c, su, STK_WINO_P, err);
-        if (!rc && dx) {
-            l->col_kept = false; /* V's place now holds dV */
-            rc = stk_gemm_batched(m->be, true, false, c, nt, oc, 1.0f, l->u, c,
-                                  su, m->dcol, nt, sm, 0.0f, l->col, nt, sv,
-                                  STK_WINO_P, err);
-        }
-        if (!rc && dx)
             rc = stk_wino_input_grad(m->be, l->col, &l->cs, cn,
                                      dx + s0 * in_size(l), err);
     }
+    return rc ? rc
+              : stk_bias_grad(m->be, dy + s0 * out_size(l),
+                              m->g + m->p[l->pb].offset, cn, oc,
+                              l->oh * l->ow, err);
+}
+
+/* im2col, one piece: dy [n, cout, HW] swapped to [cout, n*HW]; db += its
+ * rows' sums, dW += dy cols^T, dcols = W^T dy, then back to pixels. The
+ * columns are rebuilt from x unless the batch was one piece, whose columns
+ * forward left in place. */
+static int im2col_backward_piece(stk_model *m, layer *l, const float *x,
+                                 const float *dy, float *dx, int n, int s0,
+                                 int cn, stk_err *err)
+{
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = cn * hw;
+    int rc = stk_swap01(m->be, dy + s0 * out_size(l), m->tmp, (size_t)cn,
+                        (size_t)l->oc, (size_t)hw, err);
     if (!rc)
-        rc = stk_wino_filter_grad(m->be, l->du, oc, c,
-                                  m->g + m->p[l->pw].offset, err);
+        rc = stk_bias_grad(m->be, m->tmp, m->g + m->p[l->pb].offset, 1, l->oc,
+                           nhw, err);
+    if (!rc && l->piece < n)
+        rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, n, oc,
-                           l->oh * l->ow, err);
-    if (!rc)
-        report(m, l);
+        rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
+                      l->col, nhw, 1.0f, m->g + m->p[l->pw].offset, K, err);
+    if (!rc && dx)
+        rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f,
+                      m->w + m->p[l->pw].offset, K, m->tmp, nhw, 0.0f, m->dcol,
+                      nhw, err);
+    if (!rc && dx)
+        rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l), err);
     return rc;
 }
 
-/* Per piece: dy [n, cout, HW] swapped to [cout, n*HW]; db += its rows'
- * sums, dW += dy cols^T, dcols = W^T dy, then back to pixels. The
- * columns are rebuilt from x unless the batch was one piece, whose columns
- * forward left in place. dW is final only after the last piece, so the
- * layer reports its gradients after its input gradient. */
-static int conv_backward(stk_model *m, layer *l, const float *x,
-                         const float *dy, float *dx, int n, stk_err *err)
+/* Piece by piece; a pooled conv gets its pool's output gradient as dy and
+ * runs the pool's backward on each piece first (into grad[2]). dW is final
+ * only after the last piece (Winograd: once dU's adjoint transform is
+ * added), so the layer reports its gradients after its input gradient. */
+static int conv_backward(stk_model *m, int i, const float *x, const float *dy,
+                         float *dx, int n, stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, rc = 0;
-    const float *w = m->w + m->p[l->pw].offset;
-    float *dw = m->g + m->p[l->pw].offset;
+    layer *l = &m->l[i], *pool = l->pooled ? &m->l[i + 1] : NULL;
+    const float *dyc = pool ? m->grad[2] : dy; /* the conv's output gradient */
+    int rc = 0;
     for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
-        int cn = n - s0 < l->piece ? n - s0 : l->piece, nhw = cn * hw;
-        rc = stk_swap01(m->be, dy + s0 * out_size(l), m->tmp, (size_t)cn,
-                        (size_t)l->oc, (size_t)hw, err);
+        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        if (pool) {
+            size_t at = out_size(pool) * s0;
+            rc = stk_maxpool_bwd(m->be, dy + at, pool->arg + at, cn * pool->c,
+                                 pool->h, pool->w, pool->s.k, pool->s.stride,
+                                 m->grad[2] + out_size(l) * s0, err);
+        }
         if (!rc)
-            rc = stk_bias_grad(m->be, m->tmp, m->g + m->p[l->pb].offset, 1,
-                               l->oc, nhw, err);
-        if (!rc && l->piece < n)
-            rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
-                            err);
-        if (!rc)
-            rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
-                          l->col, nhw, 1.0f, dw, K, err);
-        if (!rc && dx)
-            rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f, w, K,
-                          m->tmp, nhw, 0.0f, m->dcol, nhw, err);
-        if (!rc && dx)
-            rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l),
-                            err);
+            rc = l->wino ? wino_backward_piece(m, l, x, dyc, dx, s0, cn, err)
+                         : im2col_backward_piece(m, l, x, dyc, dx, n, s0, cn,
+                                                 err);
     }
+    if (!rc && l->wino)
+        rc = stk_wino_filter_grad(m->be, l->du, l->oc, l->c,
+                                  m->g + m->p[l->pw].offset, err);
     if (!rc)
         report(m, l);
     return rc;
@@ -559,11 +598,14 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
     *dx_out = dx;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return l->wino ? wino_backward(m, l, x, dy, dx, n, err)
-                       : conv_backward(m, l, x, dy, dx, n, err);
+        return conv_backward(m, i, x, dy, dx, n, err);
     case STK_L_LINEAR:
         return linear_backward(m, l, x, dy, dx, n, err);
     case STK_L_POOL:
+        if (i && m->l[i - 1].pooled) { /* the conv runs it, piece by piece */
+            *dx_out = dy;
+            return 0;
+        }
         return dx ? stk_maxpool_bwd(m->be, dy, l->arg, n * l->c, l->h, l->w,
                                     l->s.k, l->s.stride, dx, err)
                   : 0;
