@@ -550,12 +550,11 @@ typedef struct wino_job {
     const stk_conv_shape *s; /* NULL for the filter transforms */
     int n, ch, tiles;        /* samples (filters: their input channels);
                                 channels of the transformed side */
-    size_t blocks;           /* of STK_WINO_LANES columns per channel */
 } wino_job;
 
 enum { LANES = STK_WINO_LANES };
 
-/* Lanes in block b of n columns: LANES but for the last block. The full
+/* Lanes in block b of n filters: LANES but for the last block. The full
  * blocks call the bodies with the constant LANES, which vectorises. */
 static int lanes_in(size_t b, size_t n)
 {
@@ -614,22 +613,12 @@ static int cpu_wino_filter_grad(stk_backend *be, const float *du, int cout,
     return wino_filters(be, du, cout, c, dw, wino_filter_grad_part);
 }
 
-/* The job over ch channels x blocks of n samples' tile columns. */
+/* The job over the n * ch planes of an image and their tile columns. */
 static wino_job wino_columns(const float *src, const float *bias, float *dst,
                              const stk_conv_shape *s, int n, int ch)
 {
-    int th, tw, tiles = stk_wino_tiles(s, &th, &tw);
-    size_t nt = (size_t)n * tiles;
-    return (wino_job){src, bias, dst, s, n, ch, tiles, (nt + LANES - 1) / LANES};
-}
-
-/* Runs part over every (channel, block) unit of j. */
-static int wino_run(stk_backend *be, const wino_job *j, stk_pool_fn part)
-{
-    /* a unit is LANES tiles of STK_WINO_P points */
-    stk_pool_for(pool(be), (size_t)j->ch * j->blocks,
-                 GRAIN / (LANES * STK_WINO_P), part, (void *)j);
-    return 0;
+    int th, tw;
+    return (wino_job){src, bias, dst, s, n, ch, stk_wino_tiles(s, &th, &tw)};
 }
 
 /* The CPU's transforms of images (input, output gradient) work a row of
@@ -735,45 +724,40 @@ static int cpu_wino_input(stk_backend *be, const float *x,
     return wino_planes(be, &j, wino_input_part);
 }
 
-/* Units [b, e): the tiles' pixel gradients, in place in dv (src, made
- * mutable by the caller). */
-static void wino_input_tiles_part(void *v, size_t b, size_t e)
-{
-    const wino_job *j = v;
-    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
-    for (size_t k = b; k < e; k++) {
-        int lanes = lanes_in(k % j->blocks, nt);
-        float *dd = (float *)j->src + k / j->blocks * nt + k % j->blocks * LANES;
-        if (lanes == LANES)
-            stk_wino_input_grad_n(dd, vs, LANES);
-        else
-            stk_wino_input_grad_n(dd, vs, lanes);
-    }
-}
+/* Tiles per stk_wino_2d call in the CPU's per-plane transforms. */
+enum { LANES_MAX = 64 };
 
-/* Planes [b, e) of dx (sample * c + ci): the tiles' pixel gradients added
- * tile by tile in stk_wino_gather1's order (the same floats). */
-static void wino_scatter_part(void *v, size_t b, size_t e)
+/* Planes [b, e) of dx (sample * c + ci): the plane's tiles' pixel
+ * gradients (B dV B^T, up to LANES_MAX tiles side by side), added into the
+ * plane tile by tile in stk_wino_gather1's order (the same floats as
+ * CUDA's transform in place and gather). dV is read once, not rewritten. */
+static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
+    float t[STK_WINO_P * LANES_MAX], o[STK_WINO_P * LANES_MAX];
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->h * s->w;
-        const float *dd = j->src + q % s->c * nt + q / s->c * j->tiles;
+        const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
         memset(plane, 0, (size_t)s->h * s->w * sizeof *plane);
-        for (int t = 0; t < j->tiles; t++) {
-            int iy = t / tw * STK_WINO_M - s->ph, ix = t % tw * STK_WINO_M - s->pw;
-            /* the tile's rows [r0, r1) and columns [c0, c1) in the image */
-            int r0 = iy < 0 ? -iy : 0, r1 = s->h - iy < STK_WINO_A ? s->h - iy : STK_WINO_A;
-            int c0 = ix < 0 ? -ix : 0, c1 = s->w - ix < STK_WINO_A ? s->w - ix : STK_WINO_A;
-            for (int r = r0; r < r1; r++) {
-                float *row = plane + (iy + r) * s->w + ix;
-                const float *d = dd + (size_t)r * STK_WINO_A * vs + t;
-                for (int c = c0; c < c1; c++)
-                    row[c] += d[c * vs];
+        for (int t0 = 0; t0 < j->tiles; t0 += LANES_MAX) {
+            int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
+            stk_wino_2d(STK_WINO_B, STK_WINO_A, STK_WINO_A, dv + t0, vs, t, o,
+                        (size_t)lanes, lanes);
+            for (int l = 0; l < lanes; l++) {
+                int tt = t0 + l, iy = tt / tw * STK_WINO_M - s->ph;
+                int ix = tt % tw * STK_WINO_M - s->pw;
+                /* the tile's rows [r0, r1) and columns [c0, c1) in the image */
+                int r0 = iy < 0 ? -iy : 0, r1 = s->h - iy < STK_WINO_A ? s->h - iy : STK_WINO_A;
+                int c0 = ix < 0 ? -ix : 0, c1 = s->w - ix < STK_WINO_A ? s->w - ix : STK_WINO_A;
+                for (int r = r0; r < r1; r++) {
+                    float *row = plane + (iy + r) * s->w + ix;
+                    for (int c = c0; c < c1; c++)
+                        row[c] += o[(r * STK_WINO_A + c) * lanes + l];
+                }
             }
         }
     }
@@ -785,16 +769,11 @@ static int cpu_wino_input_grad(stk_backend *be, float *dv,
 {
     (void)err;
     wino_job j = wino_columns(dv, NULL, dx, s, n, s->c);
-    wino_run(be, &j, wino_input_tiles_part);
-    size_t per = (size_t)j.tiles * STK_WINO_P;
-    stk_pool_for(pool(be), (size_t)n * s->c, (GRAIN + per - 1) / per,
-                 wino_scatter_part, &j);
-    return 0;
+    return wino_planes(be, &j, wino_input_grad_part);
 }
 
 /* Planes [b, e) of y (sample * cout + co): the plane's tiles, up to
  * LANES_MAX side by side through stk_wino_2d, plus the bias. */
-enum { LANES_MAX = 64 };
 
 static void wino_output_part(void *v, size_t b, size_t e)
 {

@@ -138,7 +138,8 @@ int stk_wino_filter_grad(stk_backend *be, const float *du, int cout, int c,
 int stk_wino_input(stk_backend *be, const float *x, const stk_conv_shape *s,
                    int n, float *v, stk_err *err);
 /* dx [n, c, h, w] = the adjoint of stk_wino_input applied to dv
- * (overwrites dx; dv is left holding the tiles' pixel gradients). */
+ * (overwrites dx; dv is scratch: CUDA leaves the tiles' pixel gradients
+ * in it). */
 int stk_wino_input_grad(stk_backend *be, float *dv, const stk_conv_shape *s,
                         int n, float *dx, stk_err *err);
 /* y [n, cout, oh, ow] = A^T m A + bias[cout]. */
