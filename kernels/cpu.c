@@ -671,8 +671,8 @@ static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
     float t[STK_WINO_A * ROW_W];
     wino_first_pass(plane, h, w, y0, x0, (nt - 1) * STK_WINO_M + in, map, in,
                     t);
-    for (int tt = 0; tt < nt; tt++)
-        for (int k = 0; k < STK_WINO_A; k++)
+    for (int k = 0; k < STK_WINO_A; k++) /* along the tiles: vectorises */
+        for (int tt = 0; tt < nt; tt++)
             stk_wino_1d(map, t + k * ROW_W + tt * STK_WINO_M, 1,
                         col + k * STK_WINO_A * cs + tt, cs);
 }
@@ -747,9 +747,9 @@ static void wino_input_grad_part(void *v, size_t b, size_t e)
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
             stk_wino_2d(STK_WINO_B, STK_WINO_A, STK_WINO_A, dv + t0, vs, t, o,
                         (size_t)lanes, lanes);
-            for (int l = 0; l < lanes; l++) {
-                int tt = t0 + l, iy = tt / tw * STK_WINO_M - s->ph;
-                int ix = tt % tw * STK_WINO_M - s->pw;
+            for (int l = 0, ty = t0 / tw, tx = t0 % tw; l < lanes;
+                 l++, tx = tx + 1 < tw ? tx + 1 : 0, ty += !tx) {
+                int iy = ty * STK_WINO_M - s->ph, ix = tx * STK_WINO_M - s->pw;
                 /* the tile's rows [r0, r1) and columns [c0, c1) in the image */
                 int r0 = iy < 0 ? -iy : 0, r1 = s->h - iy < STK_WINO_A ? s->h - iy : STK_WINO_A;
                 int c0 = ix < 0 ? -ix : 0, c1 = s->w - ix < STK_WINO_A ? s->w - ix : STK_WINO_A;
@@ -790,8 +790,9 @@ static void wino_output_part(void *v, size_t b, size_t e)
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
             stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, m + t0, ms, t, o,
                         (size_t)lanes, lanes);
-            for (int l = 0; l < lanes; l++) {
-                int oy = (t0 + l) / tw * STK_WINO_M, ox = (t0 + l) % tw * STK_WINO_M;
+            for (int l = 0, ty = t0 / tw, tx = t0 % tw; l < lanes;
+                 l++, tx = tx + 1 < tw ? tx + 1 : 0, ty += !tx) {
+                int oy = ty * STK_WINO_M, ox = tx * STK_WINO_M;
                 for (int r = 0; r < STK_WINO_M && oy + r < s->oh; r++)
                     for (int c = 0; c < STK_WINO_M && ox + c < s->ow; c++)
                         plane[(oy + r) * s->ow + ox + c] = stk_wino_out1(
