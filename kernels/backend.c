@@ -127,6 +127,13 @@ int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
     int rc = check_gemm(ta, tb, m, n, k, lda, ldb, ldc, err);
     if (!rc && count < 0)
         rc = stk_fail(err, STK_EINVAL, "gemm: a batch of %d", count);
+    /* the C_i must not overlap (the CPU writes them in parallel) */
+    if (!rc && count > 1 && m > 0 && n > 0 &&
+        stride_c < (size_t)(m - 1) * ldc + n)
+        rc = stk_fail(err, STK_EINVAL,
+                      "gemm: C matrices %zu floats apart overlap (m=%d n=%d "
+                      "ldc=%d)",
+                      stride_c, m, n, ldc);
     if (rc || !m || !n || !count)
         return rc;
     return be->ops->gemm_batched(be, ta, tb, m, n, k, alpha, a, lda, stride_a,

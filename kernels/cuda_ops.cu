@@ -480,7 +480,7 @@ static int cuda_swap01(stk_backend *be, const float *src, float *dst, size_t a,
                   inner, total);
 }
 
-// ---- Winograd F(4x4, 3x3): one thread per filter, tile or pixel ---------
+// ---- Winograd F(2x2, 3x3): one thread per filter, tile or pixel ---------
 
 static __global__ void wino_filter_kernel(const float *w, float *u, size_t n)
 {
@@ -511,7 +511,8 @@ static int cuda_wino_filter_grad(stk_backend *be, const float *du, int cout,
 }
 
 // Tile columns of n samples: thread i takes channel i / nt, column i % nt,
-// whose point 0 sits at index i of a [36, ch, nt] array (stride ch * nt).
+// whose point 0 sits at index i of a [16][ch, nt] array (point stride
+// stk_wino_stride(ch * nt)).
 static size_t wino_columns(const stk_conv_shape *s, int n)
 {
     int th, tw;

@@ -120,13 +120,17 @@ int stk_col2im(stk_backend *be, const float *col, const stk_conv_shape *s,
 int stk_swap01(stk_backend *be, const float *src, float *dst, size_t a,
                size_t b, size_t inner, stk_err *err);
 
-/* Winograd F(4x4, 3x3) (ops_inline.h): a 3x3 convolution of stride 1 as
- * transforms around 36 GEMMs (stk_gemm_batched), one per point p:
+/* Winograd F(2x2, 3x3) (ops_inline.h): a 3x3 convolution of stride 1 as
+ * transforms around STK_WINO_P = 16 GEMMs (stk_gemm_batched), one per
+ * point p:
  *   forward    M_p [cout, T] = U_p [cout, c] V_p [c, T]
  *   weights    dU_p [cout, c] (+)= dM_p V_p^T
  *   input      dV_p [c, T] = U_p^T dM_p
- * with T = n * tiles (stk_wino_tiles) and layouts U [36, cout, c],
- * V [36, c, T], M [36, cout, T]; a column is sample * tiles + tile. */
+ * with T = n * tiles (stk_wino_tiles) and arrays U [16][cout, c],
+ * V [16][c, T], M [16][cout, T]: point p's matrix starts p *
+ * stk_wino_stride(rows * cols) floats in (a padded stride), so each array
+ * takes STK_WINO_P * stk_wino_stride(rows * cols) floats. A column is
+ * sample * tiles + tile. stk_wino_fits says whether the model uses it. */
 bool stk_wino_fits(const stk_conv_shape *s, int cout);
 /* u = G w G^T for w [cout, c, 3, 3]. */
 int stk_wino_filter(stk_backend *be, const float *w, int cout, int c, float *u,

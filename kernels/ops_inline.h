@@ -367,18 +367,17 @@ STK_HD float stk_wino_gather1(const float *dd, size_t ds,
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
     int ry = y + s->ph, rx = x + s->pw; /* in tile coordinates */
+    /* the tiles t with t * M <= r < t * M + A: ascending, as the scatter */
+    int ty0 = ry >= STK_WINO_A ? (ry - STK_WINO_A) / STK_WINO_M + 1 : 0;
+    int tx0 = rx >= STK_WINO_A ? (rx - STK_WINO_A) / STK_WINO_M + 1 : 0;
+    int ty1 = ry / STK_WINO_M < th - 1 ? ry / STK_WINO_M : th - 1;
+    int tx1 = rx / STK_WINO_M < tw - 1 ? rx / STK_WINO_M : tw - 1;
     float sum = 0.0f;
-    for (int ty = 0; ty < th; ty++) {
-        int r = ry - ty * STK_WINO_M;
-        if (r < 0 || r >= STK_WINO_A)
-            continue;
-        for (int tx = 0; tx < tw; tx++) {
-            int c = rx - tx * STK_WINO_M;
-            if (c < 0 || c >= STK_WINO_A)
-                continue;
+    for (int ty = ty0; ty <= ty1; ty++)
+        for (int tx = tx0; tx <= tx1; tx++) {
+            int r = ry - ty * STK_WINO_M, c = rx - tx * STK_WINO_M;
             sum += dd[(size_t)(r * STK_WINO_A + c) * ds + ty * tw + tx];
         }
-    }
     return sum;
 }
 

@@ -19,7 +19,7 @@ typedef struct layer {
     float *col;         /* conv: the columns (Winograd: V) of one piece */
     int piece;          /* conv: samples per piece (stk_conv_chunk) */
     stk_conv_shape cs;
-    bool wino;          /* conv: Winograd F(4x4, 3x3) */
+    bool wino;          /* conv: Winograd F(2x2, 3x3) */
     bool col_kept;      /* conv: col holds the whole batch's, from forward */
     float *u, *du;      /* Winograd: transformed filters and their gradient */
     bool pooled;        /* conv: the next layer, a max-pool, runs piece by

@@ -451,6 +451,11 @@ static void gemm_batched_equals_one_by_one(void **state)
     assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K, sa, b, N,
                                       sb, 0, c, N, sc, -1, &err),
                      STK_EINVAL);
+    /* C matrices that overlap would be written by two threads at once */
+    assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K, sa, b, N,
+                                      sb, 0, c, N, (size_t)M * N - 1, COUNT, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "overlap"));
     free(a), free(b), free(c), free(c1);
 }
 
