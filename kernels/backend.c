@@ -294,15 +294,20 @@ int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
     return be->ops->maxpool_bwd(be, dy, arg, planes, h, w, k, st, dx, err);
 }
 
-int stk_dropout(stk_backend *be, float *x, size_t n, size_t group, float p,
-                stk_philox_key key, uint64_t stream, stk_err *err)
+int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
+                size_t group, float p, stk_philox_key key, uint64_t stream,
+                stk_err *err)
 {
     if (!(p >= 0.0f && p < 1.0f) || group < 1)
         return stk_fail(err, STK_EINVAL,
                         "dropout: p must be in [0, 1), not %g", (double)p);
-    if (p == 0.0f)
+    if (first % group)
+        return stk_fail(err, STK_EINVAL,
+                        "dropout: element %zu does not start a group of %zu",
+                        first, group);
+    if (p == 0.0f || n == 0)
         return 0;
-    return be->ops->dropout(be, x, n, group, p, key, stream, err);
+    return be->ops->dropout(be, x, n, first, group, p, key, stream, err);
 }
 
 int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,

@@ -61,8 +61,9 @@ typedef struct backend_ops {
     int (*maxpool_bwd)(stk_backend *be, const float *dy, const int32_t *arg,
                        int planes, int h, int w, int k, int st, float *dx,
                        stk_err *err);
-    int (*dropout)(stk_backend *be, float *x, size_t n, size_t group, float p,
-                   stk_philox_key key, uint64_t stream, stk_err *err);
+    int (*dropout)(stk_backend *be, float *x, size_t n, size_t first,
+                   size_t group, float p, stk_philox_key key, uint64_t stream,
+                   stk_err *err);
     int (*xent)(stk_backend *be, const float *logits, const int32_t *labels,
                 int n, int c, float *loss, float *dlogits, stk_err *err);
     int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,

@@ -920,40 +920,45 @@ static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
 /* ---- dropout ----------------------------------------------------------------------- */
 
 typedef struct dropout_job {
-    float *x;
-    size_t n, group, groups;
+    float *x;         /* element `first` of the tensor */
+    size_t n, first, group;
     float p;
     stk_philox_key key;
     uint64_t stream;
 } dropout_job;
 
-/* Philox blocks [b, e): four groups (dropout2d: a channel of a sample) or
- * elements each, the same numbers stk_dropout_scale1 draws. */
+/* Philox blocks [b, e) of those the elements [first, first + n) draw from
+ * (block 0 here is the one holding element first's group): four groups
+ * (dropout2d: a channel of a sample) or elements each, the same numbers
+ * stk_dropout_scale1 draws. */
 static void dropout_part(void *v, size_t b, size_t e)
 {
     const dropout_job *j = v;
     uint32_t r[4];
     float kept = stk_dropout_kept_scale(j->p);
-    size_t end_group = 4 * e < j->groups ? 4 * e : j->groups;
-    for (size_t g = 4 * b; g < end_group; g++) {
-        if (g % 4 == 0)
+    size_t g0 = j->first / j->group, g1 = (j->first + j->n - 1) / j->group + 1;
+    size_t lo = (g0 / 4 + b) * 4, hi = (g0 / 4 + e) * 4;
+    lo = lo > g0 ? lo : g0; /* the first block may start before g0 */
+    for (size_t g = lo; g < hi && g < g1; g++) {
+        if (g == lo || g % 4 == 0)
             stk_philox_block(j->key, j->stream, g / 4, r);
         float scale = stk_dropout_keep(stk_u01(r[g % 4]), j->p, kept);
-        size_t end = (g + 1) * j->group < j->n ? (g + 1) * j->group : j->n;
-        for (size_t i = g * j->group; i < end; i++)
+        size_t from = g * j->group > j->first ? g * j->group - j->first : 0;
+        size_t to = (g + 1) * j->group - j->first;
+        for (size_t i = from; i < to && i < j->n; i++)
             j->x[i] *= scale;
     }
 }
 
-static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t group,
-                       float p, stk_philox_key key, uint64_t stream,
-                       stk_err *err)
+static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t first,
+                       size_t group, float p, stk_philox_key key,
+                       uint64_t stream, stk_err *err)
 {
     (void)err;
-    dropout_job j = {x, n, group, (n + group - 1) / group, p, key, stream};
-    size_t per = 4 * group;
-    stk_pool_for(pool(be), (j.groups + 3) / 4, (GRAIN + per - 1) / per,
-                 dropout_part, &j);
+    dropout_job j = {x, n, first, group, p, key, stream};
+    size_t g0 = first / group, g1 = (first + n - 1) / group + 1;
+    size_t blocks = (g1 - 1) / 4 - g0 / 4 + 1, per = 4 * group;
+    stk_pool_for(pool(be), blocks, (GRAIN + per - 1) / per, dropout_part, &j);
     return 0;
 }
 

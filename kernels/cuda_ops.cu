@@ -655,20 +655,20 @@ static int cuda_maxpool_bwd(stk_backend *be, const float *dy,
                   h, w, k, st, dx, n);
 }
 
-static __global__ void dropout_kernel(float *x, size_t n, size_t group,
-                                      float p, stk_philox_key key,
-                                      uint64_t rng_stream)
+static __global__ void dropout_kernel(float *x, size_t n, size_t first,
+                                      size_t group, float p,
+                                      stk_philox_key key, uint64_t rng_stream)
 {
     for (size_t i = first_index(); i < n; i += index_step())
-        x[i] *= stk_dropout_scale1(key, rng_stream, i, group, p);
+        x[i] *= stk_dropout_scale1(key, rng_stream, first + i, group, p);
 }
 
-static int cuda_dropout(stk_backend *be, float *x, size_t n, size_t group,
-                        float p, stk_philox_key key, uint64_t stream,
-                        stk_err *err)
+static int cuda_dropout(stk_backend *be, float *x, size_t n, size_t first,
+                        size_t group, float p, stk_philox_key key,
+                        uint64_t stream, stk_err *err)
 {
-    return launch(be, "cuda dropout", n, err, dropout_kernel, x, n, group, p,
-                  key, stream);
+    return launch(be, "cuda dropout", n, err, dropout_kernel, x, n, first,
+                  group, p, key, stream);
 }
 
 // ---- softmax cross-entropy -------------------------------------------------

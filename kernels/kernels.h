@@ -165,10 +165,13 @@ int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
                     int planes, int h, int w, int k, int st, float *dx,
                     stk_err *err);
 
-/* In place: x[i] *= stk_dropout_scale1(key, stream, i, group, p). The same
- * call on the gradient is the backward pass. */
-int stk_dropout(stk_backend *be, float *x, size_t n, size_t group, float p,
-                stk_philox_key key, uint64_t stream, stk_err *err);
+/* In place: x[i] *= stk_dropout_scale1(key, stream, first + i, group, p)
+ * for i < n, x being element `first` (a multiple of group: a piece of the
+ * batch) of the layer's tensor. The same call on the gradient is the
+ * backward pass. */
+int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
+                size_t group, float p, stk_philox_key key, uint64_t stream,
+                stk_err *err);
 
 /* Mean softmax cross-entropy of logits [n, c]: *loss (host) and dlogits
  * (device, may be NULL). The one op whose floats differ between backends

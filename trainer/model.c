@@ -22,8 +22,10 @@ typedef struct layer {
     bool wino;          /* conv: Winograd F(2x2, 3x3) */
     bool col_kept;      /* conv: col holds the whole batch's, from forward */
     float *u, *du;      /* Winograd: transformed filters and their gradient */
-    bool pooled;        /* conv: the next layer, a max-pool, runs piece by
-                           piece with it (its input stays in cache) */
+    int pool_at, drop_at; /* conv: the max-pool after it (and a dropout
+                           layer between them), run piece by piece with
+                           it, so that its output stays in cache; 0: none */
+    bool fused;         /* pool, dropout: run by the conv before them */
 } layer;
 
 struct stk_model {
@@ -37,7 +39,7 @@ struct stk_model {
     float *tmp;             /* conv outputs/gradients in [C, N, HW] order */
     float *dcol;            /* conv column gradients (Winograd: M and dM) */
     float *grad[3];         /* backward ping-pong, max activation size, and
-                               a pooled conv's output gradient */
+                               a conv's output gradient from its pool */
     float *dlogits;
     const float *x;         /* the last forward input */
     int n;                  /* and its batch size */
@@ -220,6 +222,28 @@ static int alloc_buffers(stk_model *m, stk_err *err)
     return m->dlogits ? 0 : STK_ENOMEM;
 }
 
+static bool is_dropout(const layer *l)
+{
+    return l->s.kind == STK_L_DROPOUT || l->s.kind == STK_L_DROPOUT2D;
+}
+
+/* A conv followed by a max-pool, with or without a dropout layer between
+ * them, runs them piece by piece (conv_forward, conv_backward). */
+static void fuse_pool(stk_model *m, int i)
+{
+    int j = i + 1, d = 0;
+    if (m->l[i].s.kind != STK_L_CONV)
+        return;
+    if (j < m->nl && is_dropout(&m->l[j]))
+        d = j++;
+    if (j >= m->nl || m->l[j].s.kind != STK_L_POOL)
+        return;
+    m->l[i].pool_at = j;
+    m->l[i].drop_at = d;
+    m->l[j].fused = m->l[d].fused = true; /* l[0] is a conv: not fused */
+    m->l[0].fused = false;
+}
+
 int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
                      int h, int w, int nclasses, int max_batch, uint64_t seed,
                      stk_model **out, stk_err *err)
@@ -244,9 +268,8 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         l->w = i ? m->l[i - 1].ow : w;
         rc = shape_layer(m, l, &auto_conv, &auto_fc, err);
     }
-    for (int i = 0; i + 1 < m->nl; i++) /* a conv and the max-pool after it */
-        m->l[i].pooled = m->l[i].s.kind == STK_L_CONV &&
-                         m->l[i + 1].s.kind == STK_L_POOL;
+    for (int i = 0; i < m->nl; i++)
+        fuse_pool(m, i);
     for (int i = 0; !rc && i < m->np; i++)
         for (int j = 0; j < i; j++)
             if (!strcmp(m->p[i].name, m->p[j].name)) {
@@ -388,12 +411,25 @@ static int pool_forward_piece(stk_model *m, layer *p, const float *x, int s0,
                            p->s.stride, p->y + out, p->arg + out, err);
 }
 
-/* Piece by piece (all of the batch at once on CUDA), with the max-pool
- * that follows a pooled convolution on each piece as it comes. */
-static int conv_forward(stk_model *m, int i, const float *x, int n,
-                        stk_err *err)
+/* Dropout layer d on samples [s0, s0 + cn) of its tensor x (in place;
+ * the same call is its backward pass). */
+static int dropout_piece(stk_model *m, int d, float *x, int s0, int cn,
+                         stk_philox_key key, uint64_t stream, stk_err *err)
 {
-    layer *l = &m->l[i], *pool = l->pooled ? &m->l[i + 1] : NULL;
+    const layer *l = &m->l[d];
+    size_t per = out_size(l);
+    size_t group = l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1;
+    return stk_dropout(m->be, x + per * s0, per * cn, per * s0, group, l->s.p,
+                       key, layer_stream(stream, d), err);
+}
+
+/* Piece by piece (all of the batch at once on CUDA), with the dropout and
+ * the max-pool that follow a pooled convolution on each piece as it
+ * comes. */
+static int conv_forward(stk_model *m, int i, const float *x, int n, bool train,
+                        stk_philox_key key, uint64_t stream, stk_err *err)
+{
+    layer *l = &m->l[i], *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
     int rc = l->wino ? stk_wino_filter(m->be, m->w + m->p[l->pw].offset, l->oc,
                                        l->c, l->u, err)
                      : 0;
@@ -401,6 +437,8 @@ static int conv_forward(stk_model *m, int i, const float *x, int n,
         int cn = n - s0 < l->piece ? n - s0 : l->piece;
         rc = l->wino ? wino_forward_piece(m, l, x, s0, cn, err)
                      : im2col_forward_piece(m, l, x, s0, cn, err);
+        if (!rc && l->drop_at && train)
+            rc = dropout_piece(m, l->drop_at, l->y, s0, cn, key, stream, err);
         if (!rc && pool)
             rc = pool_forward_piece(m, pool, l->y, s0, cn, err);
     }
@@ -416,10 +454,9 @@ static int layer_forward(stk_model *m, int i, const float *x, int n,
     size_t total = out_size(l) * (size_t)n;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return conv_forward(m, i, x, n, err);
-    case STK_L_POOL: /* after a pooled conv: done with its pieces */
-        return i && m->l[i - 1].pooled ? 0
-                                       : pool_forward_piece(m, l, x, 0, n, err);
+        return conv_forward(m, i, x, n, train, key, stream, err);
+    case STK_L_POOL: /* fused: the conv before it ran it, piece by piece */
+        return l->fused ? 0 : pool_forward_piece(m, l, x, 0, n, err);
     case STK_L_RELU:
         return stk_relu_fwd(m->be, x, l->y, total, err);
     case STK_L_FLATTEN:
@@ -428,11 +465,9 @@ static int layer_forward(stk_model *m, int i, const float *x, int n,
     case STK_L_DROPOUT:
     case STK_L_DROPOUT2D:
         l->y = (float *)x; /* in place (see docs/architecture.md) */
-        if (!train)
-            return 0;
-        return stk_dropout(m->be, l->y, total,
-                           l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1,
-                           l->s.p, key, layer_stream(stream, i), err);
+        return train && !l->fused
+                   ? dropout_piece(m, i, l->y, 0, n, key, stream, err)
+                   : 0;
     case STK_L_LINEAR: {
         int in = (int)in_size(l);
         int rc = stk_gemm(m->be, false, true, n, l->oc, in, 1.0f, x, in,
@@ -539,13 +574,15 @@ static int im2col_backward_piece(stk_model *m, layer *l, const float *x,
 }
 
 /* Piece by piece; a pooled conv gets its pool's output gradient as dy and
- * runs the pool's backward on each piece first (into grad[2]). dW is final
- * only after the last piece (Winograd: once dU's adjoint transform is
- * added), so the layer reports its gradients after its input gradient. */
+ * runs the pool's backward (and its dropout's) on each piece first, into
+ * grad[2]. dW is final only after the last piece (Winograd: once dU's
+ * adjoint transform is added), so the layer reports its gradients after
+ * its input gradient. */
 static int conv_backward(stk_model *m, int i, const float *x, const float *dy,
-                         float *dx, int n, stk_err *err)
+                         float *dx, int n, stk_philox_key key,
+                         uint64_t stream, stk_err *err)
 {
-    layer *l = &m->l[i], *pool = l->pooled ? &m->l[i + 1] : NULL;
+    layer *l = &m->l[i], *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
     const float *dyc = pool ? m->grad[2] : dy; /* the conv's output gradient */
     int rc = 0;
     for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
@@ -556,6 +593,9 @@ static int conv_backward(stk_model *m, int i, const float *x, const float *dy,
                                  pool->h, pool->w, pool->s.k, pool->s.stride,
                                  m->grad[2] + out_size(l) * s0, err);
         }
+        if (!rc && l->drop_at && m->train)
+            rc = dropout_piece(m, l->drop_at, m->grad[2], s0, cn, key, stream,
+                               err);
         if (!rc)
             rc = l->wino ? wino_backward_piece(m, l, x, dyc, dx, s0, cn, err)
                          : im2col_backward_piece(m, l, x, dyc, dx, n, s0, cn,
@@ -598,11 +638,11 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
     *dx_out = dx;
     switch (l->s.kind) {
     case STK_L_CONV:
-        return conv_backward(m, i, x, dy, dx, n, err);
+        return conv_backward(m, i, x, dy, dx, n, key, stream, err);
     case STK_L_LINEAR:
         return linear_backward(m, l, x, dy, dx, n, err);
     case STK_L_POOL:
-        if (i && m->l[i - 1].pooled) { /* the conv runs it, piece by piece */
+        if (l->fused) { /* the conv before it runs it, piece by piece */
             *dx_out = dy;
             return 0;
         }
@@ -616,13 +656,11 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
         *dx_out = dy;
         return 0;
     case STK_L_DROPOUT:
-    case STK_L_DROPOUT2D:
+    case STK_L_DROPOUT2D: /* identity in eval; fused: the conv runs it */
         *dx_out = dy;
-        if (!m->train) /* the forward pass was the identity */
-            return 0;
-        return stk_dropout(m->be, dy, total,
-                           l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1,
-                           l->s.p, key, layer_stream(stream, i), err);
+        return m->train && !l->fused
+                   ? dropout_piece(m, i, dy, 0, n, key, stream, err)
+                   : 0;
     }
     return STK_EINVAL;
 }

@@ -102,8 +102,8 @@ static void elementwise_ops_agree_exactly(void **state)
     for (size_t group = 1; group <= 63; group += 62) {
         memcpy(y, x, sizeof x);
         assert_int_equal(stk_copy_to_dev(gpu, dyo, x, sizeof x, &err), 0);
-        assert_int_equal(stk_dropout(cpu, y, N, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
-        assert_int_equal(stk_dropout(gpu, dyo, N, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
+        assert_int_equal(stk_dropout(cpu, y, N, 0, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
+        assert_int_equal(stk_dropout(gpu, dyo, N, 0, group, 0.4f, (stk_philox_key){3, 4}, 11, &err), 0);
         got = host_copy(dyo, sizeof y);
         assert_memory_equal(got, y, sizeof y);
         free(got);

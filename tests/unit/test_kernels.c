@@ -616,7 +616,7 @@ static void dropout_rates_and_groups(void **state)
         x[i] = g[i] = 1.0f;
     stk_philox_key k = {7, 9};
     stk_err err;
-    assert_int_equal(stk_dropout(be, x, N, 1, 0.3f, k, 5, &err), 0);
+    assert_int_equal(stk_dropout(be, x, N, 0, 1, 0.3f, k, 5, &err), 0);
     int kept = 0;
     for (int i = 0; i < N; i++) {
         assert_true(x[i] == 0.0f || fabsf(x[i] - 1 / 0.7f) < 1e-6f);
@@ -624,17 +624,17 @@ static void dropout_rates_and_groups(void **state)
     }
     assert_true(fabs(kept / (double)N - 0.7) < 0.01);
     /* backward: the same call on the gradient drops the same elements */
-    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 5, &err), 0);
+    assert_int_equal(stk_dropout(be, g, N, 0, 1, 0.3f, k, 5, &err), 0);
     assert_memory_equal(x, g, N * 4);
     /* another stream (step) draws another mask */
     for (int i = 0; i < N; i++)
         g[i] = 1.0f;
-    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 6, &err), 0);
+    assert_int_equal(stk_dropout(be, g, N, 0, 1, 0.3f, k, 6, &err), 0);
     assert_memory_not_equal(x, g, N * 4);
     /* dropout2d: whole groups of 25 */
     for (int i = 0; i < N; i++)
         x[i] = 1.0f;
-    assert_int_equal(stk_dropout(be, x, N, 25, 0.5f, k, 1, &err), 0);
+    assert_int_equal(stk_dropout(be, x, N, 0, 25, 0.5f, k, 1, &err), 0);
     for (int i = 0; i < N; i += 25)
         for (int j = 1; j < 25; j++)
             assert_true(x[i + j] == x[i]);
@@ -642,10 +642,24 @@ static void dropout_rates_and_groups(void **state)
         assert_true(x[i] == stk_dropout_scale1(k, 1, (size_t)i, 25, 0.5f));
     for (int i = 0; i < N; i++)
         g[i] = 1.0f;
-    assert_int_equal(stk_dropout(be, g, N, 1, 0.3f, k, 9, &err), 0);
+    assert_int_equal(stk_dropout(be, g, N, 0, 1, 0.3f, k, 9, &err), 0);
     for (int i = 0; i < N; i++)
         assert_true(g[i] == stk_dropout_scale1(k, 9, (size_t)i, 1, 0.3f));
-    assert_int_equal(stk_dropout(be, x, N, 1, 1.0f, k, 1, &err), STK_EINVAL);
+    assert_int_equal(stk_dropout(be, x, N, 0, 1, 1.0f, k, 1, &err), STK_EINVAL);
+    /* in pieces (first > 0, groups of 25 and single elements, pieces that
+     * start inside a Philox block of 4 groups): the same as in one call */
+    size_t cuts[] = {0, 25 * 3, 25 * 401, 25 * 1000, N};
+    for (size_t group = 1; group <= 25; group += 24) {
+        for (int i = 0; i < N; i++)
+            x[i] = g[i] = 1.0f + (float)(i % 7);
+        assert_int_equal(stk_dropout(be, x, N, 0, group, 0.4f, k, 3, &err), 0);
+        for (int c = 0; c < 4; c++)
+            assert_int_equal(stk_dropout(be, g + cuts[c], cuts[c + 1] - cuts[c],
+                                         cuts[c], group, 0.4f, k, 3, &err), 0);
+        assert_memory_equal(x, g, N * 4);
+    }
+    assert_int_equal(stk_dropout(be, x, 10, 7, 25, 0.4f, k, 3, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "element 7 does not start a group of 25"));
     free(x);
     free(g);
 }

@@ -293,6 +293,61 @@ static void pieces_add_up_to_the_batch(void **state)
                  "%g (largest gradient %g)", worst, scale);
 }
 
+/* One train-mode step (dropout on) of the model in `text` on a fixed batch
+ * of n x 8 x 48 x 48: logits and gradients. */
+static void text_step(const char *text, int n, float *logits_out,
+                      float *grads_out, size_t *np)
+{
+    stk_model_spec spec;
+    stk_err err;
+    assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
+    stk_model *m;
+    assert_int_equal(stk_model_create(be, &spec, 8, 48, 48, 4, n, 3, &m, &err), 0);
+    float *x = malloc((size_t)n * 8 * 48 * 48 * sizeof *x);
+    int32_t y[64];
+    for (int i = 0; i < n * 8 * 48 * 48; i++)
+        x[i] = sinf((float)i * 0.23f);
+    for (int i = 0; i < n; i++)
+        y[i] = i % 4;
+    const float *logits;
+    float loss;
+    stk_philox_key key = {5, 6};
+    assert_int_equal(stk_model_forward(m, x, n, true, key, 2, &logits, &err), 0);
+    memcpy(logits_out, logits, (size_t)n * 4 * sizeof(float));
+    assert_int_equal(stk_xent(be, logits, y, n, 4, &loss, stk_model_dlogits(m), &err), 0);
+    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 2, false,
+                                        NULL, NULL, &err), 0);
+    *np = stk_model_param_count(m);
+    memcpy(grads_out, stk_model_grads(m), *np * sizeof(float));
+    stk_model_destroy(m);
+    free(x);
+}
+
+/* A conv, dropout2d and max-pool run piece by piece together (fused) give
+ * the same floats as the layers one after the other: here the relu
+ * between dropout and pool keeps them apart, and relu commutes with both
+ * the pool and dropout's non-negative scale. 12 samples: 12 pieces of the
+ * first conv (im2col, 5x5), 2 of the second (Winograd). */
+static void fused_pool_equals_layer_by_layer(void **state)
+{
+    (void)state;
+    enum { N = 12, MAXP = 40000 };
+    static float l1[N * 4], l2[N * 4], g1[MAXP], g2[MAXP];
+    size_t n1, n2;
+    const char *fused = "conv 8 5 pad=2\ndropout2d 0.5\npool 2\nrelu\n"
+                        "conv 16 3 pad=1\ndropout2d 0.3\npool 2\nrelu\n"
+                        "flatten\nlinear classes\n";
+    const char *apart = "conv 8 5 pad=2\ndropout2d 0.5\nrelu\npool 2\n"
+                        "conv 16 3 pad=1\ndropout2d 0.3\nrelu\npool 2\n"
+                        "flatten\nlinear classes\n";
+    text_step(fused, N, l1, g1, &n1);
+    text_step(apart, N, l2, g2, &n2);
+    assert_int_equal(n1, n2);
+    assert_true(n1 <= MAXP);
+    assert_memory_equal(l1, l2, sizeof l1);
+    assert_memory_equal(g1, g2, n1 * sizeof(float));
+}
+
 /* --conv im2col and the default Winograd compute the same cnn: logits and
  * gradients within float rounding of each other. */
 static void winograd_and_im2col_agree(void **state)
@@ -325,6 +380,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(whole_model_backward_matches_fd),
     cmocka_unit_test(winograd_model_backward_matches_fd),
     cmocka_unit_test(winograd_and_im2col_agree),
+    cmocka_unit_test(fused_pool_equals_layer_by_layer),
     cmocka_unit_test(cnn_results_do_not_depend_on_threads),
     cmocka_unit_test(pieces_add_up_to_the_batch),
 };
