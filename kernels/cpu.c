@@ -774,7 +774,6 @@ static int cpu_wino_input_grad(stk_backend *be, float *dv,
 
 /* Planes [b, e) of y (sample * cout + co): the plane's tiles, up to
  * LANES_MAX side by side through stk_wino_2d, plus the bias. */
-
 static void wino_output_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;

@@ -238,6 +238,37 @@ static double conv_loss(const double *v, void *ctx)
     return L;
 }
 
+/* The forward value L = sum g * y and the backward's dx and dW of one
+ * sample's convolution (weights w, bias b) against the direct double
+ * convolution and its central differences. */
+static void conv_matches_reference(const stk_conv_shape *s, int cout,
+                                   const float *x, const float *w,
+                                   const float *b, const float *g,
+                                   const float *y, const float *dx,
+                                   const float *dw, const char *what)
+{
+    size_t nx = (size_t)s->c * s->h * s->w, nw = (size_t)cout * s->c * s->kh * s->kw;
+    double *xd = malloc(nx * 8), *wd = malloc(nw * 8), bd[16],
+           *num = malloc((nw + nx) * 8);
+    to_double(x, xd, nx);
+    to_double(w, wd, nw);
+    to_double(b, bd, (size_t)cout);
+    conv_ctx c = {*s, cout, g, xd, wd, bd, 0};
+    double L = 0;
+    for (int i = 0; i < cout * s->oh * s->ow; i++)
+        L += (double)g[i] * y[i];
+    assert_true(fabs(L - conv_loss(xd, &c)) < 1e-4);
+    char name[64];
+    numgrad(conv_loss, xd, nx, &c, num);
+    snprintf(name, sizeof name, "%s dx", what);
+    near(dx, num, nx, 1e-5, name);
+    c.wrt = 1;
+    numgrad(conv_loss, wd, nw, &c, num);
+    snprintf(name, sizeof name, "%s dW", what);
+    near(dw, num, nw, 1e-5, name);
+    free(xd), free(wd), free(num);
+}
+
 static void conv_backward_matches_fd(void **state)
 {
     (void)state;
@@ -272,23 +303,13 @@ static void conv_backward_matches_fd(void **state)
         assert_int_equal(stk_gemm(be, true, false, K, HW, cout, 1, w, K, g, HW,
                                   0, dcol, HW, &err), 0);
         assert_int_equal(stk_col2im(be, dcol, &s, 1, dx, &err), 0);
+        conv_matches_reference(&s, cout, x, w, b, g, y, dx, dw, "conv");
         double *xd = malloc(nx * 8), *wd = malloc((size_t)cout * K * 8),
                bd[4], *num = malloc(((size_t)cout * K + nx) * 8);
         to_double(x, xd, nx);
         to_double(w, wd, (size_t)cout * K);
         to_double(b, bd, 4);
-        conv_ctx c = {s, cout, g, xd, wd, bd, 0};
-        /* the forward value: L from y equals the reference L */
-        double L = 0;
-        for (int i = 0; i < cout * HW; i++)
-            L += (double)g[i] * y[i];
-        assert_true(fabs(L - conv_loss(xd, &c)) < 1e-4);
-        numgrad(conv_loss, xd, nx, &c, num);
-        near(dx, num, nx, 1e-5, "conv dx");
-        c.wrt = 1;
-        numgrad(conv_loss, wd, (size_t)cout * K, &c, num);
-        near(dw, num, (size_t)cout * K, 1e-5, "conv dW");
-        c.wrt = 2;
+        conv_ctx c = {s, cout, g, xd, wd, bd, 2};
         numgrad(conv_loss, bd, 4, &c, num);
         near(db, num, 4, 1e-5, "conv db");
         free(x), free(w), free(g), free(col), free(dcol), free(dx), free(dw);
@@ -341,21 +362,12 @@ static void winograd_matches_fd(void **state)
         assert_int_equal(stk_wino_input_grad(be, v, &s, 1, dx, &err), 0);
         assert_int_equal(stk_wino_filter_grad(be, du, cout, s.c, dw, &err), 0);
         assert_int_equal(stk_bias_grad(be, g, db, 1, cout, HW, &err), 0);
-        double *xd = malloc(nx * 8), *wd = malloc(nw * 8), bd[4],
-               *num = malloc((nw + nx) * 8);
+        conv_matches_reference(&s, cout, x, w, b, g, y, dx, dw, "winograd");
+        double *xd = malloc(nx * 8), *wd = malloc(nw * 8), bd[4];
         to_double(x, xd, nx);
         to_double(w, wd, nw);
         to_double(b, bd, 4);
         conv_ctx c = {s, cout, g, xd, wd, bd, 0};
-        double L = 0;
-        for (int i = 0; i < cout * HW; i++)
-            L += (double)g[i] * y[i];
-        assert_true(fabs(L - conv_loss(xd, &c)) < 1e-4);
-        numgrad(conv_loss, xd, nx, &c, num);
-        near(dx, num, nx, 1e-5, "winograd dx");
-        c.wrt = 1;
-        numgrad(conv_loss, wd, nw, &c, num);
-        near(dw, num, nw, 1e-5, "winograd dW");
         /* every output against the direct double convolution */
         for (int i = 0; i < cout * HW; i++) {
             memset(g, 0, (size_t)cout * HW * 4);
@@ -366,7 +378,7 @@ static void winograd_matches_fd(void **state)
                 fail_msg("winograd y[%d]: %.7g, expected %.7g", i, y[i], want);
         }
         free(x), free(w), free(g), free(y), free(u), free(du), free(v), free(m);
-        free(dx), free(dw), free(xd), free(wd), free(num);
+        free(dx), free(dw), free(xd), free(wd);
     }
 }
 

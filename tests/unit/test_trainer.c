@@ -203,8 +203,39 @@ static void winograd_model_backward_matches_fd(void **state)
 
 enum { CNN_N = 16, CNN_PX = 28 * 28, CNN_PARAMS = 824326 };
 
-/* One train-mode step of the cnn on a batch of 16 Fashion-MNIST-sized
- * inputs (dropout on): the logits and the gradients it leaves. */
+/* A step of a model built from spec for inputs c x hw x hw and `classes`
+ * outputs: forward (train: dropout on, keyed {7, 9}, stream 3) and
+ * backward on n samples; the logits and the gradients it leaves, and the
+ * parameter count. */
+typedef struct step_shape {
+    int c, hw, classes, max_batch;
+} step_shape;
+
+static size_t model_step(stk_backend *b, const stk_model_spec *spec,
+                         step_shape sh, int n, const float *x,
+                         const int32_t *y, bool train, float *logits_out,
+                         float *grads_out)
+{
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_create(b, spec, sh.c, sh.hw, sh.hw, sh.classes,
+                                      sh.max_batch, 5, &m, &err), 0);
+    const float *logits;
+    float loss;
+    stk_philox_key key = {7, 9};
+    assert_int_equal(stk_model_forward(m, x, n, train, key, 3, &logits, &err), 0);
+    memcpy(logits_out, logits, (size_t)n * sh.classes * sizeof(float));
+    assert_int_equal(stk_xent(b, logits, y, n, sh.classes, &loss,
+                              stk_model_dlogits(m), &err), 0);
+    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, false,
+                                        NULL, NULL, &err), 0);
+    size_t np = stk_model_param_count(m);
+    memcpy(grads_out, stk_model_grads(m), np * sizeof(float));
+    stk_model_destroy(m);
+    return np;
+}
+
+/* One step of the cnn on a batch of up to 16 Fashion-MNIST-sized inputs. */
 static void cnn_step_conv(stk_backend *b, stk_conv_algo conv, int n,
                           const float *x, const int32_t *y, bool train,
                           float *logits_out, float *grads_out)
@@ -213,19 +244,9 @@ static void cnn_step_conv(stk_backend *b, stk_conv_algo conv, int n,
     stk_err err;
     assert_int_equal(stk_model_builtin("cnn", &spec, &err), 0);
     spec.conv = conv;
-    stk_model *m;
-    assert_int_equal(stk_model_create(b, &spec, 1, 28, 28, 10, 16, 5, &m, &err), 0);
-    assert_int_equal(stk_model_param_count(m), CNN_PARAMS);
-    const float *logits;
-    float loss;
-    stk_philox_key key = {7, 9};
-    assert_int_equal(stk_model_forward(m, x, n, train, key, 3, &logits, &err), 0);
-    memcpy(logits_out, logits, (size_t)n * 10 * sizeof(float));
-    assert_int_equal(stk_xent(b, logits, y, n, 10, &loss, stk_model_dlogits(m), &err), 0);
-    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, false,
-                                        NULL, NULL, &err), 0);
-    memcpy(grads_out, stk_model_grads(m), stk_model_param_count(m) * sizeof(float));
-    stk_model_destroy(m);
+    assert_int_equal(model_step(b, &spec, (step_shape){1, 28, 10, 16}, n, x, y,
+                                train, logits_out, grads_out),
+                     CNN_PARAMS);
 }
 
 static void cnn_step(stk_backend *b, int n, const float *x, const int32_t *y,
@@ -301,25 +322,14 @@ static void text_step(const char *text, int n, float *logits_out,
     stk_model_spec spec;
     stk_err err;
     assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
-    stk_model *m;
-    assert_int_equal(stk_model_create(be, &spec, 8, 48, 48, 4, n, 3, &m, &err), 0);
     float *x = malloc((size_t)n * 8 * 48 * 48 * sizeof *x);
     int32_t y[64];
     for (int i = 0; i < n * 8 * 48 * 48; i++)
         x[i] = sinf((float)i * 0.23f);
     for (int i = 0; i < n; i++)
         y[i] = i % 4;
-    const float *logits;
-    float loss;
-    stk_philox_key key = {5, 6};
-    assert_int_equal(stk_model_forward(m, x, n, true, key, 2, &logits, &err), 0);
-    memcpy(logits_out, logits, (size_t)n * 4 * sizeof(float));
-    assert_int_equal(stk_xent(be, logits, y, n, 4, &loss, stk_model_dlogits(m), &err), 0);
-    assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 2, false,
-                                        NULL, NULL, &err), 0);
-    *np = stk_model_param_count(m);
-    memcpy(grads_out, stk_model_grads(m), *np * sizeof(float));
-    stk_model_destroy(m);
+    *np = model_step(be, &spec, (step_shape){8, 48, 4, n}, n, x, y, true,
+                     logits_out, grads_out);
     free(x);
 }
 
