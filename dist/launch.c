@@ -56,6 +56,7 @@ typedef struct launcher {
     int failed;        /* index of the first rank that failed, -1 */
     int interrupts;
     bool stopping;     /* ranks were asked to stop */
+    bool killing;      /* and the grace period ran out: SIGKILL sent */
     char remote_reason[512]; /* the loop thread's copy */
     uv_mutex_t mu;             /* guards pending_reason */
     char pending_reason[512];  /* written by the watcher thread */
@@ -136,6 +137,7 @@ static void signal_all(launcher *l, int sig)
 static void on_grace_over(uv_timer_t *t)
 {
     launcher *l = t->data;
+    l->killing = true;
     signal_all(l, SIGKILL);
 }
 
@@ -184,6 +186,14 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
      * did not fail */
     bool interrupted = (l->interrupts > 0 && (status == 130 || sig == SIGINT)) ||
                        (l->interrupts > 1 && sig == SIGKILL);
+    /* the cause: the first rank to fail, unless it only exited with an
+     * error and a rank dies of a signal that is not the launcher's (a rank
+     * that sees its peer die in a collective exits with status 1, maybe
+     * before the launcher hears of the peer's SIGKILL) */
+    bool ours = l->stopping && (sig == SIGTERM || (sig == SIGKILL && l->killing));
+    if (bad && !interrupted && !ours && sig && l->failed >= 0 &&
+        !l->r[l->failed].signal)
+        l->failed = (int)(rp - l->r);
     if (bad && !interrupted && l->failed < 0 && !l->remote_reason[0]) {
         l->failed = (int)(rp - l->r);
         char why[256];

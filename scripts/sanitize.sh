@@ -15,7 +15,7 @@ cmake --build "$dir" -j "$(nproc)"
 cd "$dir"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$(cd .. && pwd)/scripts/tsan.supp"
 # The peer tests (stoke against PyTorch) check numbers, not memory or
 # threads, and take minutes under the sanitizers: the plain run covers them.
 skip=(-LE peer)
