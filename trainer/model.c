@@ -240,8 +240,9 @@ static void fuse_pool(stk_model *m, int i)
         return;
     m->l[i].pool_at = j;
     m->l[i].drop_at = d;
-    m->l[j].fused = m->l[d].fused = true; /* l[0] is a conv: not fused */
-    m->l[0].fused = false;
+    m->l[j].fused = true;
+    if (d)
+        m->l[d].fused = true;
 }
 
 int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
