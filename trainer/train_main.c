@@ -58,6 +58,9 @@ static const char usage[] =
     "  --master-port P     the store's port (default: a free one on one node)\n"
     "  --log-all-ranks     relay every rank's output, not only rank 0's\n"
     "  --bucket-mb MB      DDP gradient bucket size (default 25)\n"
+    "  --bind cpus|none    CPU ranks on disjoint CPUs of this machine (default\n"
+    "                      cpus, where their threads fit) or wherever the OS\n"
+    "                      runs them\n"
     "  --timeout S         give up waiting for other ranks after S seconds (300)\n";
 
 static int num_i(const char *flag, const char *s, long lo, long hi, int *out)
@@ -81,7 +84,7 @@ static int choose(const char *flag, const char *s, const char *const *names,
 typedef struct dist_opts {
     int nproc, ngpus, gpus[64], nnodes, node_rank, master_port;
     const char *master_addr;
-    bool log_all_ranks, gpus_given;
+    bool log_all_ranks, gpus_given, no_bind;
 } dist_opts;
 
 /* --gpus N (the first N) or a list I,J,... of device ids. */
@@ -118,7 +121,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
            O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
-           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV };
+           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
         {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
@@ -137,12 +140,13 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"node-rank", 1, 0, O_NODE}, {"master-addr", 1, 0, O_MADDR},
         {"master-port", 1, 0, O_MPORT}, {"log-all-ranks", 0, 0, O_LOGALL},
         {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
-        {"conv", 1, 0, O_CONV},
+        {"conv", 1, 0, O_CONV}, {"bind", 1, 0, O_BIND},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
     static const char *const optims[] = {"sgd", "adamw"};
     static const char *const scheds[] = {"constant", "step", "cosine"};
     static const char *const convs[] = {"auto", "im2col"};
+    static const char *const binds[] = {"cpus", "none"};
     int ch, rc = 0, v;
     opterr = 0;
     while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
@@ -186,6 +190,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_BUCKET: rc = num_f("--bucket-mb", optarg, 0.001, 4096, &o->bucket_mb); break;
         case O_TIMEOUT: rc = num_i("--timeout", optarg, 1, 1 << 20, &o->timeout_s); break;
         case O_CONV: rc = choose("--conv", optarg, convs, 2, &v); o->conv = (stk_conv_algo)v; break;
+        case O_BIND: rc = choose("--bind", optarg, binds, 2, &v); d->no_bind = v == 1; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
         default:
@@ -224,6 +229,30 @@ static int check_dist(stk_train_opts *o, dist_opts *d)
     return 0;
 }
 
+/* Puts this CPU rank on its own CPUs: the local_rank-th group of threads
+ * CPUs among those it may use. A rank's loader and communication threads
+ * then take time from its own compute thread, the same on every rank;
+ * left to the scheduler, they land on a peer's core now and then, and the
+ * ranks, which meet at every step, wait for the one that lost time. Left
+ * alone where the ranks' threads outnumber the CPUs, or where each rank
+ * was already given fewer (srun --cpu-bind, taskset). The threads started
+ * after this inherit it. */
+static void bind_rank(int threads, const stk_rank_info *ri)
+{
+    cpu_set_t usable, mine;
+    if (sched_getaffinity(0, sizeof usable, &usable) != 0 ||
+        (long)threads * ri->local_world > CPU_COUNT(&usable))
+        return;
+    CPU_ZERO(&mine);
+    int first = ri->local_rank * threads, k = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE && k < first + threads; cpu++)
+        if (CPU_ISSET(cpu, &usable) && k++ >= first)
+            CPU_SET(cpu, &mine);
+    if (sched_setaffinity(0, sizeof mine, &mine) != 0)
+        fprintf(stderr, "train: rank %d: cannot bind to its CPUs (%s); running "
+                        "unbound\n", ri->rank, strerror(errno));
+}
+
 /* This rank's device and threads, from its place on the node. */
 static int place_rank(stk_train_opts *o, const dist_opts *d,
                       const stk_rank_info *ri)
@@ -252,6 +281,8 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
         o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
     }
+    if (o->device == STK_DEV_CPU && ri->local_world > 1 && !d->no_bind)
+        bind_rank(o->threads ? o->threads : 1, ri);
     /* started by a launcher: die with it, never outlive it */
     const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (lp) {

@@ -91,6 +91,18 @@ wait_for_step killed
 R1=$(rank_pid $L 1)
 R0=$(rank_pid $L 0)
 [ -n "$R1" ] && [ -n "$R0" ] || fail "ranks of launcher $L not found"
+# ranks on their own CPUs (--bind cpus, the default): disjoint halves of
+# this shell's CPUs where there are at least 2 (CPUS_OF: a pid's CPUs)
+cpus_of() { $PY -c "import os, sys; print(*sorted(os.sched_getaffinity(int(sys.argv[1]))))" "$1"; }
+$PY - "$(cpus_of $$)" "$(cpus_of "$R0")" "$(cpus_of "$R1")" <<'PY' || fail "--bind cpus"
+import sys
+usable, r0, r1 = (set(s.split()) for s in sys.argv[1:])
+if len(usable) >= 2:
+    assert not r0 & r1 and r0 | r1 <= usable and len(r0) == len(r1) == len(usable) // 2, sys.argv
+else:
+    assert r0 == r1 == usable, sys.argv
+PY
+ok "ranks bound to disjoint CPUs: rank 0 on $(cpus_of "$R0"), rank 1 on $(cpus_of "$R1")"
 start=$(date +%s.%N)
 kill -9 "$R1"
 rc=0
@@ -103,6 +115,16 @@ for p in $R0 $R1; do
   ! kill -0 "$p" 2>/dev/null || fail "process $p is still there"
 done
 ok "killed rank 1: the job ended in $took s (exit $rc), naming it, no process left"
+"$T" "${common[@]}" --nproc 2 --batch 64 --epochs 20 --log-every 2 --out unbound \
+  --bind none > unbound.out 2>&1 &
+L=$!
+wait_for_step unbound
+for k in 0 1; do
+  [ "$(cpus_of "$(rank_pid $L $k)")" = "$(cpus_of $$)" ] || fail "--bind none: rank $k"
+done
+kill -TERM $L
+wait $L || true
+ok "--bind none: both ranks on all of this shell's CPUs"
 
 # ---- Ctrl-C, then --resume auto: the same weights as without a stop -----------
 run=(--nproc 2 --batch 64 --epochs 2 --log-every 1)
