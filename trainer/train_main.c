@@ -229,30 +229,6 @@ static int check_dist(stk_train_opts *o, dist_opts *d)
     return 0;
 }
 
-/* Puts this CPU rank on its own CPUs: the local_rank-th group of threads
- * CPUs among those it may use. A rank's loader and communication threads
- * then take time from its own compute thread, the same on every rank;
- * left to the scheduler, they land on a peer's core now and then, and the
- * ranks, which meet at every step, wait for the one that lost time. Left
- * alone where the ranks' threads outnumber the CPUs, or where each rank
- * was already given fewer (srun --cpu-bind, taskset). The threads started
- * after this inherit it. */
-static void bind_rank(int threads, const stk_rank_info *ri)
-{
-    cpu_set_t usable, mine;
-    if (sched_getaffinity(0, sizeof usable, &usable) != 0 ||
-        (long)threads * ri->local_world > CPU_COUNT(&usable))
-        return;
-    CPU_ZERO(&mine);
-    int first = ri->local_rank * threads, k = 0;
-    for (int cpu = 0; cpu < CPU_SETSIZE && k < first + threads; cpu++)
-        if (CPU_ISSET(cpu, &usable) && k++ >= first)
-            CPU_SET(cpu, &mine);
-    if (sched_setaffinity(0, sizeof mine, &mine) != 0)
-        fprintf(stderr, "train: rank %d: cannot bind to its CPUs (%s); running "
-                        "unbound\n", ri->rank, strerror(errno));
-}
-
 /* This rank's device and threads, from its place on the node. */
 static int place_rank(stk_train_opts *o, const dist_opts *d,
                       const stk_rank_info *ri)
@@ -281,8 +257,10 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
         o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
     }
-    if (o->device == STK_DEV_CPU && ri->local_world > 1 && !d->no_bind)
-        bind_rank(o->threads ? o->threads : 1, ri);
+    stk_err e;
+    if (o->device == STK_DEV_CPU && !d->no_bind &&
+        stk_rank_bind_cpus(ri, o->threads, &e) < 0) /* a note; it still runs */
+        fprintf(stderr, "train: %s; running unbound\n", e.msg);
     /* started by a launcher: die with it, never outlive it */
     const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (lp) {

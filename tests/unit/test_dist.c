@@ -1,13 +1,15 @@
 /* test_dist - the rendezvous store (set, get that waits, add, barrier,
  * timeouts, a taken port), the shared-memory collectives between forked
  * rank processes (all-reduce bitwise equal to the rank-order sum on every
- * rank, average, broadcast, a peer that dies), and the DDP bucket plan. */
+ * rank, average, broadcast, a peer that dies), the DDP bucket plan, and
+ * the CPU ranks' binding to disjoint CPUs. */
 #include "unit.h"
 
 #include "dist/dist.h"
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -277,6 +279,54 @@ static void ddp_buckets_last_layers_first(void **state)
     stk_backend_destroy(be);
 }
 
+/* The CPU this thread is bound to after binding local rank `rank` of two
+ * within `cpus` (-2: more than one); the thread's affinity is restored. */
+static int bound_cpu(const cpu_set_t *cpus, int rank, int threads, int *bound)
+{
+    stk_rank_info ri = {.rank = rank, .world = 2, .local_rank = rank,
+                        .local_world = 2};
+    stk_err err;
+    cpu_set_t orig, got;
+    assert_int_equal(sched_getaffinity(0, sizeof orig, &orig), 0);
+    assert_int_equal(sched_setaffinity(0, sizeof *cpus, cpus), 0);
+    *bound = stk_rank_bind_cpus(&ri, threads, &err);
+    assert_int_equal(sched_getaffinity(0, sizeof got, &got), 0);
+    assert_int_equal(sched_setaffinity(0, sizeof orig, &orig), 0);
+    int cpu = -1;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &got))
+            cpu = CPU_COUNT(&got) == 1 ? c : -2;
+    return cpu;
+}
+
+static void cpu_ranks_bound_to_disjoint_cpus(void **state)
+{
+    (void)state;
+    cpu_set_t all, two;
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    CPU_ZERO(&two); /* the first two CPUs this process may use */
+    for (int c = 0, n = 0; c < CPU_SETSIZE && n < 2; c++)
+        if (CPU_ISSET(c, &all)) {
+            CPU_SET(c, &two);
+            n++;
+        }
+    int b0, b1, b2;
+    int c0 = bound_cpu(&two, 0, 1, &b0), c1 = bound_cpu(&two, 1, 1, &b1);
+    int c2 = bound_cpu(&two, 1, 2, &b2); /* 2 ranks x 2 threads */
+    if (CPU_COUNT(&two) < 2) { /* one CPU: two ranks never fit */
+        assert_true(b0 == 0 && b1 == 0 && c0 == c1);
+        return;
+    }
+    assert_true(b0 == 1 && b1 == 1);
+    assert_true(c0 >= 0 && c1 >= 0 && c0 != c1);
+    assert_true(CPU_ISSET(c0, &two) && CPU_ISSET(c1, &two));
+    assert_int_equal(b2, 0); /* left alone: both CPUs still allowed */
+    assert_int_equal(c2, -2);
+    stk_rank_info one = {.world = 1, .local_world = 1};
+    stk_err err;
+    assert_int_equal(stk_rank_bind_cpus(&one, 1, &err), 0);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(store_set_get_add),
     cmocka_unit_test(store_timeouts_and_taken_port),
@@ -284,6 +334,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(shm_collectives_three_ranks),
     cmocka_unit_test(shm_dead_peer_ends_the_wait),
     cmocka_unit_test(ddp_buckets_last_layers_first),
+    cmocka_unit_test(cpu_ranks_bound_to_disjoint_cpus),
 };
 
 UNIT_MAIN(tests)
