@@ -39,7 +39,9 @@
 #endif
 
 enum {
-    CHUNK_FLOATS = 1 << 18, /* 1 MiB per slot: small enough for /dev/shm */
+    SEGMENT_BYTES = 32 << 20, /* the slots' share of /dev/shm (64 MiB in Docker) */
+    CHUNK_MIN = 1 << 18,      /* floats per slot, 1 to 4 MiB: small worlds */
+    CHUNK_MAX = 1 << 20,      /* reduce a 25 MB bucket in 6 rounds, not 24 */
     HEADER_BYTES = 4096,
     SPIN_ROUNDS = 20000,
     CHECK_MS = 20 /* how often a waiter looks at its peers */
@@ -56,7 +58,8 @@ typedef struct shm_header {
 
 struct shm_comm {
     shm_header *h;
-    float *base; /* 2 sets of (world slots + 1 result), CHUNK_FLOATS each */
+    float *base; /* 2 sets of (world slots + 1 result), chunk floats each */
+    size_t chunk;
     size_t bytes;
     int rank, world, timeout_ms;
     unsigned parity;
@@ -65,7 +68,7 @@ struct shm_comm {
 
 static float *slot(shm_comm *s, unsigned set, int r)
 {
-    return s->base + ((size_t)set * (s->world + 1) + (size_t)r) * CHUNK_FLOATS;
+    return s->base + ((size_t)set * (s->world + 1) + (size_t)r) * s->chunk;
 }
 
 static float *result(shm_comm *s, unsigned set) { return slot(s, set, s->world); }
@@ -176,8 +179,8 @@ int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
                   stk_err *err)
 {
     float scale = op == STK_AVG ? 1.0f / (float)s->world : 1.0f;
-    for (size_t off = 0; off < n; off += CHUNK_FLOATS) {
-        size_t len = n - off < CHUNK_FLOATS ? n - off : CHUNK_FLOATS;
+    for (size_t off = 0; off < n; off += s->chunk) {
+        size_t len = n - off < s->chunk ? n - off : s->chunk;
         unsigned set = s->parity++ & 1;
         memcpy(slot(s, set, s->rank), buf + off, len * sizeof(float));
         int rc = barrier(s, err);
@@ -195,7 +198,7 @@ int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
 int shm_broadcast(shm_comm *s, void *buf, size_t bytes, int root,
                   stk_err *err)
 {
-    const size_t chunk = CHUNK_FLOATS * sizeof(float);
+    const size_t chunk = s->chunk * sizeof(float);
     for (size_t off = 0; off < bytes; off += chunk) {
         size_t len = bytes - off < chunk ? bytes - off : chunk;
         unsigned set = s->parity++ & 1;
@@ -301,7 +304,13 @@ int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
     s->rank = rank;
     s->world = world;
     s->timeout_ms = timeout_ms;
-    s->bytes = HEADER_BYTES + 2 * (size_t)(world + 1) * CHUNK_FLOATS * sizeof(float);
+    /* fewer, larger rounds: each has two barriers, where a rank whose peer
+     * is not running yet sleeps and is woken (2-3% of the cnn's step on 2
+     * cores, docs/benchmarks.md); every rank derives the same size */
+    size_t chunk = SEGMENT_BYTES / (2 * (size_t)(world + 1) * sizeof(float));
+    chunk = chunk > CHUNK_MAX ? CHUNK_MAX : chunk < CHUNK_MIN ? CHUNK_MIN : chunk;
+    s->chunk = chunk & ~(size_t)1023; /* whole pages */
+    s->bytes = HEADER_BYTES + 2 * (size_t)(world + 1) * s->chunk * sizeof(float);
     int fd = -1;
     int rc = same_machine(kv, rank, timeout_ms, err);
     if (!rc)

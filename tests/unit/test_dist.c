@@ -125,7 +125,7 @@ static void store_timeouts_and_taken_port(void **state)
 
 /* ---- collectives between forked ranks ---------------------------------- */
 
-enum { N = 700001 }; /* spans several 1 MiB chunks, and an odd tail */
+enum { N = 2500001 }; /* spans several 4 MiB chunks, and an odd tail */
 
 static float value(int rank, size_t i)
 {
