@@ -48,9 +48,12 @@ static int by_topology(const void *a, const void *b)
 int stk_rank_bind_cpus(const stk_rank_info *ri, int threads, stk_err *err)
 {
     cpu_set_t usable, mine;
-    if (ri->local_world < 2 || threads < 1 ||
-        sched_getaffinity(0, sizeof usable, &usable) != 0 ||
-        (long)threads * ri->local_world > CPU_COUNT(&usable))
+    if (ri->local_world < 2 || sched_getaffinity(0, sizeof usable, &usable) != 0)
+        return 0;
+    /* an equal share each, not just `threads` CPUs: the loader's workers
+     * use the rest of it */
+    int group = CPU_COUNT(&usable) / ri->local_world;
+    if (group < 1 || group < threads)
         return 0;
     cpu_key *keys = malloc((size_t)CPU_COUNT(&usable) * sizeof *keys);
     if (!keys)
@@ -62,7 +65,7 @@ int stk_rank_bind_cpus(const stk_rank_info *ri, int threads, stk_err *err)
                                   topology(cpu, "core_id", cpu), cpu};
     qsort(keys, (size_t)n, sizeof *keys, by_topology);
     CPU_ZERO(&mine);
-    for (int k = ri->local_rank * threads; k < (ri->local_rank + 1) * threads; k++)
+    for (int k = ri->local_rank * group; k < (ri->local_rank + 1) * group; k++)
         CPU_SET(keys[k].cpu, &mine);
     free(keys);
     if (sched_setaffinity(0, sizeof mine, &mine) != 0)

@@ -257,10 +257,6 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
         o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
     }
-    stk_err e;
-    if (o->device == STK_DEV_CPU && !d->no_bind &&
-        stk_rank_bind_cpus(ri, o->threads, &e) < 0) /* a note; it still runs */
-        fprintf(stderr, "train: %s; running unbound\n", e.msg);
     /* started by a launcher: die with it, never outlive it */
     const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (lp) {
@@ -268,6 +264,12 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         if (getppid() != (pid_t)atol(lp))
             return -1; /* it is already gone */
     }
+    /* the launcher's CPU ranks share its CPUs out; ranks srun started
+     * are placed by srun's own --cpu-bind */
+    stk_err e;
+    if (lp && o->device == STK_DEV_CPU && !d->no_bind &&
+        stk_rank_bind_cpus(ri, o->threads, &e) < 0) /* a note; it still runs */
+        fprintf(stderr, "train: %s; running unbound\n", e.msg);
     return 0;
 }
 
