@@ -44,9 +44,9 @@ int stk_rank_from_env(stk_rank_info *out, stk_err *err);
 /* Binds the calling thread, and the threads it starts later, to this CPU
  * rank's share of the CPUs it may use: the local_rank-th of local_world
  * equal groups, in topology order. Returns 1 when bound, 0 when left
- * alone (one rank on the node, or a share holds fewer CPUs than the
- * rank's compute threads, as where srun --cpu-bind or taskset already
- * gave each rank its own). */
+ * alone (one rank on the node, or a share would hold fewer CPUs than the
+ * rank's compute threads). For ranks a launcher started: srun places the
+ * ones it starts itself. */
 int stk_rank_bind_cpus(const stk_rank_info *ri, int threads, stk_err *err);
 
 /* ---- rendezvous store (TCP key-value, like torch's TCPStore) -------------- */
