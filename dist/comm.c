@@ -72,6 +72,13 @@ int comm_allreduce_after(stk_comm *c, int slot, float *buf, size_t n,
     return stk_comm_allreduce(c, buf, n, op, err);
 }
 
+int stk_comm_resident(stk_comm *c, stk_kv *kv, size_t n, float **out,
+                      stk_err *err)
+{
+    *out = NULL;
+    return c->shm ? shm_resident(c->shm, kv, n, out, err) : 0;
+}
+
 int stk_comm_broadcast(stk_comm *c, void *buf, size_t bytes, int root,
                        stk_err *err)
 {

@@ -18,6 +18,8 @@ int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
 int shm_broadcast(shm_comm *s, void *buf, size_t bytes, int root,
                   stk_err *err);
 int shm_barrier(shm_comm *s, stk_err *err);
+/* stk_comm_resident on shared memory. */
+int shm_resident(shm_comm *s, stk_kv *kv, size_t n, float **out, stk_err *err);
 
 typedef struct nccl_comm nccl_comm;
 

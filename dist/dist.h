@@ -111,6 +111,15 @@ int stk_comm_allreduce(stk_comm *c, float *buf, size_t n, stk_reduce op,
                        stk_err *err);
 int stk_comm_broadcast(stk_comm *c, void *buf, size_t bytes, int root,
                        stk_err *err);
+/* Memory for n floats that the all-reduce sums without copying: on shared
+ * memory, this rank's part of a segment every rank maps, so reducing a
+ * range of it sums the parts where they lie (DDP's gradients). Every rank
+ * calls it with the same n, once per group; the memory lives until
+ * stk_comm_destroy. *out is NULL, and it is no error, where there is none:
+ * NCCL, a world of one, or /dev/shm without room for world x n floats
+ * (the caller keeps its own buffer, which the all-reduce copies). */
+int stk_comm_resident(stk_comm *c, stk_kv *kv, size_t n, float **out,
+                      stk_err *err);
 int stk_comm_barrier(stk_comm *c, stk_err *err);
 
 /* ---- DDP gradient buckets -------------------------------------------------- */

@@ -9,6 +9,11 @@
  * third barrier unnecessary: a set is written again only after every rank
  * has passed a barrier that follows its last read of it.
  *
+ * A resident buffer (DDP's gradients) lives in a second segment, one part
+ * per rank at the same offsets. Reducing a range of it needs no copies: a
+ * barrier, each rank sums its slice of the range over the parts and writes
+ * the result into every part, a barrier.
+ *
  * The barrier is a generation counter in the segment; waiters spin briefly,
  * then sleep on it with futex. While waiting they check, every few
  * milliseconds, the abort flag, the timeout and whether every peer process
@@ -27,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,6 +49,7 @@ enum {
     CHUNK_MIN = 1 << 18,      /* floats per slot, 1 to 4 MiB: small worlds */
     CHUNK_MAX = 1 << 20,      /* reduce a 25 MB bucket in 6 rounds, not 24 */
     HEADER_BYTES = 4096,
+    SUM_BLOCK = 2048, /* floats summed at a time: they stay in L1 */
     SPIN_ROUNDS = 20000,
     CHECK_MS = 20 /* how often a waiter looks at its peers */
 };
@@ -63,7 +70,9 @@ struct shm_comm {
     size_t bytes;
     int rank, world, timeout_ms;
     unsigned parity;
-    char name[128]; /* rank 0: the segment's name until it is unlinked */
+    float *res;        /* the resident segment: world parts, stride apart */
+    size_t res_n, res_stride, res_bytes;
+    unsigned res_calls; /* names each call's keys in the store */
 };
 
 static float *slot(shm_comm *s, unsigned set, int r)
@@ -157,28 +166,57 @@ static int barrier(shm_comm *s, stk_err *err)
 
 int shm_barrier(shm_comm *s, stk_err *err) { return barrier(s, err); }
 
-/* Sums slice [b, e) of the chunk over the slots, in rank order. */
-static void reduce_slice(shm_comm *s, unsigned set, size_t b, size_t e,
-                         float scale)
+/* out[0][b, e) = the sum of in[0..world)[b, e) in rank order, times
+ * scale, copied to out[1..nout) too. out[0] may be in[0]. Both paths sum
+ * here, so every element gets the same arithmetic. */
+static void sum_slice(float *const *in, int world, float *const *out,
+                      int nout, size_t b, size_t e, float scale)
 {
-    float *out = result(s, set);
-    const float *first = slot(s, set, 0);
-    for (size_t i = b; i < e; i++)
-        out[i] = first[i];
-    for (int r = 1; r < s->world; r++) {
-        const float *in = slot(s, set, r);
-        for (size_t i = b; i < e; i++)
-            out[i] += in[i];
+    float *o = out[0];
+    for (size_t lo = b; lo < e; lo += SUM_BLOCK) {
+        size_t hi = e - lo < SUM_BLOCK ? e : lo + SUM_BLOCK;
+        if (o != in[0])
+            memcpy(o + lo, in[0] + lo, (hi - lo) * sizeof *o);
+        for (int r = 1; r < world; r++) {
+            const float *x = in[r];
+            for (size_t i = lo; i < hi; i++)
+                o[i] += x[i];
+        }
+        if (scale != 1.0f)
+            for (size_t i = lo; i < hi; i++)
+                o[i] *= scale;
+        for (int k = 1; k < nout; k++)
+            memcpy(out[k] + lo, o + lo, (hi - lo) * sizeof *o);
     }
-    if (scale != 1.0f)
-        for (size_t i = b; i < e; i++)
-            out[i] *= scale;
+}
+
+/* [off, off + n) of the resident buffer, summed in place in every part. */
+static int resident_allreduce(shm_comm *s, size_t off, size_t n, float scale,
+                              stk_err *err)
+{
+    float *part[STK_MAX_RANKS];
+    for (int r = 0; r < s->world; r++)
+        part[r] = s->res + (size_t)r * s->res_stride;
+    int rc = barrier(s, err); /* every part's range is final */
+    if (rc)
+        return rc;
+    size_t b = off + n * (size_t)s->rank / (size_t)s->world;
+    size_t e = off + n * (size_t)(s->rank + 1) / (size_t)s->world;
+    sum_slice(part, s->world, part, s->world, b, e, scale);
+    return barrier(s, err); /* every slice is everywhere */
 }
 
 int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
                   stk_err *err)
 {
     float scale = op == STK_AVG ? 1.0f / (float)s->world : 1.0f;
+    float *mine = s->res ? s->res + (size_t)s->rank * s->res_stride : NULL;
+    if (mine && buf >= mine && buf < mine + s->res_n) {
+        if (n > s->res_n - (size_t)(buf - mine))
+            return stk_fail(err, STK_EINVAL, "all-reduce: %zu floats run past "
+                                             "the resident buffer", n);
+        return resident_allreduce(s, (size_t)(buf - mine), n, scale, err);
+    }
     for (size_t off = 0; off < n; off += s->chunk) {
         size_t len = n - off < s->chunk ? n - off : s->chunk;
         unsigned set = s->parity++ & 1;
@@ -186,8 +224,11 @@ int shm_allreduce(shm_comm *s, float *buf, size_t n, stk_reduce op,
         int rc = barrier(s, err);
         if (rc)
             return rc;
-        reduce_slice(s, set, len * (size_t)s->rank / (size_t)s->world,
-                     len * (size_t)(s->rank + 1) / (size_t)s->world, scale);
+        float *in[STK_MAX_RANKS], *out = result(s, set);
+        for (int r = 0; r < s->world; r++)
+            in[r] = slot(s, set, r);
+        sum_slice(in, s->world, &out, 1, len * (size_t)s->rank / (size_t)s->world,
+                  len * (size_t)(s->rank + 1) / (size_t)s->world, scale);
         if ((rc = barrier(s, err)))
             return rc;
         memcpy(buf + off, result(s, set), len * sizeof(float));
@@ -252,42 +293,81 @@ static int same_machine(stk_kv *kv, int rank, int timeout_ms, stk_err *err)
     return rc;
 }
 
-/* Rank 0 creates the segment and publishes its name; the rest open it. */
-static int open_segment(shm_comm *s, stk_kv *kv, int timeout_ms, int *fd,
-                        stk_err *err)
+/* Whether an optional segment of `bytes` leaves /dev/shm at least half
+ * free: other programs (PyTorch's loaders, say) live there too. */
+static bool room_for(size_t bytes)
 {
-    char name[128];
-    if (s->rank == 0) {
-        snprintf(name, sizeof name, "/stoke-%d-%llx", (int)getpid(),
+    struct statvfs v;
+    if (statvfs("/dev/shm", &v) != 0)
+        return false;
+    return bytes <= (size_t)v.f_bavail * v.f_frsize / 2;
+}
+
+/* Rank 0 creates a segment of `bytes` and publishes its name under `key`;
+ * every rank maps it at *map. An optional one that /dev/shm has no room
+ * for is published as "" and *map is NULL on every rank. Rank 0's `name`
+ * holds the segment's name, for unmapped() to unlink. */
+static int map_segment(shm_comm *s, stk_kv *kv, const char *key, size_t bytes,
+                       bool optional, void **map, char name[128], stk_err *err)
+{
+    *map = NULL;
+    name[0] = '\0';
+    int fd = -1, rc = 0;
+    if (s->rank == 0 && !(optional && !room_for(bytes))) {
+        snprintf(name, 128, "/stoke-%d-%llx", (int)getpid(),
                  (unsigned long long)(stk_now() * 1e6));
-        *fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (*fd < 0)
+        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0)
             return stk_fail(err, STK_EIO, "shared memory %s: %s", name,
                             strerror(errno));
-        snprintf(s->name, sizeof s->name, "%s", name); /* shm_destroy unlinks */
         int e;
-        while ((e = posix_fallocate(*fd, 0, (off_t)s->bytes)) == EINTR)
+        while ((e = posix_fallocate(fd, 0, (off_t)bytes)) == EINTR)
             ; /* a Ctrl-C during startup */
         if (e) {
-            close(*fd);
+            close(fd);
+            shm_unlink(name);
             return stk_fail(err, e == ENOSPC ? STK_ENOSPACE : STK_EIO,
                             "shared memory: cannot reserve %zu MiB in /dev/shm "
                             "for the collectives: %s",
-                            s->bytes >> 20, strerror(e));
+                            bytes >> 20, strerror(e));
         }
-        return stk_kv_set(kv, "shm/name", name, strlen(name), err);
     }
-    void *v;
-    size_t n;
-    int rc = stk_kv_get(kv, "shm/name", timeout_ms, &v, &n, err);
-    if (rc)
-        return rc;
-    snprintf(name, sizeof name, "%s", (char *)v);
-    free(v);
-    *fd = shm_open(name, O_RDWR | O_CLOEXEC, 0600);
-    return *fd < 0 ? stk_fail(err, STK_EIO, "shared memory %s: %s", name,
-                              strerror(errno))
-                   : 0;
+    if (s->rank == 0)
+        rc = stk_kv_set(kv, key, name, strlen(name), err);
+    else {
+        void *v;
+        size_t n;
+        if ((rc = stk_kv_get(kv, key, s->timeout_ms, &v, &n, err)))
+            return rc;
+        snprintf(name, 128, "%.*s", (int)n, (char *)v);
+        free(v);
+        if (name[0] && (fd = shm_open(name, O_RDWR | O_CLOEXEC, 0600)) < 0)
+            return stk_fail(err, STK_EIO, "shared memory %s: %s", name,
+                            strerror(errno));
+        name[0] = '\0'; /* rank 0's to unlink */
+    }
+    if (!rc && fd >= 0) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED)
+            rc = stk_fail(err, STK_EIO, "shared memory: mmap: %s", strerror(errno));
+        else
+            *map = p;
+    }
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+
+/* Every rank has mapped the segment, or failed: rank 0 unlinks its name
+ * either way, so that nothing is left in /dev/shm. */
+static int all_mapped(shm_comm *s, stk_kv *kv, const char *barrier_name,
+                      const char *name, int rc, stk_err *err)
+{
+    if (!rc)
+        rc = stk_kv_barrier(kv, barrier_name, s->world, s->timeout_ms, err);
+    if (name[0])
+        shm_unlink(name);
+    return rc;
 }
 
 int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
@@ -311,34 +391,53 @@ int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
     chunk = chunk > CHUNK_MAX ? CHUNK_MAX : chunk < CHUNK_MIN ? CHUNK_MIN : chunk;
     s->chunk = chunk & ~(size_t)1023; /* whole pages */
     s->bytes = HEADER_BYTES + 2 * (size_t)(world + 1) * s->chunk * sizeof(float);
-    int fd = -1;
+    char name[128] = "";
+    void *p = NULL;
     int rc = same_machine(kv, rank, timeout_ms, err);
     if (!rc)
-        rc = open_segment(s, kv, timeout_ms, &fd, err);
+        rc = map_segment(s, kv, "shm/name", s->bytes, false, &p, name, err);
     if (!rc) {
-        void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        close(fd);
-        if (p == MAP_FAILED)
-            rc = stk_fail(err, STK_EIO, "shared memory: mmap: %s", strerror(errno));
-        else
-            s->h = p;
-    }
-    if (!rc) {
+        s->h = p;
         s->base = (float *)((char *)s->h + HEADER_BYTES);
         s->h->pid[rank] = (int32_t)getpid();
         if (rank == 0)
             atomic_store(&s->h->failed_rank, -1);
-        rc = stk_kv_barrier(kv, "shm/mapped", world, timeout_ms, err);
     }
-    if (!rc && rank == 0) { /* everyone has it mapped: the name can go */
-        shm_unlink(s->name);
-        s->name[0] = '\0';
-    }
+    rc = all_mapped(s, kv, "shm/mapped", name, rc, err);
     if (rc) {
         shm_destroy(s);
         return rc;
     }
     *out = s;
+    return 0;
+}
+
+int shm_resident(shm_comm *s, stk_kv *kv, size_t n, float **out, stk_err *err)
+{
+    *out = NULL;
+    if (s->res)
+        return stk_fail(err, STK_EINVAL, "shared memory: one resident buffer "
+                                         "per group");
+    if (n == 0 || n > SIZE_MAX / sizeof(float) / (size_t)s->world - 1024)
+        return 0; /* nothing to keep, or more than memory holds */
+    size_t stride = (n + 1023) & ~(size_t)1023; /* parts start on pages */
+    size_t bytes = (size_t)s->world * stride * sizeof(float);
+    char name[128], key[64], mapped[64];
+    snprintf(key, sizeof key, "shm/resident/%u", s->res_calls);
+    snprintf(mapped, sizeof mapped, "shm/resident/%u/mapped", s->res_calls++);
+    void *p = NULL;
+    int rc = map_segment(s, kv, key, bytes, true, &p, name, err);
+    rc = all_mapped(s, kv, mapped, name, rc, err);
+    if (rc || !p) {
+        if (p)
+            munmap(p, bytes);
+        return rc;
+    }
+    s->res = p;
+    s->res_n = n;
+    s->res_stride = stride;
+    s->res_bytes = bytes;
+    *out = s->res + (size_t)s->rank * stride;
     return 0;
 }
 
@@ -354,8 +453,8 @@ void shm_destroy(shm_comm *s)
 {
     if (!s)
         return;
-    if (s->name[0]) /* rank 0 failed before the others mapped it */
-        shm_unlink(s->name);
+    if (s->res)
+        munmap(s->res, s->res_bytes);
     if (s->h)
         munmap(s->h, s->bytes);
     free(s);

@@ -1,7 +1,8 @@
 /* test_dist - the rendezvous store (set, get that waits, add, barrier,
  * timeouts, a taken port), the shared-memory collectives between forked
  * rank processes (all-reduce bitwise equal to the rank-order sum on every
- * rank, average, broadcast, a peer that dies), the DDP bucket plan, and
+ * rank, average, broadcast, a peer that dies, a resident buffer summed in
+ * place), the DDP bucket plan, and
  * the CPU ranks' binding to disjoint CPUs. */
 #include "unit.h"
 
@@ -10,6 +11,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -132,6 +134,42 @@ static float value(int rank, size_t i)
     return sinf((float)i * 0.001f + (float)rank) * (float)(rank + 1) + 1e-3f * (float)(i % 97);
 }
 
+/* The resident buffer: a sub-range summed in place leaves the rest alone,
+ * both give the rank-order sum's bits; a buffer /dev/shm cannot hold is
+ * none, on every rank, and no error. */
+static int resident_checks(stk_comm *c, stk_kv *kv, int rank, int world,
+                           const float *want)
+{
+    stk_err err;
+    float *x, *none;
+    struct statvfs v;
+    size_t huge = statvfs("/dev/shm", &v) ? 0 : (size_t)v.f_bavail * v.f_frsize / 4;
+    if (stk_comm_resident(c, kv, huge, &none, &err) || none) {
+        fprintf(stderr, "rank %d: a resident buffer larger than /dev/shm\n", rank);
+        return 20;
+    }
+    if (stk_comm_resident(c, kv, N, &x, &err) || !x) {
+        fprintf(stderr, "rank %d: no resident buffer: %s\n", rank, err.msg);
+        return 21;
+    }
+    for (size_t i = 0; i < N; i++)
+        x[i] = value(rank, i);
+    enum { HEAD = 1000 };
+    if (stk_comm_allreduce(c, x + HEAD, N - HEAD, STK_SUM, &err))
+        return 22;
+    for (size_t i = 0; i < N; i++)
+        if (memcmp(&x[i], i < HEAD ? &(float){value(rank, i)} : &want[i], sizeof *x)) {
+            fprintf(stderr, "rank %d: resident sum differs at %zu\n", rank, i);
+            return 23;
+        }
+    if (stk_comm_allreduce(c, x, HEAD, STK_AVG, &err))
+        return 24;
+    for (size_t i = 0; i < HEAD; i++)
+        if (x[i] != want[i] * (1.0f / (float)world))
+            return 25;
+    return 0;
+}
+
 /* One rank: joins, all-reduces, checks against the rank-order sum. */
 static int rank_main(int rank, int world, int port, int die_rank)
 {
@@ -194,6 +232,8 @@ static int rank_main(int rank, int world, int port, int die_rank)
     for (size_t i = 0; i < N; i++)
         if (x[i] != value(world - 1, i))
             return 15;
+    if ((rc = resident_checks(c, kv, rank, world, want)))
+        return rc;
     free(x);
     free(want);
     stk_comm_destroy(c);
