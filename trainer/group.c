@@ -105,6 +105,14 @@ int group_share_start(run_state *r, stk_err *err)
 
 int group_ddp(run_state *r, stk_err *err)
 {
+    /* gradients where the all-reduce sums them, if the group has a place */
+    float *res;
+    int rc = stk_comm_resident(r->comm, r->kv, stk_model_param_count(r->model),
+                               &res, err);
+    if (!rc && res)
+        rc = stk_model_use_grads(r->model, res, err);
+    if (rc)
+        return rc;
     int np = stk_model_nparams(r->model);
     size_t *off = malloc((size_t)np * sizeof *off);
     if (!off)
@@ -113,7 +121,7 @@ int group_ddp(run_state *r, stk_err *err)
         off[i] = stk_model_param(r->model, i)->offset;
     size_t bucket = (size_t)(r->o->bucket_mb * 1024 * 1024);
     size_t first = bucket < (1u << 20) ? bucket : (1u << 20); /* PyTorch's 1 MB */
-    int rc = stk_ddp_create(r->comm, stk_model_grads(r->model), off, np,
+    rc = stk_ddp_create(r->comm, stk_model_grads(r->model), off, np,
                             stk_model_param_count(r->model), bucket, first,
                             &r->ddp, err);
     free(off);

@@ -36,6 +36,7 @@ struct stk_model {
     stk_param p[2 * STK_MAX_LAYERS];
     size_t total;
     float *w, *g;
+    bool own_g;             /* g is ours to free (not stk_model_use_grads') */
     float *tmp;             /* conv outputs/gradients in [C, N, HW] order */
     float *dcol;            /* conv column gradients (Winograd: M and dM) */
     float *grad[3];         /* backward ping-pong, max activation size, and
@@ -196,6 +197,7 @@ static int alloc_buffers(stk_model *m, stk_err *err)
     m->g = m->w ? stk_dev_alloc(be, m->total * sizeof(float), err) : NULL;
     if (!m->g)
         return STK_ENOMEM;
+    m->own_g = true;
     for (int i = 0; i < m->nl; i++) {
         layer *l = &m->l[i];
         act = out_size(l) > act ? out_size(l) : act;
@@ -323,7 +325,8 @@ void stk_model_destroy(stk_model *m)
         stk_dev_free(m->be, m->l[i].du);
     }
     stk_dev_free(m->be, m->w);
-    stk_dev_free(m->be, m->g);
+    if (m->own_g)
+        stk_dev_free(m->be, m->g);
     stk_dev_free(m->be, m->tmp);
     stk_dev_free(m->be, m->dcol);
     stk_dev_free(m->be, m->grad[0]);
@@ -338,6 +341,18 @@ const stk_param *stk_model_param(const stk_model *m, int i) { return &m->p[i]; }
 size_t stk_model_param_count(const stk_model *m) { return m->total; }
 float *stk_model_weights(stk_model *m) { return m->w; }
 float *stk_model_grads(stk_model *m) { return m->g; }
+
+int stk_model_use_grads(stk_model *m, float *g, stk_err *err)
+{
+    int rc = stk_memzero(m->be, g, m->total * sizeof(float), err);
+    if (rc)
+        return rc;
+    if (m->own_g)
+        stk_dev_free(m->be, m->g);
+    m->g = g;
+    m->own_g = false;
+    return 0;
+}
 float *stk_model_dlogits(stk_model *m) { return m->dlogits; }
 
 void stk_model_describe(const stk_model *m, char *buf, size_t n)

@@ -83,6 +83,10 @@ const stk_param *stk_model_param(const stk_model *m, int i);
 size_t stk_model_param_count(const stk_model *m); /* floats */
 float *stk_model_weights(stk_model *m);   /* device memory, flat */
 float *stk_model_grads(stk_model *m);     /* device memory, flat */
+/* Makes g the gradient buffer, zeroed: backend memory for
+ * stk_model_param_count floats that the caller owns and keeps until the
+ * model is destroyed (DDP's buffer that the all-reduce sums in place). */
+int stk_model_use_grads(stk_model *m, float *g, stk_err *err);
 
 /* A one-line description: layers with output shapes and parameter count. */
 void stk_model_describe(const stk_model *m, char *buf, size_t n);
