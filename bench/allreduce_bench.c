@@ -112,20 +112,36 @@ int main(int argc, char **argv)
                         "--floats >= 1\n");
         return 2;
     }
-    stk_err err;
-    stk_store_server *srv;
-    int port;
-    if (stk_store_server_start("127.0.0.1", 0, &port, &srv, &err)) {
-        fprintf(stderr, "allreduce_bench: %s\n", err.msg);
+    /* the ranks are forked before the store's server thread starts (a
+     * child forked while it holds a lock could wait on it for ever) and
+     * read its port from a pipe */
+    int fd[2];
+    pid_t *pid = calloc((size_t)world, sizeof *pid);
+    if (!pid || pipe(fd)) {
+        fprintf(stderr, "allreduce_bench: out of memory or pipes\n");
         return 1;
     }
-    pid_t *pid = calloc((size_t)world, sizeof *pid);
     fflush(NULL);
-    for (int r = 0; pid && r < world; r++)
-        if ((pid[r] = fork()) == 0)
+    for (int r = 0; r < world; r++)
+        if ((pid[r] = fork()) == 0) {
+            int port = -1;
+            close(fd[1]);
+            if (read(fd[0], &port, sizeof port) != sizeof port || port <= 0)
+                _exit(1);
             _exit(rank_main(r, world, port, n, reps));
-    int bad = !pid;
-    for (int r = 0; pid && r < world; r++) {
+        }
+    close(fd[0]);
+    stk_err err;
+    stk_store_server *srv = NULL;
+    int port = -1;
+    if (stk_store_server_start("127.0.0.1", 0, &port, &srv, &err))
+        fprintf(stderr, "allreduce_bench: %s\n", err.msg);
+    for (int r = 0; r < world; r++)
+        if (write(fd[1], &port, sizeof port) != sizeof port)
+            break;
+    close(fd[1]);
+    int bad = !srv;
+    for (int r = 0; r < world; r++) {
         int st;
         bad |= pid[r] < 0 || waitpid(pid[r], &st, 0) < 0 || !WIFEXITED(st) ||
                WEXITSTATUS(st) != 0;

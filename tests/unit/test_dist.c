@@ -242,16 +242,30 @@ static int rank_main(int rank, int world, int port, int die_rank)
     return 0;
 }
 
-/* Forks `world` ranks; returns how many exited other than expected. */
+/* Forks `world` ranks; returns how many exited other than expected. The
+ * ranks are forked before the store's server thread starts and learn its
+ * port through a pipe: a child forked while that thread holds a lock
+ * (malloc's, or TSan's allocator's) would wait on it for ever. */
 static int run_ranks(int world, int die_rank)
 {
-    int port;
-    stk_store_server *s = serve(&port);
+    int fd[2];
+    assert_int_equal(pipe(fd), 0);
     pid_t pid[8];
     fflush(NULL);
     for (int r = 0; r < world; r++)
-        if ((pid[r] = fork()) == 0)
+        if ((pid[r] = fork()) == 0) {
+            int port = -1;
+            close(fd[1]);
+            if (read(fd[0], &port, sizeof port) != sizeof port || port <= 0)
+                _exit(9);
             _exit(rank_main(r, world, port, die_rank));
+        }
+    close(fd[0]);
+    int port;
+    stk_store_server *s = serve(&port);
+    for (int r = 0; r < world; r++)
+        assert_int_equal(write(fd[1], &port, sizeof port), sizeof port);
+    close(fd[1]);
     int bad = 0;
     for (int r = 0; r < world; r++) {
         int st;
