@@ -31,14 +31,17 @@ typedef struct stk_rank_info {
     int master_port;
     bool host_store; /* this process serves the store itself (SLURM rank 0) */
     const char *source; /* "torchrun variables", "SLURM", "single process" */
+    char run_id[64]; /* which run the ranks belong to ("SLURM job J step S"),
+                        checked at the store; "" where nothing names it */
 } stk_rank_info;
 
 /* Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
  * MASTER_PORT, or else, in a task srun started, SLURM_PROCID,
- * SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_NUM_NODES and
- * SLURM_STEP_TASKS_PER_NODE (with MASTER_ADDR/MASTER_PORT, or defaults on
- * one node), or else describes a single process. Inconsistent values are an error naming the
- * variable. */
+ * SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_NUM_NODES,
+ * SLURM_STEP_TASKS_PER_NODE, SLURM_JOB_ID and SLURM_STEP_ID (with
+ * MASTER_ADDR, required over several nodes, and MASTER_PORT, by default
+ * one derived from the job step), or else describes a single process.
+ * Inconsistent values are an error naming the variable. */
 int stk_rank_from_env(stk_rank_info *out, stk_err *err);
 
 /* Binds the calling thread, and the threads it starts later, to this CPU

@@ -3,11 +3,15 @@
 #include "dist.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { DEFAULT_PORT = 29500 }; /* torchrun's; used only under SLURM */
+enum {
+    DEFAULT_PORT = 29500, /* torchrun's */
+    SLURM_PORTS = 15000   /* SLURM's default ports: 15000 + 0..9999 */
+};
 
 /* The integer in variable name; *found says whether it is set. */
 static int env_int(const char *name, int lo, int hi, int *out, bool *found,
@@ -42,7 +46,10 @@ static int check(const stk_rank_info *r, stk_err *err)
     return 0;
 }
 
-static int master(stk_rank_info *r, bool required, stk_err *err)
+/* MASTER_ADDR and MASTER_PORT; required: both must be set, else the
+ * address defaults to this machine and the port to default_port. */
+static int master(stk_rank_info *r, bool required, int default_port,
+                  stk_err *err)
 {
     const char *addr = getenv("MASTER_ADDR");
     bool found;
@@ -54,7 +61,7 @@ static int master(stk_rank_info *r, bool required, stk_err *err)
                         "environment: RANK and WORLD_SIZE are set but MASTER_ADDR "
                         "or MASTER_PORT is not; set both (the launcher does)");
     if (!found)
-        r->master_port = DEFAULT_PORT;
+        r->master_port = default_port;
     snprintf(r->master_addr, sizeof r->master_addr, "%s",
              addr && *addr ? addr : "127.0.0.1");
     return 0;
@@ -77,7 +84,7 @@ static int from_torchrun(stk_rank_info *r, stk_err *err)
     if (!rc)
         rc = env_int("LOCAL_WORLD_SIZE", 1, 1 << 20, &r->local_world, &f4, err);
     if (!rc)
-        rc = master(r, true, err);
+        rc = master(r, true, DEFAULT_PORT, err);
     return rc ? rc : check(r, err);
 }
 
@@ -87,6 +94,22 @@ static int first_count(const char *v)
 {
     long n = v ? strtol(v, NULL, 10) : 0;
     return n > 0 && n < (1 << 20) ? (int)n : 0;
+}
+
+/* Names the job step in r->run_id and returns its default store port:
+ * one per step, so that two steps on a node do not meet at one store
+ * (15000 + a number below 10000, outside Linux's ephemeral ports, as
+ * PyTorch Lightning's SLURM default). */
+static int slurm_step(stk_rank_info *r, stk_err *err)
+{
+    bool fj, fs;
+    int job = 0, step = 0;
+    if (env_int("SLURM_JOB_ID", 0, INT_MAX, &job, &fj, err) ||
+        env_int("SLURM_STEP_ID", 0, INT_MAX, &step, &fs, err))
+        return -1;
+    if (fj)
+        snprintf(r->run_id, sizeof r->run_id, "SLURM job %d step %d", job, step);
+    return SLURM_PORTS + (int)(((unsigned)job * 31u + (unsigned)step) % 10000u);
 }
 
 /* A task that srun started: srun sets the step's variables (a batch
@@ -108,13 +131,16 @@ static int from_slurm(stk_rank_info *r, stk_err *err)
                       "SLURM_LOCALID must all be set (run the ranks with srun)");
     int per = first_count(getenv("SLURM_STEP_TASKS_PER_NODE"));
     r->local_world = nodes == 1 ? r->world : per ? per : 1;
+    int port = rc ? -1 : slurm_step(r, err);
+    if (port < 0)
+        rc = rc ? rc : STK_EINVAL;
     if (!rc)
-        rc = master(r, false, err);
+        rc = master(r, false, port, err);
     if (!rc && nodes > 1 && !getenv("MASTER_ADDR"))
         rc = stk_fail(err, STK_EINVAL,
                       "environment: a SLURM job over %d nodes needs "
-                      "MASTER_ADDR (the first node's host name) and MASTER_PORT; "
-                      "e.g. export MASTER_ADDR=$(scontrol show hostnames "
+                      "MASTER_ADDR (the first node's host name); e.g. export "
+                      "MASTER_ADDR=$(scontrol show hostnames "
                       "\"$SLURM_JOB_NODELIST\" | head -n1)",
                       nodes);
     r->host_store = r->rank == 0; /* no launcher: rank 0 serves the store */

@@ -11,6 +11,31 @@
 /* floats in one host reduction: log_step's three per listed rank */
 enum { SYNC_MAX = 3 * GROUP_LISTED_RANKS + 8 };
 
+/* The store belongs to this run: under SLURM, rank 0 names the job step
+ * and the others check it, so that a rank whose rank 0 could not take the
+ * port never joins another job's store. */
+static int same_run(run_state *r, int timeout, stk_err *err)
+{
+    const stk_rank_info *ri = &r->rank;
+    if (!ri->run_id[0])
+        return 0;
+    if (ri->rank == 0)
+        return stk_kv_set(r->kv, "train/run", ri->run_id, strlen(ri->run_id), err);
+    void *v;
+    size_t n;
+    int rc = stk_kv_get(r->kv, "train/run", timeout, &v, &n, err);
+    if (rc)
+        return rc;
+    if (n != strlen(ri->run_id) || memcmp(v, ri->run_id, n) != 0)
+        rc = stk_fail(err, STK_EINVAL,
+                      "the store at %s:%d belongs to %.*s, not to this rank's %s "
+                      "(two runs on one port: set MASTER_PORT)",
+                      ri->master_addr, ri->master_port, (int)(n < 64 ? n : 64),
+                      (char *)v, ri->run_id);
+    free(v);
+    return rc;
+}
+
 int group_open(run_state *r, stk_err *err)
 {
     const stk_rank_info *ri = &r->rank;
@@ -25,6 +50,8 @@ int group_open(run_state *r, stk_err *err)
         if (!rc)
             rc = stk_kv_connect(ri->master_addr, ri->master_port, timeout,
                                 &r->kv, err);
+        if (!rc)
+            rc = same_run(r, timeout, err);
         if (!rc)
             rc = stk_kv_barrier(r->kv, "train/joined", ri->world, timeout, err);
     }
