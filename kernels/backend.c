@@ -55,6 +55,11 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }
 const char *stk_backend_name(const stk_backend *be) { return be->name; }
 
+int stk_backend_threads(const stk_backend *be)
+{
+    return be->kind == STK_DEV_CPU ? stk_pool_threads(be->impl) : 1;
+}
+
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err)
 {
     return be->ops->alloc(be, bytes, err);

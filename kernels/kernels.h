@@ -51,6 +51,7 @@ int stk_backend_create(stk_device_kind kind, int device, int threads,
 void stk_backend_destroy(stk_backend *be); /* NULL is a no-op */
 stk_device_kind stk_backend_kind(const stk_backend *be);
 const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
+int stk_backend_threads(const stk_backend *be); /* CPU compute threads; CUDA: 1 */
 
 /* CUDA: the backend's cudaStream_t, for libraries that queue work behind
  * it (NCCL); NULL on the CPU. */

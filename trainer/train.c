@@ -740,8 +740,9 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
     r.tty = isatty(2);
     int rc = setup(&r, err);
     if (!rc && speak && r.rank.world > 1) /* which device each rank took */
-        fprintf(stderr, "train: rank %d of %d on %s (%s)\n", r.rank.rank, r.rank.world,
-                stk_backend_name(r.be), r.rank.source);
+        fprintf(stderr, "train: rank %d of %d on %s, %d thread(s) (%s)\n", r.rank.rank,
+                r.rank.world, stk_backend_name(r.be), stk_backend_threads(r.be),
+                r.rank.source);
     if (!rc && !o->quiet) {
         char desc[2048];
         stk_model_describe(r.model, desc, sizeof desc);

@@ -252,13 +252,19 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         else
             o->device_id = ri->local_rank;
     }
+    const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (o->device == STK_DEV_CPU && !o->threads && ri->local_world > 1) {
         cpu_set_t set; /* share this machine's CPUs between its ranks */
         int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-        o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
+        /* srun -c N gave this task N CPUs of its own: use them all */
+        const char *cpt = getenv("SLURM_CPUS_PER_TASK");
+        int per_task = !lp && !strcmp(ri->source, "SLURM") && cpt ? atoi(cpt) : 0;
+        if (per_task > 0)
+            o->threads = per_task < cpus ? per_task : cpus;
+        else
+            o->threads = cpus / ri->local_world > 0 ? cpus / ri->local_world : 1;
     }
     /* started by a launcher: die with it, never outlive it */
-    const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (lp) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != (pid_t)atol(lp))
