@@ -180,18 +180,43 @@ grep -q "written by 3 rank(s), this run has 1: resuming the epoch at batch 36" s
 ok "resumed a 2-rank run with 3 ranks, and a 3-rank run mid-epoch with 1"
 
 # ---- SLURM: srun starts the ranks, rank 0 serves the store ---------------------
-port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-for r in 1 0; do
-  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 \
-    SLURM_STEP_NUM_NODES=1 SLURM_LOCALID=$r MASTER_PORT=$port \
-    "$T" "${common[@]}" --batch 64 --epochs 1 --max-steps 8 --log-every 4 --out slurm \
-    > slurm$r.out 2>&1 &
-  eval "S$r=\$!"
-done
+# a job id whose default port (15000 + (31 job + step) mod 10000) is free:
+# 3871 is 31's inverse mod 10000
+job=$($PY -c '
+import socket
+for p in range(15000 + __import__("os").getpid() % 9000, 25000):
+    try:
+        s = socket.socket(); s.bind(("127.0.0.1", p)); s.close()
+        print((p - 15000) * 3871 % 10000 + 10000); break
+    except OSError: pass')
+slurm_rank() { # rank job timeout [env...]: a task as srun starts it, output in slurmRANK.out
+  local r=$1 j=$2 t=$3
+  shift 3
+  env -u RANK -u WORLD_SIZE -u MASTER_PORT SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 \
+    SLURM_STEP_NUM_NODES=1 SLURM_LOCALID=$r SLURM_JOB_ID=$j SLURM_STEP_ID=0 "$@" \
+    "$T" --db db --model $M --workers 1 --seed 3 --batch 64 --epochs 1 --max-steps 8 \
+    --log-every 4 --timeout "$t" --out slurm$j > slurm$r.out 2>&1
+}
+slurm_rank 1 "$job" 60 SLURM_CPUS_PER_TASK=5 & S1=$!
+slurm_rank 0 "$job" 60 SLURM_CPUS_PER_TASK=5 & S0=$!
 wait $S0 || { cat slurm0.out slurm1.out; fail "SLURM rank 0"; }
 wait $S1 || { cat slurm1.out; fail "SLURM rank 1"; }
-grep -q '"world":2' slurm/metrics.jsonl || fail "SLURM: not a world of 2"
-ok "SLURM variables: two ranks without a launcher trained as world 2"
+grep -q '"world":2' slurm$job/metrics.jsonl || fail "SLURM: not a world of 2"
+cpus=$(nproc)
+want=$((cpus < 5 ? cpus : 5))
+grep -q "rank 1 of 2 on cpu, $want thread(s) (SLURM)" slurm1.out ||
+  { cat slurm1.out; fail "SLURM: srun -c 5 should give $want threads"; }
+ok "SLURM variables: two ranks without a launcher trained as world 2 on the job's port, $want threads each (-c 5)"
+
+# a rank of another job that reaches this job's store stops at once
+port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+slurm_rank 0 4242 5 MASTER_PORT=$port & S0=$!
+slurm_rank 1 4243 60 MASTER_PORT=$port & S1=$!
+wait $S1 && fail "a rank of job 4243 joined job 4242's store"
+grep -q "belongs to SLURM job 4242 step 0, not to this rank's SLURM job 4243 step 0" slurm1.out ||
+  { cat slurm1.out; fail "no message naming both jobs"; }
+wait $S0 && fail "job 4242's rank 0 ran without its peer"
+ok "a rank of another SLURM job is refused, naming both jobs"
 
 # ---- a taken port, an unreachable master -------------------------------------------
 $PY -c '
