@@ -10,7 +10,8 @@
 #            --optim sgd [--nproc 2] --max-steps N --log-every 10 --quiet
 #            (samples/s from rank 0's step times, the first 20 steps left
 #            out; the hidden share of the all-reduce from the step lines)
-#   PyTorch: bench/ddp_peer.py FM --world W --batch 64 --threads 1
+#   PyTorch: bench/ddp_peer.py FM --world W --batch 64 --threads 1, as is
+#            and with glibc's malloc keeping freed memory (MALLOC_*_ below)
 # REPS rounds (default 3), the order rotating each round; SECONDS_PER_RUN
 # (default 8) of timed steps per run. Results: WORK_DIR/results.jsonl and
 # WORK_DIR/report.md.
@@ -46,17 +47,24 @@ run_stoke() { # rep world
   RATE[$w]=$(echo "$line" | $PY -c 'import json, sys; print(int(json.load(sys.stdin)["samples_per_s"]))')
   say "rep $rep stoke $w x 1: $(tail -n1 "$RESULTS")"
 }
-run_torch() { # rep world
-  local line
-  line=$($PY "$ROOT/bench/ddp_peer.py" "$FM" --world "$2" --batch 64 --threads 1 \
-    --seconds "$SECS" --seed "$1")
-  echo "$line" | $PY -c "import json, sys; d = json.load(sys.stdin); d['rep'] = $1; print(json.dumps(d))" >>"$RESULTS"
-  say "rep $1 torch $2 x 1: $(tail -n1 "$RESULTS" | cut -c1-200)"
+run_torch() { # rep world [malloc env...]
+  local rep=$1 w=$2 line tool=torch-ddp-gloo
+  shift 2
+  [ $# = 0 ] || tool=torch-ddp-gloo-keep
+  line=$(env "$@" $PY "$ROOT/bench/ddp_peer.py" "$FM" --world "$w" --batch 64 --threads 1 \
+    --seconds "$SECS" --seed "$rep")
+  echo "$line" | $PY -c "import json, sys; d = json.load(sys.stdin); d['rep'] = $rep; d['tool'] = '$tool'; print(json.dumps(d))" >>"$RESULTS"
+  say "rep $rep $tool $w x 1: $(tail -n1 "$RESULTS" | cut -c1-200)"
 }
-jobs=("run_stoke 1" "run_stoke 2" "run_torch 1" "run_torch 2")
+# glibc told to keep what PyTorch frees: on this VM a page fault is slow
+# and its cost varies, and PyTorch allocates its buffers anew every step
+KEEP=(MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=100000000000
+  MALLOC_TOP_PAD_=1000000000)
+run_keep() { run_torch "$1" "$2" "${KEEP[@]}"; }
+jobs=("run_stoke 1" "run_stoke 2" "run_torch 1" "run_torch 2" "run_keep 1" "run_keep 2")
 for rep in $(seq "$REPS"); do
-  for k in 0 1 2 3; do
-    j=${jobs[$(((k + rep) % 4))]}
+  for k in $(seq 0 5); do
+    j=${jobs[$(((k + rep) % 6))]}
     ${j%% *} "$rep" "${j##* }"
   done
 done
