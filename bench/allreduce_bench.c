@@ -10,6 +10,7 @@
  * the cnn's parameters) after 20 untimed ones. Rank 0 prints one JSON
  * line: the median and best milliseconds per all-reduce for each. */
 #include "dist/dist.h"
+#include "tests/fork_ranks.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +91,17 @@ static int rank_main(int rank, int world, int port, size_t n, int reps)
     return rc ? 1 : 0;
 }
 
+typedef struct bench_args {
+    size_t n;
+    int reps;
+} bench_args;
+
+static int rank_entry(int rank, int world, int port, void *arg)
+{
+    const bench_args *a = arg;
+    return rank_main(rank, world, port, a->n, a->reps);
+}
+
 int main(int argc, char **argv)
 {
     int world = 2, reps = 300;
@@ -112,41 +124,11 @@ int main(int argc, char **argv)
                         "--floats >= 1\n");
         return 2;
     }
-    /* the ranks are forked before the store's server thread starts (a
-     * child forked while it holds a lock could wait on it for ever) and
-     * read its port from a pipe */
-    int fd[2];
-    pid_t *pid = calloc((size_t)world, sizeof *pid);
-    if (!pid || pipe(fd)) {
-        fprintf(stderr, "allreduce_bench: out of memory or pipes\n");
-        return 1;
-    }
-    fflush(NULL);
-    for (int r = 0; r < world; r++)
-        if ((pid[r] = fork()) == 0) {
-            int port = -1;
-            close(fd[1]);
-            if (read(fd[0], &port, sizeof port) != sizeof port || port <= 0)
-                _exit(1);
-            _exit(rank_main(r, world, port, n, reps));
-        }
-    close(fd[0]);
-    stk_err err;
-    stk_store_server *srv = NULL;
-    int port = -1;
-    if (stk_store_server_start("127.0.0.1", 0, &port, &srv, &err))
-        fprintf(stderr, "allreduce_bench: %s\n", err.msg);
-    for (int r = 0; r < world; r++)
-        if (write(fd[1], &port, sizeof port) != sizeof port)
-            break;
-    close(fd[1]);
-    int bad = !srv;
-    for (int r = 0; r < world; r++) {
-        int st;
-        bad |= pid[r] < 0 || waitpid(pid[r], &st, 0) < 0 || !WIFEXITED(st) ||
-               WEXITSTATUS(st) != 0;
-    }
-    free(pid);
-    stk_store_server_stop(srv);
+    bench_args args = {n, reps};
+    int *st = calloc((size_t)world, sizeof *st);
+    int bad = !st || stk_fork_ranks(world, rank_entry, &args, st);
+    for (int r = 0; !bad && r < world; r++)
+        bad = !WIFEXITED(st[r]) || WEXITSTATUS(st[r]) != 0;
+    free(st);
     return bad;
 }

@@ -7,6 +7,7 @@
 #include "unit.h"
 
 #include "dist/dist.h"
+#include "tests/fork_ranks.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -242,41 +243,25 @@ static int rank_main(int rank, int world, int port, int die_rank)
     return 0;
 }
 
-/* Forks `world` ranks; returns how many exited other than expected. The
- * ranks are forked before the store's server thread starts and learn its
- * port through a pipe: a child forked while that thread holds a lock
- * (malloc's, or TSan's allocator's) would wait on it for ever. */
+static int rank_entry(int rank, int world, int port, void *die_rank)
+{
+    return rank_main(rank, world, port, *(int *)die_rank);
+}
+
+/* Runs `world` ranks; returns how many exited other than expected. */
 static int run_ranks(int world, int die_rank)
 {
-    int fd[2];
-    assert_int_equal(pipe(fd), 0);
-    pid_t pid[8];
-    fflush(NULL);
-    for (int r = 0; r < world; r++)
-        if ((pid[r] = fork()) == 0) {
-            int port = -1;
-            close(fd[1]);
-            if (read(fd[0], &port, sizeof port) != sizeof port || port <= 0)
-                _exit(9);
-            _exit(rank_main(r, world, port, die_rank));
-        }
-    close(fd[0]);
-    int port;
-    stk_store_server *s = serve(&port);
-    for (int r = 0; r < world; r++)
-        assert_int_equal(write(fd[1], &port, sizeof port), sizeof port);
-    close(fd[1]);
+    int st[8];
+    assert_int_equal(stk_fork_ranks(world, rank_entry, &die_rank, st), 0);
     int bad = 0;
     for (int r = 0; r < world; r++) {
-        int st;
-        waitpid(pid[r], &st, 0);
         int want = r == die_rank ? 3 : 0;
-        if (!WIFEXITED(st) || WEXITSTATUS(st) != want) {
-            print_message("rank %d: status %d\n", r, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+        if (!WIFEXITED(st[r]) || WEXITSTATUS(st[r]) != want) {
+            print_message("rank %d: status %d\n", r,
+                          WIFEXITED(st[r]) ? WEXITSTATUS(st[r]) : -1);
             bad++;
         }
     }
-    stk_store_server_stop(s);
     return bad;
 }
 
