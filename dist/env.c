@@ -96,20 +96,21 @@ static int first_count(const char *v)
     return n > 0 && n < (1 << 20) ? (int)n : 0;
 }
 
-/* Names the job step in r->run_id and returns its default store port:
- * one per step, so that two steps on a node do not meet at one store
+/* Names the job step in r->run_id and sets *port to its default store
+ * port: one per step, so that two steps on a node do not meet at one store
  * (15000 + a number below 10000, outside Linux's ephemeral ports, as
  * PyTorch Lightning's SLURM default). */
-static int slurm_step(stk_rank_info *r, stk_err *err)
+static int slurm_step(stk_rank_info *r, int *port, stk_err *err)
 {
     bool fj, fs;
     int job = 0, step = 0;
     if (env_int("SLURM_JOB_ID", 0, INT_MAX, &job, &fj, err) ||
         env_int("SLURM_STEP_ID", 0, INT_MAX, &step, &fs, err))
-        return -1;
+        return STK_EINVAL;
     if (fj)
         snprintf(r->run_id, sizeof r->run_id, "SLURM job %d step %d", job, step);
-    return SLURM_PORTS + (int)(((unsigned)job * 31u + (unsigned)step) % 10000u);
+    *port = SLURM_PORTS + (int)(((unsigned)job * 31u + (unsigned)step) % 10000u);
+    return 0;
 }
 
 /* A task that srun started: srun sets the step's variables (a batch
@@ -131,9 +132,9 @@ static int from_slurm(stk_rank_info *r, stk_err *err)
                       "SLURM_LOCALID must all be set (run the ranks with srun)");
     int per = first_count(getenv("SLURM_STEP_TASKS_PER_NODE"));
     r->local_world = nodes == 1 ? r->world : per ? per : 1;
-    int port = rc ? -1 : slurm_step(r, err);
-    if (port < 0)
-        rc = rc ? rc : STK_EINVAL;
+    int port = DEFAULT_PORT;
+    if (!rc)
+        rc = slurm_step(r, &port, err);
     if (!rc)
         rc = master(r, false, port, err);
     if (!rc && nodes > 1 && !getenv("MASTER_ADDR"))
