@@ -56,10 +56,7 @@ run_torch() { # rep world [malloc env...]
   echo "$line" | $PY -c "import json, sys; d = json.load(sys.stdin); d['rep'] = $rep; d['tool'] = '$tool'; print(json.dumps(d))" >>"$RESULTS"
   say "rep $rep $tool $w x 1: $(tail -n1 "$RESULTS" | cut -c1-200)"
 }
-# glibc told to keep what PyTorch frees: on this VM a page fault is slow
-# and its cost varies, and PyTorch allocates its buffers anew every step
-KEEP=(MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=100000000000
-  MALLOC_TOP_PAD_=1000000000)
+. "$ROOT/bench/malloc_keep.sh" # KEEP: glibc keeps what PyTorch frees
 run_keep() { run_torch "$1" "$2" "${KEEP[@]}"; }
 jobs=("run_stoke 1" "run_stoke 2" "run_torch 1" "run_torch 2" "run_keep 1" "run_keep 2")
 for rep in $(seq "$REPS"); do

@@ -20,7 +20,10 @@
 #            OPENBLAS_NUM_THREADS = 1 ("torch-blas1": torch's own threads
 #            around single-threaded GEMMs, which is faster here); 2 K warm-up
 #            steps, then SECONDS s of steps timed. The BLAS it runs on is read
-#            from its /proc/self/maps (and openblas_get_config()).
+#            from its /proc/self/maps (and openblas_get_config()). With
+#            OPENBLAS_NUM_THREADS = 1 it runs a second time with glibc's
+#            malloc keeping freed memory (bench/malloc_keep.sh, "-keep");
+#            the ratios take PyTorch's fastest setup.
 # - The OpenBLAS SGEMM peak: bench/sgemm_peak.c (cc -O2 -lopenblas),
 #   2048^3 cblas_sgemm at 1 and 2 threads, best of 7 calls, once per round.
 # - GFLOP/s of a training step = analytic conv/linear FLOPs of a forward pass
@@ -125,12 +128,16 @@ run_stoke() { # rep model threads workers
     say "rep $rep $m T=$t stoke W=$w: $(tail -n1 "$RESULTS" | "$PY" -c 'import json, sys; d = json.load(sys.stdin); print("%.0f samples/s, stall %.2f%%, %.1f s" % (d["samples_per_s"], 100 * d["stall"], d["seconds"]))')"
 }
 
-run_torch() { # rep model threads blas_threads
-    local rep=$1 m=$2 t=$3 bt=$4 b=${BATCH[$2]} k=${LOGK[$2]} line
-    line=$("$PY" "$PEERS" torch "$m" "$b" "$t" "$FM" --seconds "$SECS" --warmup $((2 * k)) \
-        --blas-threads "$bt" --seed "$rep") || die "torch $m $t $bt failed"
-    add "$line" rep="$rep"
-    say "rep $rep $m T=$t torch BLAS threads $bt: $(tail -n1 "$RESULTS" | "$PY" -c 'import json, sys; d = json.load(sys.stdin); print("%.0f samples/s on %s %s" % (d["samples_per_s"], d["blas_kind"], d["blas_libs"]))')"
+. "$BENCH/malloc_keep.sh" # KEEP: glibc keeps what PyTorch frees
+
+run_torch() { # rep model threads blas_threads [keep]
+    local rep=$1 m=$2 t=$3 bt=$4 b=${BATCH[$2]} k=${LOGK[$2]} line env=() tag=()
+    if [ "${5:-}" = keep ]; then env=("${KEEP[@]}"); fi
+    line=$(env "${env[@]}" "$PY" "$PEERS" torch "$m" "$b" "$t" "$FM" --seconds "$SECS" \
+        --warmup $((2 * k)) --blas-threads "$bt" --seed "$rep") || die "torch $m $t $bt ${5:-} failed"
+    if [ "${5:-}" = keep ]; then tag=(tool="$("$PY" -c 'import json, sys; print(json.loads(sys.argv[1])["tool"])' "$line")-keep"); fi
+    add "$line" rep="$rep" "${tag[@]}"
+    say "rep $rep $m T=$t torch BLAS threads $bt ${5:-}: $(tail -n1 "$RESULTS" | "$PY" -c 'import json, sys; d = json.load(sys.stdin); print("%.0f samples/s on %s %s" % (d["samples_per_s"], d["blas_kind"], d["blas_libs"]))')"
 }
 
 run_peak() { # rep
@@ -147,6 +154,7 @@ for m in cnn mlp; do
     for t in 1 2; do
         JOBS+=("stoke $m $t 1" "stoke $m $t 2" "torch $m $t $t")
         [ "$t" = 2 ] && JOBS+=("torch $m $t 1")
+        JOBS+=("torch $m $t 1 keep") # PyTorch's faster BLAS setting, malloc keeping memory
     done
 done
 n=${#JOBS[@]}
@@ -158,7 +166,7 @@ for ((rep = 1; rep <= REPS; rep++)); do
         j=$(((i + (rep - 1) * (n / 3 + 1)) % n))
         read -r -a job <<<"${JOBS[$j]}"
         set -- "${job[@]}"
-        if [ "$1" = stoke ]; then run_stoke "$rep" "$2" "$3" "$4"; else run_torch "$rep" "$2" "$3" "$4"; fi
+        if [ "$1" = stoke ]; then run_stoke "$rep" "$2" "$3" "$4"; else run_torch "$rep" "${@:2}"; fi
     done
 done
 

@@ -229,9 +229,14 @@ def report(a):
         v = [r["samples_per_s"] for r in R[tool, w, m, t]]
         return "%.0f (%.0f-%.0f)" % (med(v), min(v), max(v))
 
+    variants = ("torch", "torch-blas1", "torch-keep", "torch-blas1-keep")
+    label = {"torch": "", "torch-blas1": " (BLAS 1 thread)", "torch-keep": " (malloc keeping)",
+             "torch-blas1-keep": " (BLAS 1 thread, malloc keeping)"}
+
     def torch_best(m, t):
-        """PyTorch's faster variant at (m, t): OPENBLAS_NUM_THREADS = t or 1."""
-        v = [k for k in (("torch", None, m, t), ("torch-blas1", None, m, t)) if R.get(k)]
+        """PyTorch's fastest setup at (m, t): OPENBLAS_NUM_THREADS = t or 1,
+        glibc's malloc as is or keeping freed memory."""
+        v = [(x, None, m, t) for x in variants if R.get((x, None, m, t))]
         return max(v, key=lambda k: sps(*k))
 
     print("OpenBLAS SGEMM peak (bench/sgemm_peak.c, 2048x2048x2048 cblas_sgemm, best of 7 "
@@ -267,17 +272,21 @@ def report(a):
             print("| %s | %d | %d | %s | %s%s | %.2fx | %.1f | %.0f%% | %.1f | %.0f%% | %.0f%% "
                   "| %.2f%% |" % (
                       m, b, t, rng("stoke", 1, m, t), rng(*tk),
-                      " (BLAS 1 thread)" if tk[0] == "torch-blas1" else "", s / p, gs,
+                      label[tk[0]], s / p, gs,
                       100 * gs / pk[t], gp, 100 * gp / pk[t],
                       100 * fl[m]["step_needed"] * s / 1e9 / pk[t], 100 * stall))
             verdict.append((m, t, s, p, gs, stall))
-    print("\nPyTorch at 2 threads both ways (torch.set_num_threads(2) and OMP_NUM_THREADS=2 in "
-          "both), samples/s, median (min-max); the table above uses the faster:\n")
-    print("| model | OPENBLAS_NUM_THREADS=2 | OPENBLAS_NUM_THREADS=1 |")
-    print("|---|---:|---:|")
+    print("\nPyTorch's setups (torch.set_num_threads(T) and OMP_NUM_THREADS=T in all), "
+          "samples/s, median (min-max); the table above uses the fastest:\n")
+    print("| model | threads | OPENBLAS_NUM_THREADS=T | OPENBLAS_NUM_THREADS=1 "
+          "| OPENBLAS_NUM_THREADS=1, malloc keeping |")
+    print("|---|---:|---:|---:|---:|")
     for m, b in models:
-        if R.get(("torch-blas1", None, m, 2)) and R.get(("torch", None, m, 2)):
-            print("| %s | %s | %s |" % (m, rng("torch", None, m, 2), rng("torch-blas1", None, m, 2)))
+        for t in threads:
+            blas1 = "torch" if t == 1 else "torch-blas1"
+            cells = [rng(x, None, m, t) if R.get((x, None, m, t)) else "-"
+                     for x in ("torch", blas1, blas1 + "-keep")]
+            print("| %s | %d | %s |" % (m, t, " | ".join(cells)))
     if any(k[0] == "stoke" and k[1] == 2 for k in R):
         print("\nstoke with `--workers 2` (two loader threads) against `--workers 1`, "
               "median (min-max):\n")
