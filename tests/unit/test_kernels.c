@@ -69,34 +69,44 @@ static void philox_known_answers(void **state)
     }
 }
 
+/* C = 1.5 op(A) op(B) - 0.5 C against a double reference; K = 2500 also
+ * crosses the CPU's chunks of K for small outputs (cpu.c). */
 static void gemm_all_transposes(void **state)
 {
     (void)state;
-    int m = 7, n = 5, k = 9, pad = 3;
-    for (int ta = 0; ta < 2; ta++)
-        for (int tb = 0; tb < 2; tb++) {
-            int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad,
-                ldc = n + pad;
-            float a[(9 + 3) * 9], b[(9 + 3) * 9], c[7 * 8];
-            fill(a, sizeof a / 4, 1 + ta);
-            fill(b, sizeof b / 4, 3 + tb);
-            fill(c, sizeof c / 4, 5);
-            double want[7 * 8];
-            for (int i = 0; i < m; i++)
-                for (int j = 0; j < n; j++) {
-                    double s = 0;
-                    for (int p = 0; p < k; p++)
-                        s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
-                             (tb ? b[j * ldb + p] : b[p * ldb + j]);
-                    want[i * ldc + j] = 1.5 * s - 0.5 * c[i * ldc + j];
-                }
-            stk_err err;
-            assert_int_equal(stk_gemm(be, ta, tb, m, n, k, 1.5f, a, lda, b,
-                                      ldb, -0.5f, c, ldc, &err),
-                             0);
-            for (int i = 0; i < m; i++)
-                near(c + i * ldc, want + i * ldc, (size_t)n, 1e-5, "gemm");
-        }
+    int m = 7, n = 5, pad = 3;
+    for (int k = 9; k <= 2500; k += 2491)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) {
+                int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad,
+                    ldc = n + pad;
+                size_t na = (size_t)(k + pad) * (m + pad),
+                       nb = (size_t)(k + pad) * (n + pad);
+                float *a = malloc(na * 4), *b = malloc(nb * 4), c[7 * 8];
+                assert_non_null(a);
+                assert_non_null(b);
+                fill(a, na, 1 + ta);
+                fill(b, nb, 3 + tb);
+                fill(c, sizeof c / 4, 5);
+                double want[7 * 8];
+                for (int i = 0; i < m; i++)
+                    for (int j = 0; j < n; j++) {
+                        double s = 0;
+                        for (int p = 0; p < k; p++)
+                            s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
+                                 (tb ? b[j * ldb + p] : b[p * ldb + j]);
+                        want[i * ldc + j] = 1.5 * s - 0.5 * c[i * ldc + j];
+                    }
+                stk_err err;
+                assert_int_equal(stk_gemm(be, ta, tb, m, n, k, 1.5f, a, lda,
+                                          b, ldb, -0.5f, c, ldc, &err),
+                                 0);
+                for (int i = 0; i < m; i++)
+                    near(c + i * ldc, want + i * ldc, (size_t)n,
+                         k > 9 ? 1e-4 : 1e-5, "gemm");
+                free(a);
+                free(b);
+            }
     stk_err err;
     float x[4];
     assert_int_equal(stk_gemm(be, false, false, 2, 2, 2, 1, x, 1, x, 2, 0, x,
