@@ -132,9 +132,11 @@ int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
     int rc = check_gemm(ta, tb, m, n, k, lda, ldb, ldc, err);
     if (!rc && count < 0)
         rc = stk_fail(err, STK_EINVAL, "gemm: a batch of %d", count);
-    /* the C_i must not overlap (the CPU writes them in parallel) */
+    /* the C_i must not overlap (the CPU writes them in parallel): one
+     * below the other, or side by side within each row of C */
     if (!rc && count > 1 && m > 0 && n > 0 &&
-        stride_c < (size_t)(m - 1) * ldc + n)
+        stride_c < (size_t)(m - 1) * ldc + n &&
+        (stride_c < (size_t)n || (size_t)(count - 1) * stride_c + n > (size_t)ldc))
         rc = stk_fail(err, STK_EINVAL,
                       "gemm: C matrices %zu floats apart overlap (m=%d n=%d "
                       "ldc=%d)",

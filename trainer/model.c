@@ -396,26 +396,24 @@ static int wino_forward_piece(stk_model *m, layer *l, const float *x, int s0,
                                 &l->cs, oc, cn, l->y + s0 * out_size(l), err);
 }
 
-/* im2col, one piece: columns [K, n*HW], W [cout, K] times them plus the
- * bias gives [cout, n, HW], swapped to NCHW. (The bias goes in while the
- * piece is in cache: a pass over the whole output afterwards would read
- * it back from memory.) */
+/* im2col, one piece: columns [K, n*HW]; W [cout, K] times each sample's
+ * [K, HW] block is that sample's [cout, HW] output, in place in NCHW (no
+ * swap), plus the bias while the piece is in cache (a pass over the whole
+ * output afterwards would read it back from memory). */
 static int im2col_forward_piece(stk_model *m, layer *l, const float *x, int s0,
                                 int cn, stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, nhw = cn * l->oh * l->ow;
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow;
+    float *y = l->y + s0 * out_size(l);
     int rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = stk_gemm(m->be, false, false, l->oc, nhw, K, 1.0f,
-                      m->w + m->p[l->pw].offset, K, l->col, nhw, 0.0f, m->tmp,
-                      nhw, err);
-    if (!rc)
-        rc = stk_bias_add(m->be, m->tmp, m->w + m->p[l->pb].offset, 1, l->oc,
-                          nhw, err);
+        rc = stk_gemm_batched(m->be, false, false, l->oc, hw, K, 1.0f,
+                              m->w + m->p[l->pw].offset, K, 0, l->col,
+                              cn * hw, (size_t)hw, 0.0f, y, hw,
+                              out_size(l), cn, err);
     return rc ? rc
-              : stk_swap01(m->be, m->tmp, l->y + s0 * out_size(l),
-                           (size_t)l->oc, (size_t)cn, (size_t)l->oh * l->ow,
-                           err);
+              : stk_bias_add(m->be, y, m->w + m->p[l->pb].offset, cn, l->oc,
+                             hw, err);
 }
 
 /* A max-pool on samples [s0, s0 + cn) of its input. */
@@ -561,29 +559,51 @@ static int wino_backward_piece(stk_model *m, layer *l, const float *x,
                               l->oh * l->ow, err);
 }
 
-/* im2col, one piece: dy [n, cout, HW] swapped to [cout, n*HW]; db += its
- * rows' sums, dW += dy cols^T, dcols = W^T dy, then back to pixels. The
- * columns are rebuilt from x unless the batch was one piece, whose columns
- * forward left in place. */
+/* dW += dy cols^T for one im2col piece, dy [n, cout, HW]. The CPU sums
+ * sample by sample (each a [cout, HW] block against its [K, HW] columns);
+ * CUDA, with the whole batch as one piece, swaps dy to [cout, n*HW] for
+ * one GEMM instead of n small ones. */
+static int im2col_weight_grad(stk_model *m, layer *l, const float *dy, int cn,
+                              stk_err *err)
+{
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = cn * hw;
+    float *dw = m->g + m->p[l->pw].offset;
+    if (stk_backend_kind(m->be) == STK_DEV_CPU) {
+        int rc = 0;
+        for (int s = 0; s < cn && !rc; s++)
+            rc = stk_gemm(m->be, false, true, l->oc, K, hw, 1.0f,
+                          dy + s * out_size(l), hw, l->col + (size_t)s * hw,
+                          nhw, 1.0f, dw, K, err);
+        return rc;
+    }
+    int rc = stk_swap01(m->be, dy, m->tmp, (size_t)cn, (size_t)l->oc,
+                        (size_t)hw, err);
+    return rc ? rc
+              : stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
+                         l->col, nhw, 1.0f, dw, K, err);
+}
+
+/* im2col, one piece: db += dy's sums per channel, dW += dy cols^T, and
+ * each sample's dcols = W^T dy, then back to pixels. The columns are
+ * rebuilt from x unless the batch was one piece, whose columns forward
+ * left in place. */
 static int im2col_backward_piece(stk_model *m, layer *l, const float *x,
                                  const float *dy, float *dx, int n, int s0,
                                  int cn, stk_err *err)
 {
-    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = cn * hw;
-    int rc = stk_swap01(m->be, dy + s0 * out_size(l), m->tmp, (size_t)cn,
-                        (size_t)l->oc, (size_t)hw, err);
-    if (!rc)
-        rc = stk_bias_grad(m->be, m->tmp, m->g + m->p[l->pb].offset, 1, l->oc,
-                           nhw, err);
+    int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow;
+    dy += s0 * out_size(l);
+    int rc = stk_bias_grad(m->be, dy, m->g + m->p[l->pb].offset, cn, l->oc,
+                           hw, err);
     if (!rc && l->piece < n)
         rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
-                      l->col, nhw, 1.0f, m->g + m->p[l->pw].offset, K, err);
+        rc = im2col_weight_grad(m, l, dy, cn, err);
     if (!rc && dx)
-        rc = stk_gemm(m->be, true, false, K, nhw, l->oc, 1.0f,
-                      m->w + m->p[l->pw].offset, K, m->tmp, nhw, 0.0f, m->dcol,
-                      nhw, err);
+        rc = stk_gemm_batched(m->be, true, false, K, hw, l->oc, 1.0f,
+                              m->w + m->p[l->pw].offset, K, 0, dy, hw,
+                              out_size(l), 0.0f, m->dcol, cn * hw, (size_t)hw,
+                              cn, err);
     if (!rc && dx)
         rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l), err);
     return rc;

@@ -478,7 +478,21 @@ static void gemm_batched_equals_one_by_one(void **state)
                                       sb, 0, c, N, (size_t)M * N - 1, COUNT, &err),
                      STK_EINVAL);
     assert_non_null(strstr(err.msg, "overlap"));
-    free(a), free(b), free(c), free(c1);
+    /* side by side in the rows of one C (im2col's per-sample blocks), A
+     * shared (stride 0): each block equals its own GEMM; one column less
+     * of room and the blocks overlap */
+    int ldc = COUNT * N;
+    float *w = calloc((size_t)M * ldc, 4), *w1 = calloc((size_t)M * ldc, 4);
+    assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K, 0, b, N,
+                                      sb, 0, w, ldc, N, COUNT, &err), 0);
+    for (int i = 0; i < COUNT; i++)
+        assert_int_equal(stk_gemm(be, false, false, M, N, K, 1, a, K, b + i * sb,
+                                  N, 0, w1 + i * N, ldc, &err), 0);
+    assert_memory_equal(w, w1, (size_t)M * ldc * 4);
+    assert_int_equal(stk_gemm_batched(be, false, false, M, N, K, 1, a, K, 0, b, N,
+                                      sb, 0, w, ldc - 1, N, COUNT, &err),
+                     STK_EINVAL);
+    free(a), free(b), free(c), free(c1), free(w), free(w1);
 }
 
 /* Max-pool 2x2 stride 2 over 2 planes of 5x6 (odd edge dropped). */
