@@ -745,10 +745,43 @@ static int cpu_wino_input(stk_backend *be, const float *x,
 /* Tiles per stk_wino_2d call in the CPU's per-plane transforms. */
 enum { LANES_MAX = 64 };
 
+/* Tiles [t0, t0 + lanes) of a plane's row ty of tiles, [tx0, tx1), their
+ * pixel gradients at o[(r * A + c) * lanes + l] (l = tile - t0), added into
+ * the plane row by row. A pixel at tile column 2k + e (e = 0, 1) takes tile
+ * k - 1's column e + 2, then tile k's column e: with the rows of tiles in
+ * order, every pixel adds its tiles in stk_wino_gather1's order. */
+static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
+                             int tx0, int tx1, int tw, int t0, int lanes,
+                             const float *o)
+{
+    for (int r = 0; r < STK_WINO_A; r++) {
+        int y = ty * STK_WINO_M - s->ph + r;
+        if (y < 0 || y >= s->h)
+            continue;
+        float *row = plane + (size_t)y * s->w;
+        const float *c0 = o + (size_t)r * STK_WINO_A * lanes + (ty * tw - t0);
+        const float *c1 = c0 + lanes, *c2 = c1 + lanes, *c3 = c2 + lanes;
+        /* tile columns 2k + e, k = tx0 .. tx1 (the last only from tile
+         * tx1 - 1), inside the image */
+        for (int k = tx0; k <= tx1; k++) {
+            int x = k * STK_WINO_M - s->pw;
+            if (x >= 0 && x < s->w)
+                row[x] = k == tx0   ? row[x] + c0[k]
+                         : k == tx1 ? row[x] + c2[k - 1]
+                                    : (row[x] + c2[k - 1]) + c0[k];
+            if (x + 1 >= 0 && x + 1 < s->w)
+                row[x + 1] = k == tx0   ? row[x + 1] + c1[k]
+                             : k == tx1 ? row[x + 1] + c3[k - 1]
+                                        : (row[x + 1] + c3[k - 1]) + c1[k];
+        }
+    }
+}
+
 /* Planes [b, e) of dx (sample * c + ci): the plane's tiles' pixel
  * gradients (B dV B^T, up to LANES_MAX tiles side by side), added into the
- * plane tile by tile in stk_wino_gather1's order (the same floats as
- * CUDA's transform in place and gather). dV is read once, not rewritten. */
+ * plane a row of tiles at a time in stk_wino_gather1's order (the same
+ * floats as CUDA's transform in place and gather). dV is read once, not
+ * rewritten. */
 static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
@@ -765,17 +798,10 @@ static void wino_input_grad_part(void *v, size_t b, size_t e)
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
             stk_wino_2d(STK_WINO_B, STK_WINO_A, STK_WINO_A, dv + t0, vs, t, o,
                         (size_t)lanes, lanes);
-            for (int l = 0, ty = t0 / tw, tx = t0 % tw; l < lanes;
-                 l++, tx = tx + 1 < tw ? tx + 1 : 0, ty += !tx) {
-                int iy = ty * STK_WINO_M - s->ph, ix = tx * STK_WINO_M - s->pw;
-                /* the tile's rows [r0, r1) and columns [c0, c1) in the image */
-                int r0 = iy < 0 ? -iy : 0, r1 = s->h - iy < STK_WINO_A ? s->h - iy : STK_WINO_A;
-                int c0 = ix < 0 ? -ix : 0, c1 = s->w - ix < STK_WINO_A ? s->w - ix : STK_WINO_A;
-                for (int r = r0; r < r1; r++) {
-                    float *row = plane + (iy + r) * s->w + ix;
-                    for (int c = c0; c < c1; c++)
-                        row[c] += o[(r * STK_WINO_A + c) * lanes + l];
-                }
+            for (int ty = t0 / tw; ty * tw < t0 + lanes; ty++) {
+                int a = ty * tw < t0 ? t0 - ty * tw : 0;
+                int z = (ty + 1) * tw > t0 + lanes ? t0 + lanes - ty * tw : tw;
+                wino_scatter_row(plane, s, ty, a, z, tw, t0, lanes, o);
             }
         }
     }
