@@ -745,34 +745,34 @@ static int cpu_wino_input(stk_backend *be, const float *x,
 /* Tiles per stk_wino_2d call in the CPU's per-plane transforms. */
 enum { LANES_MAX = 64 };
 
-/* Tiles [t0, t0 + lanes) of a plane's row ty of tiles, [tx0, tx1), their
- * pixel gradients at o[(r * A + c) * lanes + l] (l = tile - t0), added into
- * the plane row by row. A pixel at tile column 2k + e (e = 0, 1) takes tile
- * k - 1's column e + 2, then tile k's column e: with the rows of tiles in
- * order, every pixel adds its tiles in stk_wino_gather1's order. */
+/* Tiles [tx0, tx1) of a plane's row ty of tiles, their pixel gradients at
+ * o[(r * A + c) * lanes + tile - tx0], added into the plane row by row. A
+ * pixel at tile column 2k + e (e = 0, 1) takes tile k - 1's column e + 2,
+ * then tile k's column e: with the rows of tiles in order, every pixel
+ * adds its tiles in stk_wino_gather1's order. */
 static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
-                             int tx0, int tx1, int tw, int t0, int lanes,
-                             const float *o)
+                             int tx0, int tx1, const float *o, int lanes)
 {
     for (int r = 0; r < STK_WINO_A; r++) {
         int y = ty * STK_WINO_M - s->ph + r;
         if (y < 0 || y >= s->h)
             continue;
         float *row = plane + (size_t)y * s->w;
-        const float *c0 = o + (size_t)r * STK_WINO_A * lanes + (ty * tw - t0);
+        /* point (r, c) of tile k at cc[k - tx0], cc = c0 .. c3 */
+        const float *c0 = o + (size_t)r * STK_WINO_A * lanes;
         const float *c1 = c0 + lanes, *c2 = c1 + lanes, *c3 = c2 + lanes;
         /* tile columns 2k + e, k = tx0 .. tx1 (the last only from tile
          * tx1 - 1), inside the image */
-        for (int k = tx0; k <= tx1; k++) {
+        for (int k = tx0, i = 0; k <= tx1; k++, i++) {
             int x = k * STK_WINO_M - s->pw;
             if (x >= 0 && x < s->w)
-                row[x] = k == tx0   ? row[x] + c0[k]
-                         : k == tx1 ? row[x] + c2[k - 1]
-                                    : (row[x] + c2[k - 1]) + c0[k];
+                row[x] = k == tx0   ? row[x] + c0[i]
+                         : k == tx1 ? row[x] + c2[i - 1]
+                                    : (row[x] + c2[i - 1]) + c0[i];
             if (x + 1 >= 0 && x + 1 < s->w)
-                row[x + 1] = k == tx0   ? row[x + 1] + c1[k]
-                             : k == tx1 ? row[x + 1] + c3[k - 1]
-                                        : (row[x + 1] + c3[k - 1]) + c1[k];
+                row[x + 1] = k == tx0   ? row[x + 1] + c1[i]
+                             : k == tx1 ? row[x + 1] + c3[i - 1]
+                                        : (row[x + 1] + c3[i - 1]) + c1[i];
         }
     }
 }
@@ -801,7 +801,8 @@ static void wino_input_grad_part(void *v, size_t b, size_t e)
             for (int ty = t0 / tw; ty * tw < t0 + lanes; ty++) {
                 int a = ty * tw < t0 ? t0 - ty * tw : 0;
                 int z = (ty + 1) * tw > t0 + lanes ? t0 + lanes - ty * tw : tw;
-                wino_scatter_row(plane, s, ty, a, z, tw, t0, lanes, o);
+                wino_scatter_row(plane, s, ty, a, z, o + (ty * tw + a - t0),
+                                 lanes);
             }
         }
     }
@@ -816,8 +817,29 @@ static int cpu_wino_input_grad(stk_backend *be, float *dv,
     return wino_planes(be, &j, wino_input_grad_part);
 }
 
+/* Outputs of tiles [tx0, tx1) of row ty of a plane's tiles, their point
+ * (r, c) at o[(r * M + c) * lanes + tile - tx0], plus the bias, row by
+ * row. */
+static void wino_output_row(float *plane, const stk_conv_shape *s, int ty,
+                            int tx0, int tx1, const float *o, int lanes,
+                            float bias)
+{
+    for (int r = 0; r < STK_WINO_M && ty * STK_WINO_M + r < s->oh; r++) {
+        float *row = plane + (size_t)(ty * STK_WINO_M + r) * s->ow;
+        const float *c0 = o + (size_t)r * STK_WINO_M * lanes, *c1 = c0 + lanes;
+        int whole = (s->ow / STK_WINO_M < tx1 ? s->ow / STK_WINO_M : tx1);
+        for (int k = tx0; k < whole; k++) {
+            row[k * STK_WINO_M] = stk_wino_out1(c0[k - tx0], bias);
+            row[k * STK_WINO_M + 1] = stk_wino_out1(c1[k - tx0], bias);
+        }
+        for (int k = whole > tx0 ? whole : tx0; k < tx1; k++) /* cut tile */
+            row[k * STK_WINO_M] = stk_wino_out1(c0[k - tx0], bias);
+    }
+}
+
 /* Planes [b, e) of y (sample * cout + co): the plane's tiles, up to
- * LANES_MAX side by side through stk_wino_2d, plus the bias. */
+ * LANES_MAX side by side through stk_wino_2d, plus the bias, a row of
+ * tiles at a time. */
 static void wino_output_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
@@ -833,13 +855,11 @@ static void wino_output_part(void *v, size_t b, size_t e)
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
             stk_wino_2d(STK_WINO_AT, STK_WINO_A, STK_WINO_M, m + t0, ms, t, o,
                         (size_t)lanes, lanes);
-            for (int l = 0, ty = t0 / tw, tx = t0 % tw; l < lanes;
-                 l++, tx = tx + 1 < tw ? tx + 1 : 0, ty += !tx) {
-                int oy = ty * STK_WINO_M, ox = tx * STK_WINO_M;
-                for (int r = 0; r < STK_WINO_M && oy + r < s->oh; r++)
-                    for (int c = 0; c < STK_WINO_M && ox + c < s->ow; c++)
-                        plane[(oy + r) * s->ow + ox + c] = stk_wino_out1(
-                            o[(r * STK_WINO_M + c) * lanes + l], bias);
+            for (int ty = t0 / tw; ty * tw < t0 + lanes; ty++) {
+                int a = ty * tw < t0 ? t0 - ty * tw : 0;
+                int z = (ty + 1) * tw > t0 + lanes ? t0 + lanes - ty * tw : tw;
+                wino_output_row(plane, s, ty, a, z, o + (ty * tw + a - t0),
+                                lanes, bias);
             }
         }
     }
