@@ -585,29 +585,35 @@ static void maxpool_backward_matches_fd(void **state)
 }
 
 /* Overlapping windows: the CPU's scatter and the gather body the CUDA
- * kernel runs give the same floats; ties (repeated values) included. */
+ * kernel runs give the same floats; ties (repeated values), -0 gradients
+ * and an odd last row or column (in no 2x2 window) included. */
 static void maxpool_gather_equals_scatter(void **state)
 {
     (void)state;
-    enum { P = 3, H = 9, W = 8 };
+    enum { P = 3, N = P * 9 * 9 };
     static const int ks[][2] = {{3, 1}, {3, 2}, {2, 1}, {2, 2}, {4, 3}};
-    float x[P * H * W], y[P * H * W], g[P * H * W], dx[P * H * W];
-    int32_t arg[P * H * W];
-    for (int i = 0; i < P * H * W; i++)
+    static const int hw[][2] = {{9, 8}, {8, 9}};
+    float x[N], y[N], g[N], dx[N];
+    int32_t arg[N];
+    for (int i = 0; i < N; i++)
         x[i] = (float)((i * 37) % 11); /* many ties */
-    fill(g, P * H * W, 43);
+    fill(g, N, 43);
+    for (int i = 0; i < N; i += 5)
+        g[i] = -0.0f;
     stk_err err;
-    for (size_t t = 0; t < sizeof ks / sizeof *ks; t++) {
-        int k = ks[t][0], st = ks[t][1];
-        assert_int_equal(stk_maxpool_fwd(be, x, P, H, W, k, st, y, arg, &err), 0);
-        assert_int_equal(stk_maxpool_bwd(be, g, arg, P, H, W, k, st, dx, &err), 0);
-        for (size_t i = 0; i < P * H * W; i++) {
-            float want = stk_maxpool_grad1(g, arg, H, W, k, st, i);
-            if (memcmp(&want, &dx[i], sizeof want))
-                fail_msg("k %d stride %d element %zu: scatter %g, gather %g", k, st,
-                         i, (double)dx[i], (double)want);
+    for (size_t s = 0; s < sizeof hw / sizeof *hw; s++)
+        for (size_t t = 0; t < sizeof ks / sizeof *ks; t++) {
+            int H = hw[s][0], W = hw[s][1], k = ks[t][0], st = ks[t][1];
+            memset(dx, 0x7f, sizeof dx); /* every element must be written */
+            assert_int_equal(stk_maxpool_fwd(be, x, P, H, W, k, st, y, arg, &err), 0);
+            assert_int_equal(stk_maxpool_bwd(be, g, arg, P, H, W, k, st, dx, &err), 0);
+            for (size_t i = 0; i < (size_t)P * H * W; i++) {
+                float want = stk_maxpool_grad1(g, arg, H, W, k, st, i);
+                if (memcmp(&want, &dx[i], sizeof want))
+                    fail_msg("%dx%d, k %d stride %d element %zu: scatter %g, gather %g",
+                             H, W, k, st, i, (double)dx[i], (double)want);
+            }
         }
-    }
 }
 
 /* Mean softmax cross-entropy */
