@@ -1153,11 +1153,17 @@ typedef struct optim_job {
     const stk_adamw_cfg *adamw;
 } optim_job;
 
+/* The settings copied to a local: through the pointer the compiler must
+ * assume every store to w may change them, and reloads and tests them per
+ * element instead of vectorising. */
 static void sgd_part(void *v, size_t b, size_t e)
 {
     const optim_job *j = v;
+    const stk_sgd_cfg c = *j->sgd;
+    float *w = j->w, *m = j->m;
+    const float *g = j->g;
     for (size_t i = b; i < e; i++)
-        stk_sgd1(j->w, j->g, j->m, i, j->sgd);
+        stk_sgd1(w, g, m, i, &c);
 }
 
 static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
@@ -1172,8 +1178,11 @@ static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
 static void adamw_part(void *v, size_t b, size_t e)
 {
     const optim_job *j = v;
+    const stk_adamw_cfg c = *j->adamw; /* a local, as in sgd_part */
+    float *w = j->w, *m = j->m, *vv = j->v;
+    const float *g = j->g;
     for (size_t i = b; i < e; i++)
-        stk_adamw1(j->w, j->g, j->m, j->v, i, j->adamw);
+        stk_adamw1(w, g, m, vv, i, &c);
 }
 
 static int cpu_adamw(stk_backend *be, float *w, const float *g, float *m,
