@@ -45,10 +45,9 @@ void *stk_backend_stream(stk_backend *be)
 
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 {
-    enum { CPU_PIECE_BYTES = 1 << 20 }; /* half of a 2 MiB L2 */
     if (be->kind != STK_DEV_CPU || n < 1)
         return n;
-    size_t k = per_sample ? CPU_PIECE_BYTES / per_sample : (size_t)n;
+    size_t k = per_sample ? be->piece_bytes / per_sample : (size_t)n;
     return k < 1 ? 1 : k > (size_t)n ? n : (int)k;
 }
 

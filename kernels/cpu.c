@@ -49,9 +49,22 @@ static int usable_cpus(void)
     return n > 0 ? (int)n : 1;
 }
 
+/* Half of a core's L2 (1 MiB pieces against 512 KiB measured 1.8% slower
+ * cnn steps on a 1 MiB L2, 256 KiB 0.8% slower than 512), within
+ * 128 KiB .. 4 MiB; 512 KiB where the C library does not know. */
+static size_t piece_bytes(void)
+{
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    size_t half = l2 > 0 ? (size_t)l2 / 2 : (size_t)1 << 19;
+    return half < ((size_t)1 << 17)   ? (size_t)1 << 17
+           : half > ((size_t)1 << 22) ? (size_t)1 << 22
+                                      : half;
+}
+
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
 {
     be->ops = &stk_cpu_ops;
+    be->piece_bytes = piece_bytes();
     openblas_set_num_threads(1);
     be->impl = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
     return be->impl ? 0 : STK_ENOMEM;

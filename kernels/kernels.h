@@ -59,7 +59,7 @@ void *stk_backend_stream(stk_backend *be);
 
 /* Samples per piece when a convolution of n samples is computed in pieces
  * that touch `per_sample` bytes of scratch each: the CPU keeps a piece
- * within its cache (about 1 MiB), CUDA takes the whole batch. */
+ * within half of a core's L2 cache, CUDA takes the whole batch. */
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n);
 
 /* ---- memory --------------------------------------------------------------- */
