@@ -51,6 +51,12 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
     return k < 1 ? 1 : k > (size_t)n ? n : (int)k;
 }
 
+void stk_backend_set_piece_bytes(stk_backend *be, size_t bytes)
+{
+    if (be->kind == STK_DEV_CPU)
+        be->piece_bytes = bytes ? bytes : stk_cpu_piece_bytes();
+}
+
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }
 const char *stk_backend_name(const stk_backend *be) { return be->name; }
 
@@ -135,7 +141,7 @@ int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
      * below the other, or side by side within each row of C */
     if (!rc && count > 1 && m > 0 && n > 0 &&
         stride_c < (size_t)(m - 1) * ldc + n &&
-        (stride_c < (size_t)n || (size_t)(count - 1) * stride_c + n > (size_t)ldc))
+        (stride_c < (size_t)n || (size_t)(ldc - n) / (size_t)(count - 1) < stride_c))
         rc = stk_fail(err, STK_EINVAL,
                       "gemm: C matrices %zu floats apart overlap (m=%d n=%d "
                       "ldc=%d)",

@@ -61,6 +61,10 @@ void *stk_backend_stream(stk_backend *be);
  * that touch `per_sample` bytes of scratch each: the CPU keeps a piece
  * within half of a core's L2 cache, CUDA takes the whole batch. */
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n);
+/* CPU: pieces of `bytes` instead (0: half the L2 again), so that a test
+ * gets the same pieces on any machine; a model sizes its scratch from the
+ * pieces when it is created. No effect on CUDA. */
+void stk_backend_set_piece_bytes(stk_backend *be, size_t bytes);
 
 /* ---- memory --------------------------------------------------------------- */
 
@@ -86,9 +90,11 @@ int stk_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
              float beta, float *c, int ldc, stk_err *err);
 
 /* count independent GEMMs of one shape: for i < count, C_i = alpha
- * op(A_i) op(B_i) + beta C_i with X_i = X + i * stride_x. The CPU runs
- * each as one OpenBLAS call on one thread (the same floats for any thread
- * count), CUDA as one cublasSgemmStridedBatched. */
+ * op(A_i) op(B_i) + beta C_i with X_i = X + i * stride_x (a stride may be
+ * 0: a shared A or B; the C_i may lie one below the other or side by side
+ * in the rows of one C, never overlapping). The CPU runs each as one
+ * OpenBLAS call on one thread, or as panels when the batch is small (the
+ * same floats for any thread count), CUDA as one cublasSgemmStridedBatched. */
 int stk_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                      float alpha, const float *a, int lda, size_t stride_a,
                      const float *b, int ldb, size_t stride_b, float beta,

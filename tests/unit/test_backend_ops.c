@@ -278,6 +278,41 @@ static void gemm_batch_agrees(bool ta, bool tb, int m, int n, int k,
     stk_dev_free(gpu, da), stk_dev_free(gpu, db), stk_dev_free(gpu, dc);
 }
 
+/* im2col's batched GEMMs: the weights shared (stride 0) and each
+ * sample's output a column block of one C (forward: W [co, K] x the
+ * sample's columns; backward dx: W^T x the sample's dy, into dcol). */
+static void im2col_batches_agree(void **state)
+{
+    (void)state;
+    enum { CO = 6, K = 12, HW = 50, N = 3 };
+    float w[CO * K], col[K * N * HW], y[N * CO * HW], dcol[K * N * HW];
+    fill(w, CO * K, 31);
+    fill(col, K * N * HW, 32);
+    fill(y, N * CO * HW, 33);
+    fill(dcol, K * N * HW, 34);
+    float *dw = dev_copy(w, sizeof w), *dcolumns = dev_copy(col, sizeof col);
+    float *dy = dev_copy(y, sizeof y), *ddcol = dev_copy(dcol, sizeof dcol);
+    stk_err err;
+    assert_int_equal(stk_gemm_batched(cpu, false, false, CO, HW, K, 1, w, K, 0, col,
+                                      N * HW, HW, 0, y, HW, CO * HW, N, &err), 0);
+    assert_int_equal(stk_gemm_batched(gpu, false, false, CO, HW, K, 1, dw, K, 0,
+                                      dcolumns, N * HW, HW, 0, dy, HW, CO * HW, N,
+                                      &err), 0);
+    float *got = host_copy(dy, sizeof y);
+    assert_true(nerr(got, y, N * CO * HW) < 1e-5);
+    free(got);
+    /* dx's columns from y as dy */
+    assert_int_equal(stk_gemm_batched(cpu, true, false, K, HW, CO, 1, w, K, 0, y, HW,
+                                      CO * HW, 0, dcol, N * HW, HW, N, &err), 0);
+    assert_int_equal(stk_gemm_batched(gpu, true, false, K, HW, CO, 1, dw, K, 0, dy,
+                                      HW, CO * HW, 0, ddcol, N * HW, HW, N, &err), 0);
+    got = host_copy(ddcol, sizeof dcol);
+    assert_true(nerr(got, dcol, K * N * HW) < 1e-5);
+    free(got);
+    stk_dev_free(gpu, dw), stk_dev_free(gpu, dcolumns), stk_dev_free(gpu, dy);
+    stk_dev_free(gpu, ddcol);
+}
+
 /* Every Winograd transform, with padding and tiles running past the image;
  * and the batched GEMM within rounding of the CPU's. */
 static void winograd_agrees(void **state)
@@ -398,6 +433,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(elementwise_ops_agree_exactly),
     cmocka_unit_test(conv_helpers_agree_exactly),
     cmocka_unit_test(winograd_agrees),
+    cmocka_unit_test(im2col_batches_agree),
     cmocka_unit_test(xent_transform_and_optimizers_agree),
     cmocka_unit_test(pinned_memory_round_trip),
 };

@@ -69,44 +69,50 @@ static void philox_known_answers(void **state)
     }
 }
 
-/* C = 1.5 op(A) op(B) - 0.5 C against a double reference; K = 2500 also
- * crosses the CPU's chunks of K for small outputs (cpu.c). */
+/* C = 1.5 op(A) op(B) - 0.5 C against a double reference, every
+ * transpose, padded leading dimensions. */
+static void gemm_check(int m, int n, int k)
+{
+    int pad = 3;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad,
+                ldc = n + pad;
+            size_t na = (size_t)(k + pad) * (m + pad),
+                   nb = (size_t)(k + pad) * (n + pad), nc = (size_t)m * ldc;
+            float *a = malloc(na * 4), *b = malloc(nb * 4), *c = malloc(nc * 4);
+            double *want = malloc(nc * sizeof *want);
+            assert_true(a && b && c && want);
+            fill(a, na, 1 + ta);
+            fill(b, nb, 3 + tb);
+            fill(c, nc, 5);
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++) {
+                    double s = 0;
+                    for (int p = 0; p < k; p++)
+                        s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
+                             (tb ? b[j * ldb + p] : b[p * ldb + j]);
+                    want[i * ldc + j] = 1.5 * s - 0.5 * c[i * ldc + j];
+                }
+            stk_err err;
+            assert_int_equal(stk_gemm(be, ta, tb, m, n, k, 1.5f, a, lda, b,
+                                      ldb, -0.5f, c, ldc, &err),
+                             0);
+            for (int i = 0; i < m; i++)
+                near(c + i * ldc, want + i * ldc, (size_t)n,
+                     k > 9 ? 1e-4 : 1e-5, "gemm");
+            free(a), free(b), free(c), free(want);
+        }
+}
+
+/* K = 2500 crosses the CPU's chunks of K for small outputs (cpu.c), and
+ * 200 x 20 x 2500 also cuts C into row panels, each chunked. */
 static void gemm_all_transposes(void **state)
 {
     (void)state;
-    int m = 7, n = 5, pad = 3;
-    for (int k = 9; k <= 2500; k += 2491)
-        for (int ta = 0; ta < 2; ta++)
-            for (int tb = 0; tb < 2; tb++) {
-                int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad,
-                    ldc = n + pad;
-                size_t na = (size_t)(k + pad) * (m + pad),
-                       nb = (size_t)(k + pad) * (n + pad);
-                float *a = malloc(na * 4), *b = malloc(nb * 4), c[7 * 8];
-                assert_non_null(a);
-                assert_non_null(b);
-                fill(a, na, 1 + ta);
-                fill(b, nb, 3 + tb);
-                fill(c, sizeof c / 4, 5);
-                double want[7 * 8];
-                for (int i = 0; i < m; i++)
-                    for (int j = 0; j < n; j++) {
-                        double s = 0;
-                        for (int p = 0; p < k; p++)
-                            s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
-                                 (tb ? b[j * ldb + p] : b[p * ldb + j]);
-                        want[i * ldc + j] = 1.5 * s - 0.5 * c[i * ldc + j];
-                    }
-                stk_err err;
-                assert_int_equal(stk_gemm(be, ta, tb, m, n, k, 1.5f, a, lda,
-                                          b, ldb, -0.5f, c, ldc, &err),
-                                 0);
-                for (int i = 0; i < m; i++)
-                    near(c + i * ldc, want + i * ldc, (size_t)n,
-                         k > 9 ? 1e-4 : 1e-5, "gemm");
-                free(a);
-                free(b);
-            }
+    gemm_check(7, 5, 9);
+    gemm_check(7, 5, 2500);
+    gemm_check(200, 20, 2500);
     stk_err err;
     float x[4];
     assert_int_equal(stk_gemm(be, false, false, 2, 2, 2, 1, x, 1, x, 2, 0, x,
@@ -450,6 +456,9 @@ static void winograd_rows_equal_per_tile_bodies(void **state)
      * call, so a call ends inside a row of tiles */
     winograd_rows_equal_bodies_on((stk_conv_shape){4, 13, 11, 3, 3, 1, 1, 1, 0, 13, 9});
     winograd_rows_equal_bodies_on((stk_conv_shape){2, 20, 22, 3, 3, 1, 1, 1, 1, 20, 22});
+    /* 3 x 131 tiles: calls that start and end inside a row; an odd width
+     * and a cut last tile with pw = 2 */
+    winograd_rows_equal_bodies_on((stk_conv_shape){1, 5, 259, 3, 3, 1, 1, 1, 2, 5, 261});
 }
 
 /* A batch of GEMMs equals the GEMMs one by one (within float rounding: the
@@ -500,6 +509,22 @@ static void gemm_batched_equals_one_by_one(void **state)
                                       sb, 0, w, ldc - 1, N, COUNT, &err),
                      STK_EINVAL);
     free(a), free(b), free(c), free(c1), free(w), free(w1);
+    /* a batch of 2 GEMMs of 1.5 megaflops each is cut into panels like a
+     * single GEMM: the same floats as stk_gemm's */
+    enum { M2 = 64, N2 = 300, K2 = 40 };
+    float *a2 = malloc(2 * M2 * K2 * 4), *b2 = malloc(2 * K2 * N2 * 4),
+          *c2 = malloc(2 * M2 * N2 * 4), *d2 = malloc(2 * M2 * N2 * 4);
+    fill(a2, 2 * M2 * K2, 64);
+    fill(b2, 2 * K2 * N2, 65);
+    assert_int_equal(stk_gemm_batched(be, false, false, M2, N2, K2, 1, a2, K2,
+                                      M2 * K2, b2, N2, K2 * N2, 0, c2, N2,
+                                      M2 * N2, 2, &err), 0);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(stk_gemm(be, false, false, M2, N2, K2, 1, a2 + i * M2 * K2,
+                                  K2, b2 + i * K2 * N2, N2, 0, d2 + i * M2 * N2, N2,
+                                  &err), 0);
+    assert_memory_equal(c2, d2, 2 * M2 * N2 * 4);
+    free(a2), free(b2), free(c2), free(d2);
 }
 
 /* Max-pool 2x2 stride 2 over 2 planes of 5x6 (odd edge dropped). */
