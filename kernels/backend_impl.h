@@ -92,7 +92,7 @@ struct stk_backend {
 extern const backend_ops stk_cpu_ops;
 /* Makes be a CPU backend computing on `threads` threads (pool.c). */
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err);
-/* Half of a core's L2 cache, the CPU's default convolution piece. */
+/* The CPU's default convolution piece, in bytes. */
 size_t stk_cpu_piece_bytes(void);
 
 /* ---- the CPU backend's thread pool (pool.c) ---------------------------- */

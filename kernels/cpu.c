@@ -49,21 +49,11 @@ static int usable_cpus(void)
     return n > 0 ? (int)n : 1;
 }
 
-/* Half of a core's L2 (1 MiB pieces against 512 KiB measured 1.8% slower
- * cnn steps on a 1 MiB L2, 256 KiB 0.8% slower than 512), within
- * 128 KiB .. 4 MiB; 512 KiB where the C library does not know. */
-size_t stk_cpu_piece_bytes(void)
-{
-#ifdef _SC_LEVEL2_CACHE_SIZE /* a glibc extension */
-    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#else
-    long l2 = 0;
-#endif
-    size_t half = l2 > 0 ? (size_t)l2 / 2 : (size_t)1 << 19;
-    return half < ((size_t)1 << 17)   ? (size_t)1 << 17
-           : half > ((size_t)1 << 22) ? (size_t)1 << 22
-                                      : half;
-}
+/* 1 MiB: on a 1 MiB L2, 512 KiB pieces made the cnn 1.8% faster at 1
+ * thread but 12% slower at 2 (10 pairs of runs), whose threads share a
+ * piece; the pieces must not follow the thread count, or the results
+ * would (the Winograd weight gradient adds up over pieces). */
+size_t stk_cpu_piece_bytes(void) { return (size_t)1 << 20; }
 
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
 {
