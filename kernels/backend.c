@@ -54,7 +54,7 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 void stk_backend_set_piece_bytes(stk_backend *be, size_t bytes)
 {
     if (be->kind == STK_DEV_CPU)
-        be->piece_bytes = bytes ? bytes : stk_cpu_piece_bytes();
+        be->piece_bytes = bytes ? bytes : STK_CPU_PIECE_BYTES;
 }
 
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }
