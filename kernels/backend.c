@@ -47,14 +47,8 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 {
     if (be->kind != STK_DEV_CPU || n < 1)
         return n;
-    size_t k = per_sample ? be->piece_bytes / per_sample : (size_t)n;
+    size_t k = per_sample ? STK_CPU_PIECE_BYTES / per_sample : (size_t)n;
     return k < 1 ? 1 : k > (size_t)n ? n : (int)k;
-}
-
-void stk_backend_set_piece_bytes(stk_backend *be, size_t bytes)
-{
-    if (be->kind == STK_DEV_CPU)
-        be->piece_bytes = bytes ? bytes : STK_CPU_PIECE_BYTES;
 }
 
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }

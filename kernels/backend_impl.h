@@ -86,7 +86,6 @@ struct stk_backend {
     int device;
     char name[16];
     void *impl; /* the backend's own state (CUDA: stream, cuBLAS handle) */
-    size_t piece_bytes; /* CPU: a convolution's scratch per piece */
 };
 
 extern const backend_ops stk_cpu_ops;

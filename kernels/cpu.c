@@ -52,7 +52,6 @@ static int usable_cpus(void)
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
 {
     be->ops = &stk_cpu_ops;
-    be->piece_bytes = STK_CPU_PIECE_BYTES;
     openblas_set_num_threads(1);
     be->impl = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
     return be->impl ? 0 : STK_ENOMEM;

@@ -61,10 +61,6 @@ void *stk_backend_stream(stk_backend *be);
  * that touch `per_sample` bytes of scratch each: the CPU keeps a piece
  * within about 1 MiB (in cache), CUDA takes the whole batch. */
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n);
-/* CPU: pieces of `bytes` instead (0: the default again), for tests and
- * tuning; a model sizes its scratch from the pieces when it is created.
- * No effect on CUDA. */
-void stk_backend_set_piece_bytes(stk_backend *be, size_t bytes);
 
 /* ---- memory --------------------------------------------------------------- */
 

@@ -13,10 +13,7 @@ static int setup(void **state)
 {
     (void)state;
     stk_err err;
-    int rc = stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err);
-    if (!rc) /* the pieces the comments below count, on any machine */
-        stk_backend_set_piece_bytes(be, (size_t)1 << 20);
-    return rc;
+    return stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err);
 }
 
 static int teardown(void **state)
@@ -278,7 +275,6 @@ static void cnn_results_do_not_depend_on_threads(void **state)
     stk_backend *three;
     stk_err err;
     assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, 3, &three, &err), 0);
-    stk_backend_set_piece_bytes(three, (size_t)1 << 20);
     cnn_step(be, CNN_N, x, y, true, l1, g1);
     cnn_step(three, CNN_N, x, y, true, l3, g3);
     stk_backend_destroy(three);
