@@ -77,19 +77,64 @@ int stk_from_errno(int e)
     }
 }
 
+int stk_open_regular(const char *path, struct stat *st, stk_err *err)
+{
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+     * writer for ever; on a regular file the flag changes nothing, and it
+     * is cleared below so that reads behave as usual. */
+    int fd;
+    do
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0)
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
+                        strerror(errno));
+    if (fstat(fd, st) != 0) {
+        int e = errno;
+        close(fd);
+        return stk_fail(err, stk_from_errno(e), "%s: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st->st_mode)) {
+        close(fd);
+        return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
+                        S_ISDIR(st->st_mode)    ? "a directory"
+                        : S_ISFIFO(st->st_mode) ? "a FIFO"
+                        : S_ISSOCK(st->st_mode) ? "a socket"
+                        : S_ISCHR(st->st_mode)  ? "a character device"
+                        : S_ISBLK(st->st_mode)  ? "a block device"
+                                                : "not a file");
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        int e = errno;
+        close(fd);
+        return stk_fail(err, stk_from_errno(e), "%s: %s", path, strerror(e));
+    }
+    return fd;
+}
+
+FILE *stk_fopen_regular(const char *path, stk_err *err)
+{
+    struct stat st;
+    int fd = stk_open_regular(path, &st, err);
+    if (fd < 0)
+        return NULL;
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+        close(fd);
+    }
+    return f;
+}
+
 int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err)
 {
     *data = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
-                        strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return stk_fail(err, STK_EIO, "%s: not a regular file", path);
-    }
+    int fd = stk_open_regular(path, &st, err);
+    if (fd < 0)
+        return fd;
     size_t n = (size_t)st.st_size;
     uint8_t *buf = malloc(n ? n : 1);
     if (!buf) {

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,7 +59,18 @@ int stk_fail(stk_err *err, int code, const char *fmt, ...)
 /* Maps an errno value to the closest STK_E* code. */
 int stk_from_errno(int e);
 
-/* Reads a whole file into a malloc'd buffer (caller frees). */
+/* Opens path read-only when it is a regular file, filling *st, and returns
+ * the descriptor (close-on-exec). Anything else (a FIFO, a device, a socket,
+ * a directory) is refused with "PATH: not a regular file (a FIFO)" before it
+ * can block, so no caller waits for ever on a FIFO named like a data file.
+ * Returns a negative STK_E* code on failure. */
+struct stat;
+int stk_open_regular(const char *path, struct stat *st, stk_err *err);
+
+/* The same as a stdio stream opened for reading ("r"); NULL on failure. */
+FILE *stk_fopen_regular(const char *path, stk_err *err);
+
+/* Reads a whole regular file into a malloc'd buffer (caller frees). */
 int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err);
 
 /* Reads a file, gunzipping it when it starts with the gzip magic. */

@@ -226,21 +226,21 @@ print(s.getsockname()[1], flush=True); time.sleep(30)' > port.txt &
 HOLD=$!
 for _ in $(seq 50); do [ -s port.txt ] && break; sleep 0.1; done
 taken=$(cat port.txt)
-expect_fail "master-port $taken: the port is already in use" \
+expect_fail 1 "master-port $taken: the port is already in use" \
   "$T" "${common[@]}" --nproc 2 --master-port "$taken" --out taken
 kill $HOLD
 closed=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-expect_fail "cannot reach the rendezvous store at 127.0.0.1:$closed" \
+expect_fail 1 "cannot reach the rendezvous store at 127.0.0.1:$closed" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 1 --nproc 1 --master-addr 127.0.0.1 \
   --master-port "$closed" --timeout 2 --out unreachable
 # flags that cannot work
-expect_fail "nnodes 2 needs --master-addr" "$T" --db db --nnodes 2 --nproc 1 --out bad
-expect_fail "node-rank 2 must be below --nnodes 2" "$T" --db db --nnodes 2 --node-rank 2 \
+expect_fail 2 "nnodes 2 needs --master-addr" "$T" --db db --nnodes 2 --nproc 1 --out bad
+expect_fail 2 "node-rank 2 must be below --nnodes 2" "$T" --db db --nnodes 2 --node-rank 2 \
   --master-addr 127.0.0.1 --master-port 1 --out bad
-expect_fail "gpus 0,0 names GPU 0 twice" "$T" --db db --gpus 0,0 --out bad
-expect_fail "nproc 3 disagrees with --gpus" "$T" --db db --gpus 2 --nproc 3 --out bad
-expect_fail "nproc.*0" "$T" --db db --nproc 0 --out bad
+expect_fail 2 "gpus 0,0 names GPU 0 twice" "$T" --db db --gpus 0,0 --out bad
+expect_fail 2 "nproc 3 disagrees with --gpus" "$T" --db db --gpus 2 --nproc 3 --out bad
+expect_fail 1 "nproc.*0" "$T" --db db --nproc 0 --out bad
 # node 0 alone: its rank waits for a second node that never comes
-expect_fail "timed out after 2 s at 'train/joined': 1 of 2 ranks arrived" \
+expect_fail 1 "timed out after 2 s at 'train/joined': 1 of 2 ranks arrived" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 0 --nproc 1 --master-addr 127.0.0.1 \
   --master-port "$closed" --timeout 2 --out alone

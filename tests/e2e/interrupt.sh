@@ -24,7 +24,7 @@ kill -9 $pid; wait $pid 2>/dev/null || true
 [ ! -e db ] || fail "db exists after kill -9"
 [ -d .db.partial ] || fail "expected the stale partial directory"
 is_complete .db.partial && fail "a reader accepts the killed run's partial database"
-expect_fail "incomplete|no stoke metadata" "$STK_BIN/dbinfo" .db.partial
+expect_fail 1 "incomplete|no stoke metadata" "$STK_BIN/dbinfo" .db.partial
 ok "kill -9 left no database and an unreadable partial"
 
 "$STK_BIN/prep" "${slow[@]}" db

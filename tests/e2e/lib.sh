@@ -13,13 +13,26 @@ ok() { echo "ok: $*"; }
 
 [ -d "$FASHION" ] || fail "$FASHION is missing (scripts/deps.sh installs dataset-fashion-mnist)"
 
-# expect_fail PATTERN CMD...: CMD must exit non-zero and print PATTERN
-# (an extended regex) on stderr or stdout.
+# A sanitizer's report anywhere in a tool's output fails the test, whatever
+# the exit code: under ASan a use-after-free on an error path would otherwise
+# pass as a clean refusal.
+SAN_REPORT='ERROR: (Address|Leak|Thread|Memory)Sanitizer|WARNING: ThreadSanitizer|runtime error: |SUMMARY: UndefinedBehaviorSanitizer'
+no_sanitizer_report() {
+  if grep -Eq -- "$SAN_REPORT" <<<"$2"; then
+    fail "sanitizer report from '$1':"$'\n'"$2"
+  fi
+}
+
+# expect_fail CODE PATTERN CMD...: CMD must exit with exactly CODE (the
+# documented one: 1 the work failed, 2 bad usage, 130 interrupted) and print
+# PATTERN (an extended regex) on stderr or stdout, and no sanitizer report.
 expect_fail() {
-  local pat=$1; shift
+  local code=$1 pat=$2; shift 2
   local out rc=0
   out=$("$@" 2>&1) || rc=$?
+  no_sanitizer_report "$*" "$out"
   [ "$rc" -ne 0 ] || fail "expected failure, got success: $*"$'\n'"$out"
+  [ "$rc" -eq "$code" ] || fail "expected exit $code, got $rc: $*"$'\n'"$out"
   grep -Eq -- "$pat" <<<"$out" || fail "output of '$*' lacks /$pat/:"$'\n'"$out"
   echo "ok: refused ($rc): $(head -1 <<<"$out")"
 }

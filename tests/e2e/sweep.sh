@@ -30,11 +30,11 @@ svg = xml.dom.minidom.parse("out.svg")
 assert len(svg.getElementsByTagName("polyline")) == 2
 print("ok: JSON holds every run; recommendation is the fewest workers within 5% of the best; SVG parses")
 PY
-expect_fail "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
-expect_fail "--db DB_DIR is required" "$S" --workers 1
-expect_fail "unknown option '--turbo'" "$S" --db db --turbo
-expect_fail "--split: no split \"test\"" "$S" --db db --split test
-expect_fail "nodb: not a stoke database" "$S" --db nodb
+expect_fail 2 "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
+expect_fail 2 "--db DB_DIR is required" "$S" --workers 1
+expect_fail 2 "unknown option '--turbo'" "$S" --db db --turbo
+expect_fail 2 "--split: no split \"test\"" "$S" --db db --split test
+expect_fail 1 "nodb: not a stoke database" "$S" --db nodb
 mkdir half && cp db/data.mdb half/ && $PY - <<'PY'
 import lmdb, json
 env = lmdb.open("half", max_dbs=4)
@@ -43,4 +43,4 @@ with env.begin(write=True, db=meta) as txn:
     j = json.loads(txn.get(b"dataset")); j["complete"] = False
     txn.put(b"dataset", json.dumps(j).encode())
 PY
-expect_fail "half: database is incomplete" "$S" --db half
+expect_fail 1 "half: database is incomplete" "$S" --db half

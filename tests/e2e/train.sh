@@ -56,7 +56,7 @@ PY
 cmp straight/checkpoints/step-00000470/model.safetensors midway/nested/checkpoints/step-00000470/model.safetensors \
   || fail "resuming from a mid-epoch stop ends with different weights"
 ok "stop at step 100 + --resume auto ends with the same weights as 2 epochs"
-expect_fail "--out straight holds the checkpoints of an earlier run; continue it with --resume auto" \
+expect_fail 1 "--out straight holds the checkpoints of an earlier run; continue it with --resume auto" \
   "$T" "${common[@]}" --epochs 1 --out straight
 "$T" "${common[@]}" "${const[@]}" --epochs 2 --out straight --resume auto | grep -q "already finished 2 epoch(s) (470 steps" \
   || fail "resuming a finished run should say there is nothing left"
@@ -79,27 +79,27 @@ ok "adamw and cnn --augment run"
 
 # bad input
 printf 'conv 8 30\nflatten\nlinear classes\n' > big.txt
-expect_fail "conv1: a 30x30 kernel does not fit its 1x28x28 input" "$T" --db db --model big.txt --out x
+expect_fail 1 "conv1: a 30x30 kernel does not fit its 1x28x28 input" "$T" --db db --model big.txt --out x
 printf 'conv1: conv 4 3\nconv 4 3\nflatten\nlinear classes\n' > twins.txt
 "$T" --db db --model twins.txt --max-steps 1 --quiet --out twins >/dev/null || fail "conv1 + unnamed conv"
 printf 'a: conv 4 3\na: conv 4 3\nflatten\nlinear classes\n' > same.txt
-expect_fail "two layers are named \"a\"" "$T" --db db --model same.txt --out x
+expect_fail 1 "two layers are named \"a\"" "$T" --db db --model same.txt --out x
 printf 'conv 8 3\nwobble\n' > typo.txt
-expect_fail "typo.txt:2: unknown layer 'wobble'" "$T" --db db --model typo.txt --out x
+expect_fail 1 "typo.txt:2: unknown layer 'wobble'" "$T" --db db --model typo.txt --out x
 printf 'conv 8 3\npool 2 pad=1\nflatten\nlinear classes\n' > padpool.txt
-expect_fail "padpool.txt:2: 'pad=1' does not apply to this layer" "$T" --db db --model padpool.txt --out x
-expect_fail "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
+expect_fail 1 "padpool.txt:2: 'pad=1' does not apply to this layer" "$T" --db db --model padpool.txt --out x
+expect_fail 1 "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
   "$T" --db db --model cnn --init-from run1/checkpoints/step-00000235/model.safetensors --out x
-expect_fail "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \
+expect_fail 1 "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \
   "$T" "${common[@]}" --epochs 3 --out run1 --resume auto --lr 90 --schedule constant --warmup 0
 [ -f run1/checkpoints/step-00000235/model.safetensors ] || fail "the good checkpoint is gone"
-expect_fail "--optim: expected sgd or adamw, got 'lion'" "$T" --db db --optim lion
-expect_fail "--lr: expected a number" "$T" --db db --lr fast
-expect_fail "unknown option '--turbo'" "$T" --db db --turbo
-expect_fail "--db DB_DIR is required" "$T" --epochs 1
-expect_fail "--device cuda: (no CUDA device|this stoke was built without CUDA)" "$T" --db db --device cuda --out x
+expect_fail 2 "--optim: expected sgd or adamw, got 'lion'" "$T" --db db --optim lion
+expect_fail 2 "--lr: expected a number" "$T" --db db --lr fast
+expect_fail 2 "unknown option '--turbo'" "$T" --db db --turbo
+expect_fail 2 "--db DB_DIR is required" "$T" --epochs 1
+expect_fail 1 "--device cuda: (no CUDA device|this stoke was built without CUDA)" "$T" --db db --device cuda --out x
 "$STK_BIN/prep" --quiet --format folder "$STK_SRC/tests/e2e" notadb 2>/dev/null || true
 mkdir onesplit && $PY "$STK_SRC/tests/e2e/make_folder.py" onesplit/raw 50 28 && "$STK_BIN/prep" --quiet onesplit/raw onesplit/db
-expect_fail "onesplit/db: needs splits \"train\" and \"test\"" "$T" --db onesplit/db --out x
-expect_fail "nodb: not a stoke database" "$T" --db nodb
+expect_fail 1 "onesplit/db: needs splits \"train\" and \"test\"" "$T" --db onesplit/db --out x
+expect_fail 1 "nodb: not a stoke database" "$T" --db nodb
 ok "bad input refused"
