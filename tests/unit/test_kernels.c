@@ -846,6 +846,69 @@ static void optimizers_follow_pytorch_rules(void **state)
     assert_true(fabs(wa[0] - want) < 2e-7 * fabs(want) + 1e-7);
 }
 
+/* Several steps from a non-zero state against the rules written in double:
+ * SGD with momentum (plain and Nesterov: their terms only differ once the
+ * buffer holds an earlier step) and weight decay, and AdamW at steps 5..8
+ * from non-zero moments. */
+static void optimizers_several_steps_from_a_state(void **state)
+{
+    (void)state;
+    enum { P = 5, STEPS = 4 };
+    stk_err err;
+    for (int nesterov = 0; nesterov < 2; nesterov++) {
+        float w[P], buf[P], g[P];
+        double rw[P], rb[P];
+        for (int i = 0; i < P; i++) {
+            rw[i] = w[i] = 0.5f - 0.3f * (float)i;
+            rb[i] = buf[i] = 0.2f * (float)(i % 3) - 0.15f;
+        }
+        for (int t = 0; t < STEPS; t++) {
+            stk_sgd_cfg c = {0.05f * (float)(t + 1), 0.9f, 0.01f, nesterov, 0};
+            for (int i = 0; i < P; i++)
+                g[i] = sinf((float)(i + 3 * t));
+            assert_int_equal(stk_sgd_step(be, w, g, buf, P, &c, &err), 0);
+            for (int i = 0; i < P; i++) {
+                double d = g[i] + (double)0.01f * rw[i];
+                rb[i] = (double)0.9f * rb[i] + d;
+                d = nesterov ? d + (double)0.9f * rb[i] : rb[i];
+                rw[i] -= (double)c.lr * d;
+            }
+        }
+        for (int i = 0; i < P; i++) {
+            assert_true(fabs(w[i] - rw[i]) < 2e-6 * (fabs(rw[i]) + 1));
+            assert_true(fabs(buf[i] - rb[i]) < 2e-6 * (fabs(rb[i]) + 1));
+        }
+    }
+    float w[P], m[P], v[P], g[P];
+    double rw[P], rm[P], rv[P];
+    for (int i = 0; i < P; i++) {
+        rw[i] = w[i] = 0.5f - 0.3f * (float)i;
+        rm[i] = m[i] = 0.05f * (float)(i - 2);
+        rv[i] = v[i] = 0.01f + 0.002f * (float)i;
+    }
+    for (int t = 5; t < 5 + STEPS; t++) {
+        double b1 = 0.9, b2 = 0.999, lr = 0.01 * t, wd = 0.1;
+        stk_adamw_cfg c = {(float)lr, (float)b1, (float)b2, 1e-8f, (float)wd,
+                           (float)(1 - pow(b1, t)), (float)sqrt(1 - pow(b2, t)),
+                           (float)(1 - b1), (float)(1 - b2)};
+        for (int i = 0; i < P; i++)
+            g[i] = cosf((float)(2 * i + t));
+        assert_int_equal(stk_adamw_step(be, w, g, m, v, P, &c, &err), 0);
+        for (int i = 0; i < P; i++) {
+            rw[i] *= 1 - (double)c.lr * (double)c.weight_decay;
+            rm[i] = b1 * rm[i] + (1 - b1) * g[i];
+            rv[i] = b2 * rv[i] + (1 - b2) * g[i] * g[i];
+            double den = sqrt(rv[i] / (1 - pow(b2, t))) + 1e-8;
+            rw[i] -= (double)c.lr * rm[i] / (1 - pow(b1, t)) / den;
+        }
+    }
+    for (int i = 0; i < P; i++) {
+        assert_true(fabs(w[i] - rw[i]) < 2e-6 * (fabs(rw[i]) + 1));
+        assert_true(fabs(m[i] - rm[i]) < 2e-6 * (fabs(rm[i]) + 0.1));
+        assert_true(fabs(v[i] - rv[i]) < 2e-6 * rv[i]);
+    }
+}
+
 static void reductions(void **state)
 {
     (void)state;
@@ -899,6 +962,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
     cmocka_unit_test(optimizers_follow_pytorch_rules),
+    cmocka_unit_test(optimizers_several_steps_from_a_state),
     cmocka_unit_test(reductions),
     cmocka_unit_test(cuda_without_gpu_fails_clearly),
 };

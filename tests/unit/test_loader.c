@@ -1,5 +1,7 @@
-/* test_loader - sampler properties (DistributedSampler semantics), and the
- * loader: batches hold exactly the stored bytes in sampler order, the same
+/* test_loader - sampler properties (DistributedSampler semantics) and known
+ * answers (the exact shards of small epochs, and docs/loader.md's algorithm
+ * reimplemented here), and the loader: batches hold exactly the stored
+ * bytes in sampler order (the known answers, for the epoch asked), the same
  * for any workers/prefetch; resume equals an uninterrupted run; a corrupt
  * record is an error naming its key; closing mid-epoch is clean. */
 #include "unit.h"
@@ -20,14 +22,17 @@ static void pattern(uint64_t i, uint8_t *px)
         px[j] = (uint8_t)(i * 7 + j * 3 + (i >> 8));
 }
 
-static void make_db(const char *dir, uint64_t corrupt)
+/* A database of n samples (pattern) in split "train"; record `corrupt`
+ * (UINT64_MAX: none) cut short. */
+static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
 {
     stk_store *s;
     stk_err err = {0};
     assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
     static uint64_t lc[10];
+    memset(lc, 0, sizeof lc);
     uint8_t rec[STK_RECORD_HEADER + SB], px[SB];
-    for (uint64_t i = 0; i < N; i++) {
+    for (uint64_t i = 0; i < n; i++) {
         pattern(i, px);
         stk_record_encode(rec, (int32_t)(i % 10), px, SB);
         size_t len = i == corrupt ? sizeof rec - 5 : sizeof rec;
@@ -39,7 +44,7 @@ static void make_db(const char *dir, uint64_t corrupt)
                   .classes = classes, .nsplits = 1, .source_path = "x",
                   .source_format = "test", .tool = "t", .created = ""};
     snprintf(m.splits[0].name, 32, "train");
-    m.splits[0].count = N;
+    m.splits[0].count = n;
     m.splits[0].label_counts = lc;
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
@@ -51,7 +56,7 @@ static int setup(void **state)
     static char dir[1100];
     snprintf(dir, sizeof dir, "%s", scratch("db"));
     rmdir(dir);
-    make_db(dir, UINT64_MAX);
+    make_db(dir, N, UINT64_MAX);
     db_dir = dir;
     return 0;
 }
@@ -146,6 +151,135 @@ static void sampler_order_depends_on_seed_and_epoch(void **state)
     assert_int_equal(stk_sampler_shard(&s, 5, b), 0);
     for (int j = 0; j < 5; j++)
         assert_int_equal(b[j], 1 + 3 * j);          /* rank-strided */
+}
+
+/* ---- sampler known answers ----------------------------------------------
+ * The shards below were computed once by an implementation of the
+ * algorithm of docs/loader.md written apart from sampler.c (in Python,
+ * from the document alone), and are checked here against doc_shard, a
+ * third one. */
+
+static void expect_shard(stk_sampler s, uint64_t epoch, const uint64_t *want,
+                         uint64_t len)
+{
+    uint64_t got[16];
+    assert_int_equal(stk_sampler_len(&s), len);
+    assert_int_equal(stk_sampler_shard(&s, epoch, got), 0);
+    for (uint64_t j = 0; j < len; j++)
+        if (got[j] != want[j])
+            fail_msg("n %llu seed %llu epoch %llu rank %d of %d: position %llu is %llu, "
+                     "expected %llu", (unsigned long long)s.n, (unsigned long long)s.seed,
+                     (unsigned long long)epoch, s.rank, s.world, (unsigned long long)j,
+                     (unsigned long long)got[j], (unsigned long long)want[j]);
+}
+
+static void sampler_known_answers(void **state)
+{
+    (void)state;
+    /* n = 10, seed 7: the whole permutation of epochs 0 and 1 */
+    stk_sampler one = {.n = 10, .seed = 7, .rank = 0, .world = 1, .shuffle = true};
+    expect_shard(one, 0, (const uint64_t[]){6, 1, 8, 3, 0, 2, 9, 4, 5, 7}, 10);
+    expect_shard(one, 1, (const uint64_t[]){3, 4, 5, 7, 6, 9, 0, 2, 8, 1}, 10);
+    /* 3 ranks, padded to 12: positions 10 and 11 wrap to 6 and 1 */
+    const uint64_t pad[3][4] = {{6, 3, 9, 7}, {1, 0, 4, 6}, {8, 2, 5, 1}};
+    const uint64_t uneven[3][4] = {{6, 3, 9, 7}, {1, 0, 4}, {8, 2, 5}};
+    for (int r = 0; r < 3; r++) {
+        stk_sampler s = {.n = 10, .seed = 7, .rank = r, .world = 3, .shuffle = true};
+        expect_shard(s, 0, pad[r], 4);
+        s.uneven = true;
+        expect_shard(s, 0, uneven[r], r ? 3 : 4);
+    }
+    /* 4 ranks, drop_last: the first 8 positions */
+    const uint64_t drop[4][2] = {{6, 0}, {1, 2}, {8, 9}, {3, 4}};
+    for (int r = 0; r < 4; r++) {
+        stk_sampler s = {.n = 10, .seed = 7, .rank = r, .world = 4, .shuffle = true,
+                         .drop_last = true};
+        expect_shard(s, 0, drop[r], 2);
+    }
+    /* n = 23, seed 42, rank 3 of 4 (its last position wraps to perm[0]) */
+    stk_sampler s = {.n = 23, .seed = 42, .rank = 3, .world = 4, .shuffle = true};
+    expect_shard(s, 0, (const uint64_t[]){0, 6, 2, 11, 1, 4}, 6);
+    expect_shard(s, 1, (const uint64_t[]){12, 8, 15, 17, 3, 1}, 6);
+    expect_shard(s, 3, (const uint64_t[]){9, 2, 0, 4, 17, 7}, 6);
+    expect_shard(s, 4, (const uint64_t[]){2, 11, 15, 12, 10, 20}, 6);
+    /* a seed and epoch that use all 64 bits of the state */
+    stk_sampler big = {.n = 12, .seed = UINT64_MAX, .rank = 0, .world = 1, .shuffle = true};
+    expect_shard(big, 1000000007,
+                 (const uint64_t[]){7, 5, 8, 3, 1, 4, 11, 10, 2, 0, 9, 6}, 12);
+}
+
+/* docs/loader.md's permutation, written from the document: SplitMix64
+ * steps, Lemire's bounded draw with the 128-bit product taken in 32-bit
+ * halves, Fisher-Yates from the top. */
+static uint64_t doc_splitmix(uint64_t *state)
+{
+    *state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = *state;
+    z = (z ^ z >> 30) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ z >> 27) * 0x94d049bb133111ebull;
+    return z ^ z >> 31;
+}
+
+static void doc_mul128(uint64_t a, uint64_t b, uint64_t *hi, uint64_t *lo)
+{
+    uint64_t al = a & 0xffffffffu, ah = a >> 32, bl = b & 0xffffffffu, bh = b >> 32;
+    uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    uint64_t mid = (ll >> 32) + (lh & 0xffffffffu) + (hl & 0xffffffffu);
+    *lo = (ll & 0xffffffffu) | mid << 32;
+    *hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+}
+
+static uint64_t doc_bounded(uint64_t *state, uint64_t b)
+{
+    uint64_t hi, lo, threshold = (0 - b) % b; /* (2^64 - b) mod b */
+    do
+        doc_mul128(doc_splitmix(state), b, &hi, &lo);
+    while (lo < threshold);
+    return hi;
+}
+
+/* Rank r's shard: padded (wrap around), drop_last or uneven. */
+static uint64_t doc_shard(uint64_t n, uint64_t seed, uint64_t epoch, int rank,
+                          int world, int mode, uint64_t *out)
+{
+    uint64_t *perm = malloc(n * sizeof *perm), w = (uint64_t)world;
+    for (uint64_t i = 0; i < n; i++)
+        perm[i] = i;
+    uint64_t st = seed;
+    st = doc_splitmix(&st) ^ epoch * 0xd1b54a32d192ed03ull;
+    for (uint64_t i = n - 1; i >= 1; i--) {
+        uint64_t j = doc_bounded(&st, i + 1), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    uint64_t total = mode == 0 ? (n + w - 1) / w * w : mode == 1 ? n / w * w : n, len = 0;
+    for (uint64_t g = (uint64_t)rank; g < total; g += w)
+        out[len++] = perm[g % n];
+    free(perm);
+    return len;
+}
+
+static void sampler_follows_the_documented_algorithm(void **state)
+{
+    (void)state;
+    uint64_t sizes[] = {1, 2, 10, 23, 257, 1000}, seeds[] = {0, 1, 42, UINT64_MAX - 3};
+    int worlds[] = {1, 3, 8};
+    uint64_t *want = malloc(1000 * sizeof *want), *got = malloc(1000 * sizeof *got);
+    for (size_t a = 0; a < 6; a++)
+        for (size_t b = 0; b < 4; b++)
+            for (uint64_t epoch = 0; epoch < 3; epoch++)
+                for (size_t c = 0; c < 3; c++)
+                    for (int mode = 0; mode < 3; mode++) {
+                        int w = worlds[c], r = (int)(epoch + a) % w;
+                        stk_sampler s = {sizes[a], seeds[b], r, w, true, mode == 1,
+                                         mode == 2};
+                        uint64_t len = doc_shard(sizes[a], seeds[b], epoch, r, w, mode, want);
+                        assert_int_equal(stk_sampler_len(&s), len);
+                        assert_int_equal(stk_sampler_shard(&s, epoch, got), 0);
+                        assert_memory_equal(got, want, len * sizeof *got);
+                    }
+    free(want);
+    free(got);
 }
 
 /* ---- loader ------------------------------------------------------------ */
@@ -268,6 +402,68 @@ static void resume_equals_uninterrupted(void **state)
     stk_store_close(s);
 }
 
+/* The loader delivers the known shards of sampler_known_answers (23
+ * samples, seed 42, rank 3 of 4, batches of 4) for the epochs asked, with
+ * the bytes and labels of those samples, for any worker count, also when
+ * it starts at a later epoch or mid-epoch. */
+static void loader_delivers_the_known_shards(void **state)
+{
+    (void)state;
+    char dir[1100];
+    snprintf(dir, sizeof dir, "%s", scratch("small"));
+    rmdir(dir);
+    make_db(dir, 23, UINT64_MAX);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    static const uint64_t known[5][6] = {
+        [0] = {0, 6, 2, 11, 1, 4}, [1] = {12, 8, 15, 17, 3, 1},
+        [3] = {9, 2, 0, 4, 17, 7}, [4] = {2, 11, 15, 12, 10, 20}};
+    struct { uint64_t epoch, batch; int workers; } starts[] = {
+        {0, 0, 0}, {0, 0, 3}, {3, 0, 0}, {3, 0, 2}, {3, 1, 1}};
+    for (size_t k = 0; k < sizeof starts / sizeof *starts; k++) {
+        stk_loader_opts o = {.batch_size = 4, .shuffle = true, .seed = 42, .rank = 3,
+                             .world = 4, .workers = starts[k].workers,
+                             .start_epoch = starts[k].epoch,
+                             .start_batch = starts[k].batch};
+        stk_loader *l;
+        assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+        assert_int_equal(stk_loader_batches(l), 2);
+        uint64_t e = starts[k].epoch, bi = starts[k].batch;
+        for (int taken = 0; taken < 4 - (int)starts[k].batch;) {
+            stk_batch b;
+            int rc = stk_loader_next(l, &b, &err);
+            assert_true(rc >= 0);
+            if (rc == 0) { /* the epoch ended where it should */
+                assert_int_equal(bi, 2);
+                e++;
+                bi = 0;
+                continue;
+            }
+            assert_int_equal(b.epoch, e);
+            assert_int_equal(b.index, bi);
+            assert_int_equal(b.n, bi ? 2 : 4);
+            uint8_t px[SB];
+            for (int i = 0; i < b.n; i++) {
+                uint64_t want = known[e][bi * 4 + (uint64_t)i];
+                if (b.indices[i] != want)
+                    fail_msg("start %zu: epoch %llu batch %llu sample %d is %llu, "
+                             "expected %llu", k, (unsigned long long)e,
+                             (unsigned long long)bi, i, (unsigned long long)b.indices[i],
+                             (unsigned long long)want);
+                pattern(want, px);
+                assert_memory_equal(b.data + (size_t)i * SB, px, SB);
+                assert_int_equal(b.labels[i], (int32_t)(want % 10));
+            }
+            stk_loader_release(l, &b);
+            bi++;
+            taken++;
+        }
+        stk_loader_close(l);
+    }
+    stk_store_close(s);
+}
+
 static void drop_last_and_short_batches(void **state)
 {
     (void)state;
@@ -302,7 +498,7 @@ static void corrupt_record_is_an_error_naming_its_key(void **state)
     (void)state;
     const char *dir = scratch("corrupt");
     rmdir(dir);
-    make_db(dir, 500);
+    make_db(dir, N, 500);
     stk_store *s;
     stk_err err = {0};
     assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
@@ -444,8 +640,11 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(sampler_covers_every_index_once),
     cmocka_unit_test(sampler_padding_wraps_and_drop_trims),
     cmocka_unit_test(sampler_order_depends_on_seed_and_epoch),
+    cmocka_unit_test(sampler_known_answers),
+    cmocka_unit_test(sampler_follows_the_documented_algorithm),
     cmocka_unit_test(batches_identical_for_any_workers_and_prefetch),
     cmocka_unit_test(resume_equals_uninterrupted),
+    cmocka_unit_test(loader_delivers_the_known_shards),
     cmocka_unit_test(drop_last_and_short_batches),
     cmocka_unit_test(corrupt_record_is_an_error_naming_its_key),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),

@@ -1,8 +1,14 @@
 /* test_trainer - model specs (built-ins and the text format), shapes and
- * PyTorch parameter names, clear errors for models that do not fit, and
- * the whole model's backward against finite differences. */
+ * PyTorch parameter names, clear errors for models that do not fit, the
+ * whole model's backward against finite differences, and every training
+ * option (schedules, warm-up, clipping, SGD with momentum, Nesterov and
+ * weight decay, AdamW, resume) through stk_train_run against a reference
+ * written here. */
 #include "unit.h"
 
+#include "store/store.h"
+#include "trainer/checkpoint.h"
+#include "trainer/train_impl.h"
 #include "trainer/trainer.h"
 
 #include <math.h>
@@ -384,6 +390,489 @@ static void winograd_and_im2col_agree(void **state)
     assert_true(differ > 0); /* they are two computations, not one */
 }
 
+/* ---- the learning rate, step by step ----------------------------------- */
+
+/* stk_train_lr against values worked out by hand: warm-up ramps
+ * lr * (step + 1) / warmup over the first `warmup` steps of every schedule;
+ * step multiplies by gamma every step_size epochs; cosine goes from lr at
+ * the end of warm-up to 0 at `total` steps (and stays there). */
+static void lr_schedules_step_by_step(void **state)
+{
+    (void)state;
+    stk_train_opts o;
+    stk_train_defaults(&o);
+    struct { stk_sched sched; int warmup, step_size; float gamma;
+             uint64_t step, total; int epoch; double want; } cases[] = {
+        /* constant with 4 warm-up steps: 1/4, 2/4, 3/4, then lr */
+        {STK_SCHED_CONSTANT, 4, 3, 0.1f, 0, 100, 0, 0.025},
+        {STK_SCHED_CONSTANT, 4, 3, 0.1f, 1, 100, 0, 0.05},
+        {STK_SCHED_CONSTANT, 4, 3, 0.1f, 2, 100, 0, 0.075},
+        {STK_SCHED_CONSTANT, 4, 3, 0.1f, 3, 100, 0, 0.1},
+        {STK_SCHED_CONSTANT, 4, 3, 0.1f, 4, 100, 0, 0.1},
+        {STK_SCHED_CONSTANT, 0, 3, 0.1f, 0, 100, 0, 0.1},
+        /* step: x0.1 every 3 epochs */
+        {STK_SCHED_STEP, 0, 3, 0.1f, 0, 100, 0, 0.1},
+        {STK_SCHED_STEP, 0, 3, 0.1f, 40, 100, 2, 0.1},
+        {STK_SCHED_STEP, 0, 3, 0.1f, 41, 100, 3, 0.01},
+        {STK_SCHED_STEP, 0, 3, 0.1f, 50, 100, 5, 0.01},
+        {STK_SCHED_STEP, 0, 3, 0.1f, 60, 100, 6, 0.001},
+        {STK_SCHED_STEP, 0, 1, 0.5f, 60, 100, 3, 0.0125},
+        /* warm-up comes first, whatever the epoch */
+        {STK_SCHED_STEP, 2, 1, 0.5f, 0, 100, 3, 0.05},
+        {STK_SCHED_STEP, 2, 1, 0.5f, 2, 100, 3, 0.0125},
+        /* cosine over 10 steps, 2 of warm-up: the cosine spans 8 */
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 0, 10, 0, 0.05},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 1, 10, 0, 0.1},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 2, 10, 0, 0.1},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 4, 10, 0, 0.1 * 0.5 * (1 + 0.70710678118654752)},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 6, 10, 0, 0.05},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 9, 10, 0, 0.1 * 0.5 * (1 - 0.92387953251128674)},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 10, 10, 0, 0.0},
+        {STK_SCHED_COSINE, 2, 3, 0.1f, 12, 10, 0, 0.0},
+        {STK_SCHED_COSINE, 0, 3, 0.1f, 5, 10, 0, 0.05},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        o.lr = 0.1f;
+        o.sched = cases[i].sched;
+        o.warmup = cases[i].warmup;
+        o.step_size = cases[i].step_size;
+        o.gamma = cases[i].gamma;
+        double got = stk_train_lr(&o, cases[i].step, cases[i].total, cases[i].epoch);
+        if (fabs(got - cases[i].want) > 1e-6 * cases[i].want + 1e-9)
+            fail_msg("case %zu (schedule %d, warm-up %d, step %llu, epoch %d): lr %.9g, "
+                     "expected %.9g", i, (int)cases[i].sched, cases[i].warmup,
+                     (unsigned long long)cases[i].step, cases[i].epoch, got,
+                     cases[i].want);
+    }
+}
+
+/* ---- training options through stk_train_run, against a reference --------
+ *
+ * A database of 24 training and 6 test samples of 1x4x4 pixels in 3
+ * classes, a linear model (16 -> 3) and batches of 8: 3 steps an epoch. The
+ * reference below recomputes each step in double from the documented rules
+ * (PyTorch's SGD and AdamW, the schedules, clipping by the global L2 norm)
+ * starting from the model's initial weights; the trainer must end within
+ * float rounding of it. */
+
+enum { TR_N = 24, TE_N = 6, T_PX = 16, T_CLS = 3, T_BATCH = 8,
+       T_STEPS = TR_N / T_BATCH, T_W = T_CLS * T_PX, T_P = T_W + T_CLS };
+#define T_MEAN 0.5
+#define T_STD 0.25
+
+static uint8_t t_pixel(uint64_t i, int j)
+{
+    return (uint8_t)((i * 37 + (uint64_t)j * 11 + (i * (uint64_t)j) % 7) * 13 % 256);
+}
+
+static int32_t t_label(uint64_t i) { return (int32_t)((i * 5 + 1) % T_CLS); }
+
+/* The database (train: samples 0..23, test: 24..29) and the model file in
+ * dir; returns dir. */
+static const char *tiny_setup(const char *dir, char *db, char *model, size_t n)
+{
+    snprintf(db, n, "%s/db", dir);
+    snprintf(model, n, "%s/linear.txt", dir);
+    FILE *f = fopen(model, "w");
+    assert_non_null(f);
+    fputs("flatten\nhead: linear classes\n", f);
+    fclose(f);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(db, NULL, &s, &err), 0);
+    static uint64_t counts[2][T_CLS];
+    memset(counts, 0, sizeof counts);
+    uint8_t rec[STK_RECORD_HEADER + T_PX], px[T_PX];
+    for (uint64_t i = 0; i < TR_N + TE_N; i++) {
+        for (int j = 0; j < T_PX; j++)
+            px[j] = t_pixel(i, j);
+        stk_record_encode(rec, t_label(i), px, T_PX);
+        assert_int_equal(stk_store_append(s, i < TR_N ? "train" : "test", rec,
+                                          sizeof rec, &err), 0);
+        counts[i >= TR_N][t_label(i)]++;
+    }
+    char *classes[T_CLS] = {"a", "b", "c"};
+    stk_meta m = {.channels = 1, .height = 4, .width = 4, .nclasses = T_CLS,
+                  .classes = classes, .nsplits = 2, .source_path = "x",
+                  .source_format = "test", .tool = "t", .created = ""};
+    for (int k = 0; k < 2; k++) {
+        snprintf(m.splits[k].name, 32, "%s", k ? "test" : "train");
+        m.splits[k].count = k ? TE_N : TR_N;
+        m.splits[k].label_counts = counts[k];
+        m.splits[k].mean[0] = T_MEAN;
+        m.splits[k].std[0] = T_STD;
+    }
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+    return dir;
+}
+
+/* Training options for the tiny set: SGD without momentum at a constant
+ * 0.1, no warm-up; tests set what they check. */
+static stk_train_opts tiny_opts(const char *db, const char *model, const char *out)
+{
+    stk_train_opts o;
+    stk_train_defaults(&o);
+    o.db = db;
+    o.model = model;
+    o.out = out;
+    o.threads = 1;
+    o.workers = 1;
+    o.batch = T_BATCH;
+    o.epochs = 4;
+    o.optim = STK_OPT_SGD;
+    o.lr = 0.1f;
+    o.momentum = 0;
+    o.weight_decay = 0;
+    o.sched = STK_SCHED_CONSTANT;
+    o.warmup = 0;
+    o.dropout = false;
+    o.seed = 3;
+    o.quiet = true;
+    o.log_every = 1000;
+    o.keep = 100;
+    return o;
+}
+
+/* What the reference keeps: weights, the optimizer's state (momentum, or
+ * AdamW's exp_avg and exp_avg_sq), the largest and smallest gradient norm
+ * seen before clipping. */
+typedef struct ref_run {
+    double w[T_P], s1[T_P], s2[T_P];
+    double max_norm, min_norm;
+} ref_run;
+
+/* The learning rate of step `step` (of `total`) in epoch `epoch`, from
+ * docs/cli.md: warm-up ramps linearly over the first steps, then the
+ * schedule. */
+static double ref_lr(const stk_train_opts *o, uint64_t step, uint64_t total, int epoch)
+{
+    if (step < (uint64_t)o->warmup)
+        return o->lr * (double)(step + 1) / o->warmup;
+    if (o->sched == STK_SCHED_STEP)
+        return o->lr * pow(o->gamma, epoch / o->step_size);
+    if (o->sched == STK_SCHED_COSINE) {
+        double span = (double)(total - (uint64_t)o->warmup);
+        double t = fmin((double)(step - (uint64_t)o->warmup), span);
+        return o->lr * 0.5 * (1 + cos(M_PI * t / span));
+    }
+    return o->lr;
+}
+
+/* The mean cross-entropy gradient of the linear model over batch idx. */
+static void ref_grad(const double *w, const uint64_t *idx, int n, double *g)
+{
+    memset(g, 0, T_P * sizeof *g);
+    for (int s = 0; s < n; s++) {
+        double x[T_PX], z[T_CLS], zmax = -1e300, sum = 0;
+        for (int j = 0; j < T_PX; j++)
+            x[j] = (t_pixel(idx[s], j) / 255.0 - T_MEAN) / T_STD;
+        for (int c = 0; c < T_CLS; c++) {
+            z[c] = w[T_W + c];
+            for (int j = 0; j < T_PX; j++)
+                z[c] += w[c * T_PX + j] * x[j];
+            zmax = fmax(zmax, z[c]);
+        }
+        for (int c = 0; c < T_CLS; c++)
+            sum += exp(z[c] - zmax);
+        for (int c = 0; c < T_CLS; c++) {
+            double d = (exp(z[c] - zmax) / sum - (c == t_label(idx[s]))) / n;
+            for (int j = 0; j < T_PX; j++)
+                g[c * T_PX + j] += d * x[j];
+            g[T_W + c] += d;
+        }
+    }
+}
+
+/* torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when the
+ * global norm exceeds max. */
+static void ref_clip(const stk_train_opts *o, double *g, ref_run *r)
+{
+    double ss = 0;
+    for (int i = 0; i < T_P; i++)
+        ss += g[i] * g[i];
+    double norm = sqrt(ss);
+    r->max_norm = fmax(r->max_norm, norm);
+    r->min_norm = fmin(r->min_norm, norm);
+    if (o->clip > 0 && norm > o->clip)
+        for (int i = 0; i < T_P; i++)
+            g[i] *= o->clip / (norm + 1e-6);
+}
+
+/* torch.optim.SGD (momentum, dampening 0, Nesterov, weight decay) and
+ * torch.optim.AdamW (betas 0.9, 0.999, eps 1e-8), step t = step + 1. */
+static void ref_update(const stk_train_opts *o, double lr, uint64_t step,
+                       const double *g, ref_run *r)
+{
+    for (int i = 0; i < T_P; i++) {
+        if (o->optim == STK_OPT_SGD) {
+            double d = g[i] + o->weight_decay * r->w[i];
+            if (o->momentum != 0) {
+                r->s1[i] = step == 0 ? d : o->momentum * r->s1[i] + d;
+                d = o->nesterov ? d + o->momentum * r->s1[i] : r->s1[i];
+            }
+            r->w[i] -= lr * d;
+        } else {
+            double t = (double)step + 1;
+            r->w[i] *= 1 - lr * o->weight_decay;
+            r->s1[i] = 0.9 * r->s1[i] + 0.1 * g[i];
+            r->s2[i] = 0.999 * r->s2[i] + 0.001 * g[i] * g[i];
+            double mhat = r->s1[i] / (1 - pow(0.9, t));
+            double vhat = r->s2[i] / (1 - pow(0.999, t));
+            r->w[i] -= lr * mhat / (sqrt(vhat) + 1e-8);
+        }
+    }
+}
+
+/* The whole run of o: the model's initial weights from its seed, then
+ * every step of every epoch in the sampler's order. */
+static void ref_train(const stk_train_opts *o, ref_run *r)
+{
+    memset(r, 0, sizeof *r);
+    r->min_norm = INFINITY;
+    stk_model_spec spec;
+    stk_err err;
+    assert_int_equal(stk_model_parse("flatten\nhead: linear classes\n", "t", &spec, &err), 0);
+    stk_model *m;
+    assert_int_equal(stk_model_create(be, &spec, 1, 4, 4, T_CLS, T_BATCH, o->seed, &m,
+                                      &err), 0);
+    assert_int_equal(stk_model_param_count(m), T_P);
+    for (int i = 0; i < T_P; i++)
+        r->w[i] = stk_model_weights(m)[i];
+    stk_model_destroy(m);
+    uint64_t total = (uint64_t)T_STEPS * o->epochs, step = 0;
+    for (int e = 0; e < o->epochs; e++) {
+        uint64_t order[TR_N];
+        stk_sampler smp = {.n = TR_N, .seed = o->seed, .rank = 0, .world = 1,
+                           .shuffle = true};
+        assert_int_equal(stk_sampler_shard(&smp, (uint64_t)e, order), 0);
+        for (int b = 0; b < T_STEPS; b++, step++) {
+            double g[T_P];
+            ref_grad(r->w, order + b * T_BATCH, T_BATCH, g);
+            ref_clip(o, g, r);
+            ref_update(o, ref_lr(o, step, total, e), step, g, r);
+        }
+    }
+}
+
+/* Reads RUN/checkpoints/step-N's weights and optimizer state. */
+static void read_checkpoint(const stk_train_opts *o, uint64_t step, float *w,
+                            float *s1, float *s2)
+{
+    char dir[1200], path[1300];
+    snprintf(dir, sizeof dir, "%s/checkpoints/step-%08llu", o->out,
+             (unsigned long long)step);
+    bool sgd = o->optim == STK_OPT_SGD;
+    const char *suffix[3] = {"", sgd ? ".momentum_buffer" : ".exp_avg", ".exp_avg_sq"};
+    float *dst[3] = {w, s1, s2};
+    for (int k = 0; k < (sgd ? 2 : 3); k++) {
+        stk_tensor t[2] = {{.ndim = 2, .shape = {T_CLS, T_PX}, .count = T_W, .data = dst[k]},
+                           {.ndim = 1, .shape = {T_CLS}, .count = T_CLS,
+                            .data = dst[k] + T_W}};
+        snprintf(t[0].name, sizeof t[0].name, "head.weight%s", suffix[k]);
+        snprintf(t[1].name, sizeof t[1].name, "head.bias%s", suffix[k]);
+        snprintf(path, sizeof path, "%s/%s.safetensors", dir, k ? "optim" : "model");
+        stk_err err = {0};
+        if (stk_safetensors_read(path, t, 2, NULL, &err))
+            fail_msg("%s", err.msg);
+    }
+}
+
+/* One state vector against the reference: within float rounding (a few
+ * 1e-6 of the element, or of the vector's largest element near zero). */
+static void expect_close(const char *what, const float *got, const double *want)
+{
+    double scale = 0;
+    for (int i = 0; i < T_P; i++)
+        scale = fmax(scale, fabs(want[i]));
+    for (int i = 0; i < T_P; i++)
+        if (fabs(got[i] - want[i]) > 3e-5 * fabs(want[i]) + 3e-6 * scale)
+            fail_msg("%s[%d] is %.9g, the reference %.9g", what, i, got[i], want[i]);
+}
+
+/* Trains o with stk_train_run and checks the last checkpoint's weights
+ * and optimizer state against the reference; returns the reference. */
+static ref_run train_and_compare(const stk_train_opts *o)
+{
+    stk_train_result res;
+    stk_err err = {0};
+    if (stk_train_run(o, &res, &err))
+        fail_msg("train: %s", err.msg);
+    uint64_t steps = (uint64_t)T_STEPS * o->epochs;
+    assert_int_equal(res.steps, steps);
+    static float w[T_P], s1[T_P], s2[T_P];
+    read_checkpoint(o, steps, w, s1, s2);
+    ref_run r;
+    ref_train(o, &r);
+    expect_close("weight", w, r.w);
+    expect_close(o->optim == STK_OPT_SGD ? "momentum" : "exp_avg", s1, r.s1);
+    if (o->optim == STK_OPT_ADAMW)
+        expect_close("exp_avg_sq", s2, r.s2);
+    return r;
+}
+
+#define TINY(o, name)                                                          \
+    char db_[1100], model_[1100], out_[1100];                                  \
+    const char *dir_ = tiny_setup(scratch(name), db_, model_, sizeof db_);    \
+    snprintf(out_, sizeof out_, "%s/run", dir_);                               \
+    stk_train_opts o = tiny_opts(db_, model_, out_)
+
+/* SGD with momentum, weight decay and 4 warm-up steps (constant after). */
+static void sgd_momentum_decay_warmup_match_reference(void **state)
+{
+    (void)state;
+    TINY(o, "sgd");
+    o.momentum = 0.9f;
+    o.weight_decay = 0.05f;
+    o.warmup = 4;
+    train_and_compare(&o);
+}
+
+/* Nesterov momentum over 15 steps (the order of its terms matters from
+ * the second step on) under the step schedule: x0.5 every 2 epochs, after
+ * 2 warm-up steps. */
+static void sgd_nesterov_step_schedule_match_reference(void **state)
+{
+    (void)state;
+    TINY(o, "nesterov");
+    o.momentum = 0.8f;
+    o.nesterov = true;
+    o.epochs = 5;
+    o.sched = STK_SCHED_STEP;
+    o.step_size = 2;
+    o.gamma = 0.5f;
+    o.warmup = 2;
+    o.lr = 0.2f;
+    train_and_compare(&o);
+}
+
+/* AdamW with weight decay over 12 steps of cosine decay after 3 warm-up
+ * steps (its moments are non-zero from the second step on). */
+static void adamw_cosine_warmup_match_reference(void **state)
+{
+    (void)state;
+    TINY(o, "adamw");
+    o.optim = STK_OPT_ADAMW;
+    o.lr = 0.05f;
+    o.weight_decay = 0.1f;
+    o.sched = STK_SCHED_COSINE;
+    o.warmup = 3;
+    train_and_compare(&o);
+}
+
+/* --clip below every step's gradient norm scales each step down to it;
+ * above every norm it changes nothing (the reference without --clip). */
+static void clip_scales_to_the_norm_only_above_it(void **state)
+{
+    (void)state;
+    TINY(o, "clip");
+    o.momentum = 0.9f;
+    o.clip = 0.05f;
+    ref_run r = train_and_compare(&o);
+    if (!(r.min_norm > 2 * o.clip))
+        fail_msg("the test needs every step clipped: smallest norm %g", r.min_norm);
+    stk_train_opts wide = o;
+    wide.clip = 1000;
+    snprintf(out_, sizeof out_, "%s/wide", dir_);
+    ref_run rw = train_and_compare(&wide);
+    if (!(rw.max_norm < wide.clip))
+        fail_msg("the test needs no step clipped: largest norm %g", rw.max_norm);
+    stk_train_opts none = wide;
+    none.clip = 0;
+    ref_run rn;
+    ref_train(&none, &rn);
+    assert_memory_equal(rn.w, rw.w, sizeof rn.w);
+    double moved = 0;
+    for (int i = 0; i < T_P; i++)
+        moved = fmax(moved, fabs(r.w[i] - rn.w[i]));
+    assert_true(moved > 1e-3); /* clipping made a difference */
+}
+
+/* Runs o stopping after each of the steps in stops (a checkpoint, as
+ * Ctrl-C does), resuming from it each time, to the end. */
+static void train_with_stops(stk_train_opts o, const int *stops, int n)
+{
+    stk_train_result res;
+    stk_err err = {0};
+    for (int k = 0; k <= n; k++) {
+        o.resume = k ? "auto" : NULL;
+        o.max_steps = k < n ? stops[k] : 0;
+        if (stk_train_run(&o, &res, &err))
+            fail_msg("train (part %d): %s", k + 1, err.msg);
+        assert_int_equal(res.steps, k < n ? (uint64_t)stops[k] : (uint64_t)T_STEPS * o.epochs);
+        assert_int_equal(res.stopped, k < n);
+    }
+}
+
+static void expect_same_file(const char *a, const char *b)
+{
+    uint8_t *x, *y;
+    size_t nx, ny;
+    stk_err err;
+    assert_int_equal(stk_read_file(a, &x, &nx, &err), 0);
+    assert_int_equal(stk_read_file(b, &y, &ny, &err), 0);
+    if (nx != ny || memcmp(x, y, nx))
+        fail_msg("%s and %s differ", a, b);
+    free(x);
+    free(y);
+}
+
+/* A run stopped mid-epoch (step 4 of 12), then at an epoch boundary (step
+ * 9), resumed each time in the same process, ends with the bits of an
+ * uninterrupted run: weights and optimizer state (momentum, or both AdamW
+ * moments), which the reference also checks. */
+static void resume_equals_uninterrupted(stk_train_opts o)
+{
+    char whole[1200], parts[1200], a[1300], b[1300];
+    snprintf(whole, sizeof whole, "%s-whole", o.out);
+    snprintf(parts, sizeof parts, "%s-parts", o.out);
+    stk_train_opts w = o;
+    w.out = whole;
+    train_and_compare(&w);
+    o.out = parts;
+    train_with_stops(o, (const int[]){4, 9}, 2);
+    static float wt[T_P], s1[T_P], s2[T_P];
+    read_checkpoint(&o, (uint64_t)T_STEPS * o.epochs, wt, s1, s2);
+    ref_run r;
+    ref_train(&o, &r);
+    expect_close("resumed weight", wt, r.w);
+    expect_close("resumed state", s1, r.s1);
+    if (o.optim == STK_OPT_ADAMW)
+        expect_close("resumed exp_avg_sq", s2, r.s2);
+    for (int k = 0; k < 2; k++) {
+        const char *f = k ? "optim.safetensors" : "model.safetensors";
+        snprintf(a, sizeof a, "%s/checkpoints/step-%08d/%s", whole, T_STEPS * o.epochs, f);
+        snprintf(b, sizeof b, "%s/checkpoints/step-%08d/%s", parts, T_STEPS * o.epochs, f);
+        expect_same_file(a, b);
+    }
+}
+
+static void resume_sgd_equals_uninterrupted(void **state)
+{
+    (void)state;
+    TINY(o, "resume-sgd");
+    o.momentum = 0.9f;
+    o.nesterov = true;
+    o.weight_decay = 0.01f;
+    o.sched = STK_SCHED_COSINE;
+    o.warmup = 2;
+    resume_equals_uninterrupted(o);
+}
+
+static void resume_adamw_equals_uninterrupted(void **state)
+{
+    (void)state;
+    TINY(o, "resume-adamw");
+    o.optim = STK_OPT_ADAMW;
+    o.lr = 0.05f;
+    o.weight_decay = 0.1f;
+    o.sched = STK_SCHED_STEP;
+    o.step_size = 1;
+    o.gamma = 0.7f;
+    o.warmup = 2;
+    resume_equals_uninterrupted(o);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(cnn_has_pytorch_names_and_shapes),
     cmocka_unit_test(text_format_and_errors),
@@ -393,6 +882,13 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(fused_pool_equals_layer_by_layer),
     cmocka_unit_test(cnn_results_do_not_depend_on_threads),
     cmocka_unit_test(pieces_add_up_to_the_batch),
+    cmocka_unit_test(lr_schedules_step_by_step),
+    cmocka_unit_test(sgd_momentum_decay_warmup_match_reference),
+    cmocka_unit_test(sgd_nesterov_step_schedule_match_reference),
+    cmocka_unit_test(adamw_cosine_warmup_match_reference),
+    cmocka_unit_test(clip_scales_to_the_norm_only_above_it),
+    cmocka_unit_test(resume_sgd_equals_uninterrupted),
+    cmocka_unit_test(resume_adamw_equals_uninterrupted),
 };
 
 UNIT_MAIN_WITH(tests, setup, teardown)
