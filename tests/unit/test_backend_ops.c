@@ -451,9 +451,12 @@ int main(int argc, char **argv)
         printf("FAIL: %s\n", err.msg);
         return 1;
     }
-    if (argc > 1)
+    if (argc > 1 && !unit_filter_matches(tests, sizeof tests / sizeof *tests, argv[1]))
+        rc = 1;
+    else if (argc > 1)
         cmocka_set_test_filter(argv[1]);
-    rc = cmocka_run_group_tests(tests, NULL, NULL);
+    if (!rc)
+        rc = cmocka_run_group_tests(tests, NULL, NULL);
     stk_backend_destroy(gpu);
     stk_backend_destroy(cpu);
     return rc;

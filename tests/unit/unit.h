@@ -1,8 +1,10 @@
 /* unit.h - shared by the cmocka unit tests: a main that runs one case when
- * ctest names it (argv[1]), and scratch directories. */
+ * ctest names it (argv[1]; a name that matches no case fails), and scratch
+ * directories. */
 #ifndef STK_UNIT_H
 #define STK_UNIT_H
 
+#include <fnmatch.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,11 +31,27 @@ static inline const char *scratch(const char *name)
     return path;
 }
 
+/* Whether filter (cmocka's pattern: * and ? wildcards) names one of the n
+ * cases: a filter that matches nothing would run nothing and pass. */
+static inline int unit_filter_matches(const struct CMUnitTest *t, size_t n,
+                                      const char *filter)
+{
+    for (size_t i = 0; i < n; i++)
+        if (fnmatch(filter, t[i].name, 0) == 0)
+            return 1;
+    fprintf(stderr, "unit: no case matches '%s'\n", filter);
+    return 0;
+}
+
 #define UNIT_MAIN_WITH(tests, setup, teardown)                                 \
     int main(int argc, char **argv)                                            \
     {                                                                          \
-        if (argc > 1)                                                          \
+        if (argc > 1) {                                                        \
+            if (!unit_filter_matches(tests, sizeof tests / sizeof *tests,      \
+                                     argv[1]))                                 \
+                return 1;                                                      \
             cmocka_set_test_filter(argv[1]);                                   \
+        }                                                                      \
         return cmocka_run_group_tests(tests, setup, teardown);                 \
     }
 
