@@ -56,12 +56,51 @@ int stk_rank_bind_cpus(const stk_rank_info *ri, int threads, stk_err *err);
 
 typedef struct stk_store_server stk_store_server;
 
+/* What any one client can make the server hold (docs/distributed.md, "What
+ * the store holds, at most"). A client that would go over one is
+ * disconnected, with one log line naming it and the limit; the store and
+ * its other clients go on. Bytes are counted with a fixed overhead for
+ * every key, parked GET and reply, so that many tiny ones count too. */
+typedef struct stk_store_limits {
+    size_t key;      /* bytes in a key */
+    size_t value;    /* bytes in a value */
+    size_t keys;     /* keys in the store */
+    size_t stored;   /* bytes of all keys and values */
+    size_t pending;  /* held for one connection: the request still
+                        arriving, replies it has not read, its parked GETs */
+    size_t inflight; /* the same for all connections together */
+} stk_store_limits;
+
+/* 4 KiB a key, 8 MiB a value, 1 Mi keys, 256 MiB stored, 32 MiB a
+ * connection, 512 MiB all connections. */
+stk_store_limits stk_store_default_limits(void);
+
+/* One line about a refused client, without its newline; called on the
+ * server's thread. */
+typedef void (*stk_store_log_fn)(void *arg, const char *line);
+
 /* Serves the store on host:port from a thread of its own (libuv). port 0
  * picks a free port, *bound tells which. A port in use is an error that
- * names it and says what to do. */
+ * names it and says what to do. limits NULL: the defaults; log NULL: no
+ * log. */
+int stk_store_server_open(const char *host, int port,
+                          const stk_store_limits *limits, stk_store_log_fn log,
+                          void *log_arg, int *bound, stk_store_server **out,
+                          stk_err *err);
+/* stk_store_server_open with the default limits, logging on stderr: the
+ * launcher's and a SLURM rank 0's store, whose log is that process's. */
 int stk_store_server_start(const char *host, int port, int *bound,
                            stk_store_server **out, stk_err *err);
 void stk_store_server_stop(stk_store_server *s); /* NULL is a no-op */
+
+/* What the server holds now, and the most it has held for its
+ * connections; readable from any thread while it runs. */
+typedef struct stk_store_usage {
+    size_t keys, stored;   /* against limits.keys, limits.stored */
+    size_t inflight, peak; /* against limits.inflight */
+    size_t dropped;        /* clients disconnected over a limit */
+} stk_store_usage;
+void stk_store_server_usage(stk_store_server *s, stk_store_usage *out);
 
 typedef struct stk_kv stk_kv;
 

@@ -1,5 +1,6 @@
 /* test_dist - the rendezvous store (set, get that waits, add, barrier,
- * timeouts, a taken port), the shared-memory collectives between forked
+ * timeouts, a taken port, a hostile client over each of its limits
+ * dropped while a good one goes on), the shared-memory collectives between forked
  * rank processes (all-reduce bitwise equal to the rank-order sum on every
  * rank, average, broadcast, a peer that dies, a resident buffer summed in
  * place), the DDP bucket plan, and
@@ -9,9 +10,14 @@
 #include "dist/dist.h"
 #include "tests/fork_ranks.h"
 
+#include <arpa/inet.h>
+#include <errno.h>
 #include <math.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -74,15 +80,25 @@ static void store_set_get_add(void **state)
     pthread_join(t, NULL);
     assert_int_equal(g.rc, 0);
     assert_string_equal(g.got, "value");
-    /* binary values round trip; a SET replaces */
+    /* binary values round trip; a SET replaces: the second value wins,
+     * longer or shorter than the first */
     uint8_t blob[300];
     for (int i = 0; i < 300; i++)
         blob[i] = (uint8_t)(i * 7);
+    assert_int_equal(stk_kv_set(kv, "blob", "first", 5, &err), 0);
     assert_int_equal(stk_kv_set(kv, "blob", blob, sizeof blob, &err), 0);
     assert_int_equal(stk_kv_get(kv, "blob", 1000, &v, &n, &err), 0);
     assert_int_equal(n, sizeof blob);
     assert_memory_equal(v, blob, sizeof blob);
     free(v);
+    assert_int_equal(stk_kv_set(kv, "late", "v2", 2, &err), 0);
+    assert_int_equal(stk_kv_get(kv, "late", 1000, &v, &n, &err), 0);
+    assert_int_equal(n, 2);
+    assert_memory_equal(v, "v2", 2);
+    free(v);
+    stk_store_usage u;
+    stk_store_server_usage(s, &u);
+    assert_int_equal(u.keys, 2); /* "late" and "blob", each once */
     int64_t after;
     assert_int_equal(stk_kv_add(kv, "count", 5, &after, &err), 0);
     assert_int_equal(after, 5);
@@ -124,6 +140,455 @@ static void store_timeouts_and_taken_port(void **state)
     t0 = stk_now();
     assert_int_equal(stk_kv_connect("127.0.0.1", port, 300, &kv, &err), STK_ETIMEDOUT);
     assert_non_null(strstr(err.msg, "cannot reach the rendezvous store"));
+}
+
+/* ---- hostile clients: each limit, and the store goes on ----------------- */
+
+/* The store's log lines, kept for the checks. */
+typedef struct logbook {
+    pthread_mutex_t mu;
+    int lines;
+    char last[512];
+} logbook;
+
+static void note(void *arg, const char *line)
+{
+    logbook *b = arg;
+    pthread_mutex_lock(&b->mu);
+    b->lines++;
+    snprintf(b->last, sizeof b->last, "%s", line);
+    pthread_mutex_unlock(&b->mu);
+}
+
+static stk_store_server *serve_limited(const stk_store_limits *lim, logbook *b,
+                                       int *port)
+{
+    stk_store_server *s;
+    stk_err err;
+    pthread_mutex_init(&b->mu, NULL);
+    b->lines = 0;
+    b->last[0] = '\0';
+    assert_int_equal(stk_store_server_open("127.0.0.1", 0, lim, note, b, port, &s,
+                                           &err),
+                     0);
+    return s;
+}
+
+static void stop_limited(stk_store_server *s, logbook *b)
+{
+    stk_store_server_stop(s);
+    pthread_mutex_destroy(&b->mu);
+}
+
+/* A raw TCP connection to the store, speaking bytes of our choosing. */
+static int raw_client(int port, int *local_port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    *local_port = ntohs(a.sin_port);
+    return fd;
+}
+
+/* Sends what the peer takes within a second; false once it is gone. */
+static bool raw_send(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n) {
+        struct pollfd pf = {fd, POLLOUT, 0};
+        if (poll(&pf, 1, 1000) <= 0)
+            return true; /* the peer stopped taking bytes: not gone */
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EINTR))
+            continue;
+        if (k <= 0)
+            return false;
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* A request's head: op, key length, the key (key NULL: klen bytes of 'k'),
+ * value length. */
+static size_t raw_head(uint8_t *out, uint8_t op, const char *key, uint32_t klen,
+                       uint32_t vlen)
+{
+    out[0] = op;
+    memcpy(out + 1, &klen, 4);
+    if (key)
+        memcpy(out + 5, key, klen);
+    else
+        memset(out + 5, 'k', klen);
+    memcpy(out + 5 + klen, &vlen, 4);
+    return 9 + (size_t)klen;
+}
+
+/* Whether the server closes fd within 5 s (what it sent is read away). */
+static bool closed_by_server(int fd)
+{
+    static uint8_t sink[1 << 16];
+    double end = stk_now() + 5;
+    while (stk_now() < end) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        if (poll(&pf, 1, 100) <= 0)
+            continue;
+        ssize_t k = recv(fd, sink, sizeof sink, 0);
+        if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN))
+            return true;
+    }
+    return false;
+}
+
+static stk_store_usage usage(stk_store_server *s)
+{
+    stk_store_usage u;
+    stk_store_server_usage(s, &u);
+    return u;
+}
+
+/* Waits up to 10 s for the server to have dropped `want` clients. */
+static size_t dropped(stk_store_server *s, size_t want)
+{
+    double end = stk_now() + 10;
+    while (usage(s).dropped < want && stk_now() < end) {
+        struct timespec pause = {0, 10 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    }
+    return usage(s).dropped;
+}
+
+/* Waits up to 10 s for the server to hold at least n bytes for clients. */
+static void holds(stk_store_server *s, size_t n)
+{
+    double end = stk_now() + 10;
+    while (usage(s).inflight < n && stk_now() < end) {
+        struct timespec pause = {0, 10 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    }
+    assert_true(usage(s).inflight >= n);
+}
+
+/* The store dropped the raw client on local_port, its nth, with one log
+ * line naming it and holding `what` and `more` (NULL: nothing more); fd is
+ * closed. */
+static void expect_dropped(stk_store_server *s, logbook *b, int fd, int local_port,
+                           size_t nth, const char *what, const char *more)
+{
+    assert_int_equal(dropped(s, nth), nth);
+    assert_true(closed_by_server(fd));
+    close(fd);
+    char peer[64];
+    snprintf(peer, sizeof peer, "client 127.0.0.1:%d: ", local_port);
+    pthread_mutex_lock(&b->mu);
+    int lines = b->lines;
+    char last[512];
+    snprintf(last, sizeof last, "%s", b->last);
+    pthread_mutex_unlock(&b->mu);
+    print_message("log: %s\n", last);
+    assert_int_equal(lines, (int)nth); /* one line a client */
+    assert_non_null(strstr(last, peer));
+    assert_non_null(strstr(last, what));
+    assert_true(!more || strstr(last, more));
+}
+
+/* A client that behaves: sets a fresh key and reads it back, and reads a
+ * key set before the hostile one came. */
+static void still_serves(stk_kv *kv, int round)
+{
+    stk_err err;
+    char key[32], val[32];
+    snprintf(key, sizeof key, "good/%d", round);
+    snprintf(val, sizeof val, "value %d", round);
+    assert_int_equal(stk_kv_set(kv, key, val, strlen(val), &err), 0);
+    void *v;
+    size_t n;
+    assert_int_equal(stk_kv_get(kv, key, 1000, &v, &n, &err), 0);
+    assert_int_equal(n, strlen(val));
+    assert_memory_equal(v, val, n);
+    free(v);
+    assert_int_equal(stk_kv_get(kv, "good/before", 1000, &v, &n, &err), 0);
+    assert_int_equal(n, 6);
+    free(v);
+}
+
+/* Waits up to 5 s for nothing to be held for connections (the hostile
+ * ones are gone; a good client between requests holds nothing). */
+static void inflight_back_to_zero(stk_store_server *s)
+{
+    double end = stk_now() + 5;
+    while (usage(s).inflight && stk_now() < end)
+        ;
+    assert_int_equal(usage(s).inflight, 0);
+}
+
+static stk_kv *good_client(int port)
+{
+    stk_kv *kv = client(port);
+    stk_err err;
+    assert_int_equal(stk_kv_set(kv, "good/before", "before", 6, &err), 0);
+    return kv;
+}
+
+/* Keys over 4096 bytes, a length prefix of 2^32 - 1 or 2^60 (the wire's
+ * lengths are 32-bit: 2^60's low half reads as an empty key), a byte that
+ * starts no request: each dropped at its head, nothing kept for it. */
+static void store_drops_huge_keys_and_prefixes(void **state)
+{
+    (void)state;
+    int port, lp;
+    logbook b;
+    stk_store_limits lim = stk_store_default_limits();
+    assert_int_equal(lim.key, 4096); /* the documented defaults */
+    assert_int_equal(lim.value, 8 << 20);
+    assert_int_equal(lim.keys, 1 << 20);
+    assert_int_equal(lim.stored, 256u << 20);
+    assert_int_equal(lim.pending, 32u << 20);
+    assert_int_equal(lim.inflight, 512u << 20);
+    stk_store_server *s = serve_limited(NULL, &b, &port);
+    stk_kv *kv = good_client(port);
+    static uint8_t req[9 + 4097];
+    /* a key of 4097 bytes, with its bytes sent */
+    int fd = raw_client(port, &lp);
+    raw_send(fd, req, raw_head(req, 1, NULL, 4097, 1));
+    expect_dropped(s, &b, fd, lp, 1, "a key of 4097 bytes, over the limit of 4096",
+                   NULL);
+    still_serves(kv, 1);
+    /* a key length of 2^32 - 1, then a stream of bytes that would be it */
+    fd = raw_client(port, &lp);
+    uint8_t head[9] = {1, 0xff, 0xff, 0xff, 0xff};
+    raw_send(fd, head, 5);
+    memset(req, 'x', sizeof req);
+    for (int i = 0; i < 64 && raw_send(fd, req, sizeof req); i++)
+        ;
+    expect_dropped(s, &b, fd, lp, 2, "a key of 4294967295 bytes", NULL);
+    still_serves(kv, 2);
+    /* 2^60 as a 64-bit little-endian length: its low 32 bits are 0 */
+    fd = raw_client(port, &lp);
+    uint64_t huge = (uint64_t)1 << 60;
+    head[0] = 2;
+    memcpy(head + 1, &huge, 8);
+    raw_send(fd, head, 9);
+    expect_dropped(s, &b, fd, lp, 3, "an empty key", NULL);
+    still_serves(kv, 3);
+    /* not a request at all */
+    fd = raw_client(port, &lp);
+    raw_send(fd, "GET / HTTP/1.0\r\n\r\n", 18);
+    expect_dropped(s, &b, fd, lp, 4, "sent 71 where a request starts",
+                   "not a store client");
+    still_serves(kv, 4);
+    assert_true(usage(s).peak < 64 << 10); /* none made it keep anything */
+    inflight_back_to_zero(s);
+    stk_kv_close(kv);
+    stop_limited(s, &b);
+}
+
+/* A value of 8 MiB is stored; one byte more is dropped at its length, and
+ * so is a length of 2^32 - 1, before any of it is kept. */
+static void store_drops_huge_values(void **state)
+{
+    (void)state;
+    int port, lp;
+    logbook b;
+    stk_store_server *s = serve_limited(NULL, &b, &port);
+    stk_kv *kv = good_client(port);
+    stk_err err;
+    size_t big = 8 << 20;
+    uint8_t *val = malloc(big + 1);
+    memset(val, 7, big + 1);
+    assert_int_equal(stk_kv_set(kv, "big", val, big, &err), 0); /* the limit: fine */
+    void *v;
+    size_t n;
+    assert_int_equal(stk_kv_get(kv, "big", 1000, &v, &n, &err), 0);
+    assert_int_equal(n, big);
+    free(v);
+    /* the client refuses to send one byte more, naming the limit */
+    assert_int_equal(stk_kv_set(kv, "bigger", val, big + 1, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "at most 8388608 bytes"));
+    uint32_t lens[2] = {(8u << 20) + 1, 0xffffffffu};
+    for (int i = 0; i < 2; i++) {
+        size_t before = usage(s).stored;
+        int fd = raw_client(port, &lp);
+        uint8_t head[9 + 3];
+        raw_send(fd, head, raw_head(head, 1, NULL, 3, lens[i]));
+        raw_send(fd, val, 1 << 20); /* the start of the value */
+        char what[64];
+        snprintf(what, sizeof what, "a value of %u bytes for key 'kkk'", lens[i]);
+        expect_dropped(s, &b, fd, lp, (size_t)i + 1, what,
+                       "over the limit of 8388608 bytes a value");
+        still_serves(kv, i);
+        /* only good/i came: 64 + "good/i" + "value i" */
+        assert_int_equal(usage(s).stored, before + 64 + 6 + 7);
+    }
+    /* the 8 MiB SET and GET themselves; never a second value's worth */
+    assert_true(usage(s).peak < (9u << 20));
+    free(val);
+    inflight_back_to_zero(s);
+    stk_kv_close(kv);
+    stop_limited(s, &b);
+}
+
+/* The store's own limits: keys in all, then bytes stored (small limits:
+ * the defaults would take a million requests). A good client still reads
+ * and replaces what is there. */
+static void store_drops_too_many_keys_and_bytes(void **state)
+{
+    (void)state;
+    int port, lp;
+    logbook b;
+    stk_store_limits lim = stk_store_default_limits();
+    lim.keys = 100;
+    stk_store_server *s = serve_limited(&lim, &b, &port);
+    stk_kv *kv = good_client(port); /* key 1 */
+    stk_err err;
+    /* a client that sets keys without reading its replies, until dropped */
+    int fd = raw_client(port, &lp);
+    for (int i = 0; i < 200; i++) {
+        char key[16];
+        uint8_t req[32];
+        snprintf(key, sizeof key, "flood/%03d", i);
+        if (!raw_send(fd, req, raw_head(req, 1, key, 9, 0)))
+            break;
+    }
+    expect_dropped(s, &b, fd, lp, 1, "key 'flood/099' would be key number 101",
+                   "over the limit of 100 keys");
+    assert_int_equal(usage(s).keys, 100);
+    /* what is there can still be read and replaced */
+    void *v;
+    size_t n;
+    assert_int_equal(stk_kv_get(kv, "flood/042", 1000, &v, &n, &err), 0);
+    free(v);
+    assert_int_equal(stk_kv_set(kv, "good/before", "before", 6, &err), 0);
+    assert_int_equal(stk_kv_set(kv, "good/new", "x", 1, &err), STK_EPEER);
+    assert_non_null(strstr(err.msg, "over one of its limits"));
+    stk_kv_close(kv);
+    stop_limited(s, &b);
+
+    /* bytes: values of 4 KiB until the store would hold over 32 KiB */
+    lim = stk_store_default_limits();
+    lim.stored = 32 << 10;
+    s = serve_limited(&lim, &b, &port);
+    kv = good_client(port);
+    fd = raw_client(port, &lp);
+    static uint8_t req[9 + 16 + 4096];
+    for (int i = 0; i < 16; i++) {
+        char key[17];
+        snprintf(key, sizeof key, "bytes/%010d", i);
+        size_t len = raw_head(req, 1, key, 16, 4096);
+        memset(req + len, i, 4096);
+        if (!raw_send(fd, req, len + 4096))
+            break;
+    }
+    expect_dropped(s, &b, fd, lp, 1, "key 'bytes/0000000007' would make the store hold",
+                   "bytes of keys and values, over the limit of 32768");
+    stk_store_usage u = usage(s);
+    assert_true(u.stored <= lim.stored);
+    assert_int_equal(u.keys, 1 + 7); /* good/before, and 7 x (64 + 16 + 4096) */
+    still_serves(kv, 1);
+    inflight_back_to_zero(s);
+    stk_kv_close(kv);
+    stop_limited(s, &b);
+}
+
+/* A client that asks for an 8 MiB value again and again and never reads
+ * the replies, and one that parks GETs without end: each is dropped when
+ * 32 MiB would be held for it, and the store never holds much more. */
+static void store_drops_a_client_that_never_reads(void **state)
+{
+    (void)state;
+    int port, lp;
+    logbook b;
+    stk_store_server *s = serve_limited(NULL, &b, &port);
+    stk_kv *kv = good_client(port);
+    stk_err err;
+    size_t big = 8 << 20;
+    uint8_t *val = calloc(1, big);
+    assert_int_equal(stk_kv_set(kv, "big", val, big, &err), 0);
+    free(val);
+    int fd = raw_client(port, &lp);
+    int rcvbuf = 4096; /* the kernel keeps little of the replies for us */
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+    uint8_t get[9 + 3];
+    size_t len = raw_head(get, 2, "big", 3, 0);
+    for (int i = 0; i < 256 && usage(s).dropped == 0; i++) /* 2 GiB of replies */
+        if (!raw_send(fd, get, len))
+            break;
+    expect_dropped(s, &b, fd, lp, 1, "a reply would make",
+                   "for this connection, over the limit of 33554432 a connection");
+    still_serves(kv, 1);
+    assert_true(usage(s).peak <= (33u << 20));
+
+    /* GETs parked on keys that never come: 4 KiB keys, until 32 MiB */
+    fd = raw_client(port, &lp);
+    static uint8_t park[9 + 4096];
+    for (int i = 0; i < 10000; i++) {
+        size_t plen = raw_head(park, 2, NULL, 4096, 0);
+        char id[16];
+        snprintf(id, sizeof id, "%015d", i);
+        memcpy(park + 5, id, 15);
+        if (!raw_send(fd, park, plen))
+            break;
+    }
+    expect_dropped(s, &b, fd, lp, 2, "a parked GET would make",
+                   "over the limit of 33554432 a connection");
+    still_serves(kv, 2);
+    assert_true(usage(s).peak <= (33u << 20));
+    inflight_back_to_zero(s);
+    stk_kv_close(kv);
+    stop_limited(s, &b);
+}
+
+/* Half a request, held for ever: it costs what was sent, within the
+ * connection's budget; clients that do it together meet the budget of all
+ * connections (small limits: 2 MiB a connection, 4 MiB in all). */
+static void store_bounds_half_sent_requests(void **state)
+{
+    (void)state;
+    int port, lp[3], fd[3];
+    logbook b;
+    stk_store_limits lim = stk_store_default_limits();
+    lim.pending = 2 << 20;
+    lim.inflight = 4 << 20;
+    stk_store_server *s = serve_limited(&lim, &b, &port);
+    stk_kv *kv = good_client(port);
+    uint8_t head[9 + 4];
+    size_t hlen = raw_head(head, 1, NULL, 4, 8u << 20); /* announces 8 MiB */
+    size_t part = 1536 << 10;
+    uint8_t *bytes = calloc(1, part);
+    /* one connection: 1.5 MiB of it is held, and no more than was sent */
+    fd[0] = raw_client(port, &lp[0]);
+    raw_send(fd[0], head, hlen);
+    raw_send(fd[0], bytes, part);
+    holds(s, part);
+    assert_true(usage(s).inflight <= part + part / 4 + 16);
+    still_serves(kv, 1);
+    /* past 2 MiB of its 8 MiB: dropped */
+    raw_send(fd[0], bytes, part);
+    expect_dropped(s, &b, fd[0], lp[0], 1, "a request in progress would make",
+                   "for this connection, over the limit of 2097152");
+    inflight_back_to_zero(s);
+    /* three connections, 1.5 MiB each: two fit in 4 MiB, not three */
+    for (int i = 0; i < 3; i++) {
+        fd[i] = raw_client(port, &lp[i]);
+        raw_send(fd[i], head, hlen);
+        raw_send(fd[i], bytes, part);
+        if (i < 2)
+            holds(s, (size_t)(i + 1) * part);
+    }
+    expect_dropped(s, &b, fd[2], lp[2], 2, "a request in progress would make",
+                   "for all connections, over the limit of 4194304");
+    still_serves(kv, 2);
+    assert_true(usage(s).peak <= lim.inflight);
+    close(fd[0]);
+    close(fd[1]);
+    free(bytes);
+    inflight_back_to_zero(s);
+    stk_kv_close(kv);
+    stop_limited(s, &b);
 }
 
 /* ---- collectives between forked ranks ---------------------------------- */
@@ -369,6 +834,11 @@ static void cpu_ranks_bound_to_disjoint_cpus(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(store_set_get_add),
     cmocka_unit_test(store_timeouts_and_taken_port),
+    cmocka_unit_test(store_drops_huge_keys_and_prefixes),
+    cmocka_unit_test(store_drops_huge_values),
+    cmocka_unit_test(store_drops_too_many_keys_and_bytes),
+    cmocka_unit_test(store_drops_a_client_that_never_reads),
+    cmocka_unit_test(store_bounds_half_sent_requests),
     cmocka_unit_test(shm_collectives_two_ranks),
     cmocka_unit_test(shm_collectives_three_ranks),
     cmocka_unit_test(shm_dead_peer_ends_the_wait),
