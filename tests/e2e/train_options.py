@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Every training flag of `train` reaches the trainer and does what
+docs/cli.md says: on a tiny IDX dataset (24 training samples of 4x4 pixels,
+3 classes, batches of 8: 3 steps an epoch), a linear model started from
+weights written here (--init-from) is trained through the command line,
+and its last checkpoint (weights and optimizer state) and the lr of every
+metrics line must match a reference computed here in float64 from the
+documented rules: the sampler of docs/loader.md, warm-up and the step and
+cosine schedules, --clip (global L2 norm, applied at every step of the SGD
+run and never in the AdamW run), SGD with --momentum, --nesterov and
+--weight-decay, AdamW. A run stopped by --max-steps and resumed with
+--resume auto ends with the same bytes as an uninterrupted one.
+Needs no PyTorch: the reference is numpy."""
+import json, os, shutil, struct, subprocess, sys
+import numpy as np
+import stoke_test as t
+
+BIN = os.environ["STK_BIN"]
+TR, TE, HW, CLS, BATCH, SEED = 24, 6, 4, 3, 8, 3
+STEPS = TR // BATCH
+M64 = (1 << 64) - 1
+
+
+def fail(msg):
+    sys.exit("FAIL: " + msg)
+
+
+def run(*cmd):
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if p.returncode:
+        fail(f"{' '.join(map(str, cmd))} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    if "Sanitizer" in p.stderr or "runtime error:" in p.stderr:
+        fail(f"sanitizer report from {cmd[0]}:\n{p.stderr}")
+    return p
+
+
+# ---- data ------------------------------------------------------------------
+
+def write_idx(path, arr):
+    arr = np.asarray(arr, np.uint8)
+    with open(path, "wb") as f:
+        f.write(struct.pack(">HBB", 0, 8, arr.ndim) +
+                struct.pack(">" + "I" * arr.ndim, *arr.shape) + arr.tobytes())
+
+
+def make_db():
+    rng = np.random.default_rng(11)
+    os.makedirs("idx", exist_ok=True)
+    for prefix, n in (("train", TR), ("t10k", TE)):
+        write_idx(f"idx/{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, HW, HW)))
+        write_idx(f"idx/{prefix}-labels-idx1-ubyte", rng.permutation(np.arange(n) % CLS))
+    run(f"{BIN}/prep", "--quiet", "idx", "db")
+    r = t.formats_reader()
+    env, meta = r["open_stoke"]("db")
+    x = np.stack([r["read_sample"](env, meta, "train", i)[1] for i in range(TR)])
+    y = np.array([r["read_sample"](env, meta, "train", i)[0] for i in range(TR)])
+    # the trainer's transform, in float32: (pixel / 255 - mean) * (1 / std)
+    st = meta["splits"]["train"]
+    mean, inv = np.float32(st["mean"][0]), np.float32(1) / np.float32(st["std"][0])
+    xf = (x.reshape(TR, -1).astype(np.float32) / np.float32(255) - mean) * inv
+    return xf.astype(np.float64), y
+
+
+# ---- safetensors -------------------------------------------------------------
+
+def save_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a, "<f4")
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    js = json.dumps(header).encode()
+    js += b" " * (-len(js) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(js)) + js + b"".join(blobs))
+
+
+def load_safetensors(path):
+    data = open(path, "rb").read()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: np.frombuffer(data, "<f4", (e["data_offsets"][1] - e["data_offsets"][0]) // 4,
+                             8 + n + e["data_offsets"][0]).reshape(e["shape"]).astype(np.float64)
+            for k, e in header.items()}
+
+
+# ---- the reference -----------------------------------------------------------
+
+def splitmix64(state):
+    state = (state + 0x9E3779B97F4A7C15) & M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return state, z ^ (z >> 31)
+
+
+def order(n, seed, epoch):
+    """docs/loader.md's shuffled order of one rank in a world of one."""
+    perm = list(range(n))
+    state = splitmix64(seed)[1] ^ ((epoch * 0xD1B54A32D192ED03) & M64)
+    for i in range(n - 1, 0, -1):
+        while True:
+            state, r = splitmix64(state)
+            m = r * (i + 1)
+            if (m & M64) >= ((1 << 64) - (i + 1)) % (i + 1):
+                break
+        j = m >> 64
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def lr_at(o, step, total, epoch):
+    if step < o["warmup"]:
+        return o["lr"] * (step + 1) / o["warmup"]
+    if o["schedule"] == "step":
+        return o["lr"] * o["gamma"] ** (epoch // o["step_size"])
+    if o["schedule"] == "cosine":
+        span = total - o["warmup"]
+        return o["lr"] * 0.5 * (1 + np.cos(np.pi * min(step - o["warmup"], span) / span))
+    return o["lr"]
+
+
+def reference(o, x, y, w, b):
+    """Weights, optimizer state, each step's lr and gradient norm."""
+    p = np.concatenate([w.ravel(), b])
+    s1, s2 = np.zeros_like(p), np.zeros_like(p)
+    total, step, lrs, norms = STEPS * o["epochs"], 0, [], []
+    for epoch in range(o["epochs"]):
+        idx = order(TR, SEED, epoch)
+        for k in range(STEPS):
+            rows = idx[k * BATCH:(k + 1) * BATCH]
+            xb, yb = x[rows], y[rows]
+            z = xb @ p[:CLS * HW * HW].reshape(CLS, -1).T + p[CLS * HW * HW:]
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            d = (e / e.sum(axis=1, keepdims=True) - np.eye(CLS)[yb]) / BATCH
+            g = np.concatenate([(d.T @ xb).ravel(), d.sum(axis=0)])
+            norm = np.sqrt((g * g).sum())
+            norms.append(norm)
+            if o.get("clip", 0) > 0 and norm > o["clip"]:
+                g = g * (o["clip"] / (norm + 1e-6))
+            lr = lr_at(o, step, total, epoch)
+            lrs.append(lr)
+            if o["optim"] == "sgd":
+                dd = g + o["weight_decay"] * p
+                s1 = dd if step == 0 else o["momentum"] * s1 + dd
+                p = p - lr * (dd + o["momentum"] * s1 if o.get("nesterov") else s1)
+            else:
+                t_ = step + 1
+                p = p * (1 - lr * o["weight_decay"])
+                s1 = 0.9 * s1 + 0.1 * g
+                s2 = 0.999 * s2 + 0.001 * g * g
+                p = p - lr * (s1 / (1 - 0.9 ** t_)) / (np.sqrt(s2 / (1 - 0.999 ** t_)) + 1e-8)
+            step += 1
+    return p, s1, s2, lrs, norms
+
+
+# ---- runs --------------------------------------------------------------------
+
+def flags(o):
+    f = ["--optim", o["optim"], "--lr", o["lr"], "--weight-decay", o["weight_decay"],
+         "--schedule", o["schedule"], "--warmup", o["warmup"], "--epochs", o["epochs"]]
+    if o["optim"] == "sgd":
+        f += ["--momentum", o["momentum"]] + (["--nesterov"] if o.get("nesterov") else [])
+    if o["schedule"] == "step":
+        f += ["--step-size", o["step_size"], "--gamma", o["gamma"]]
+    if o.get("clip"):
+        f += ["--clip", o["clip"]]
+    return f
+
+
+def train(out, o, *extra):
+    run(f"{BIN}/train", "--db", "db", "--model", "linear.txt", "--init-from", "init.safetensors",
+        "--batch", BATCH, "--seed", SEED, "--workers", 1, "--threads", 1, "--no-dropout",
+        "--quiet", "--log-every", 1, "--out", out, *flags(o), *extra)
+
+
+def close(name, got, want):
+    scale = np.abs(want).max()
+    bad = np.abs(got - want) > 3e-5 * np.abs(want) + 3e-6 * scale
+    if bad.any():
+        i = int(np.argmax(bad))
+        fail(f"{name}[{i}] is {got[i]:.9g}, the reference {want[i]:.9g}")
+
+
+def check(out, o, x, y, w, b):
+    p, s1, s2, lrs, norms = reference(o, x, y, w, b)
+    ck = f"{out}/checkpoints/step-{STEPS * o['epochs']:08d}"
+    model = load_safetensors(f"{ck}/model.safetensors")
+    optim = load_safetensors(f"{ck}/optim.safetensors")
+    close("weights", np.concatenate([model["head.weight"].ravel(), model["head.bias"]]), p)
+    names = ["momentum_buffer"] if o["optim"] == "sgd" else ["exp_avg", "exp_avg_sq"]
+    for name, want in zip(names, (s1, s2)):
+        got = np.concatenate([optim[f"head.weight.{name}"].ravel(), optim[f"head.bias.{name}"]])
+        close(name, got, want)
+    lines = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
+    got_lr = [l["lr"] for l in lines if l["type"] == "step"]
+    if len(got_lr) != len(lrs) or not np.allclose(got_lr, lrs, rtol=2e-5, atol=1e-9):
+        fail(f"{out}: lr per step {got_lr}, the reference {lrs}")
+    return norms
+
+
+def main():
+    tmp = os.environ["STK_TMP"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    os.chdir(tmp)
+    x, y = make_db()
+    with open("linear.txt", "w") as f:
+        f.write("flatten\nhead: linear classes\n")
+    rng = np.random.default_rng(5)
+    w = rng.uniform(-0.3, 0.3, (CLS, HW * HW))
+    b = rng.uniform(-0.3, 0.3, CLS)
+    save_safetensors("init.safetensors", {"head.weight": w, "head.bias": b})
+    w, b = w.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
+
+    sgd = {"optim": "sgd", "lr": 0.2, "momentum": 0.8, "nesterov": True, "weight_decay": 0.05,
+           "clip": 0.05, "schedule": "step", "step_size": 2, "gamma": 0.5, "warmup": 2,
+           "epochs": 5}
+    norms = check_run("sgd", sgd, x, y, w, b)
+    if min(norms) <= 2 * sgd["clip"]:
+        fail(f"the SGD run must clip every step: smallest gradient norm {min(norms)}")
+    print(f"ok: SGD --momentum --nesterov --weight-decay --clip (every step) --schedule step "
+          f"--step-size --gamma --warmup: {STEPS * sgd['epochs']} steps as the reference")
+
+    adamw = {"optim": "adamw", "lr": 0.05, "weight_decay": 0.1, "clip": 1000,
+             "schedule": "cosine", "warmup": 3, "epochs": 4}
+    norms = check_run("adamw", adamw, x, y, w, b)
+    if max(norms) >= adamw["clip"]:
+        fail(f"the AdamW run must never clip: largest gradient norm {max(norms)}")
+    print(f"ok: AdamW --weight-decay --clip (never reached) --schedule cosine --warmup: "
+          f"{STEPS * adamw['epochs']} steps as the reference")
+
+    # stopped mid-epoch, resumed: the same bytes as the uninterrupted run
+    for name, o in (("sgd", sgd), ("adamw", adamw)):
+        train(f"{name}-parts", o, "--max-steps", 4)
+        train(f"{name}-parts", o, "--resume", "auto")
+        for f in ("model", "optim"):
+            ck = f"checkpoints/step-{STEPS * o['epochs']:08d}/{f}.safetensors"
+            if open(f"{name}/{ck}", "rb").read() != open(f"{name}-parts/{ck}", "rb").read():
+                fail(f"{name}: --max-steps 4 then --resume auto ends with another {ck}")
+    print("ok: --max-steps 4 then --resume auto ends with the bytes of the uninterrupted "
+          "run (SGD and AdamW)")
+
+
+def check_run(name, o, x, y, w, b):
+    train(name, o)
+    return check(name, o, x, y, w, b)
+
+
+if __name__ == "__main__":
+    main()
