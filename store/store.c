@@ -2,6 +2,8 @@
  * growth, read-only opening and per-thread zero-copy readers. */
 #include "store.h"
 
+#include "check.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -608,6 +610,28 @@ static int load_meta(stk_store *s, const char *dir, stk_err *err)
     return rc ? lmdb_fail(err, rc, "mdb_txn_commit", dir) : 0;
 }
 
+/* Opens DIR/data.mdb only if it is a regular file (a FIFO would block
+ * liblmdb's open for ever) and checks its structure before liblmdb reads
+ * it (check.c): a damaged file is refused here instead of crashing a
+ * reader later. */
+static int check_file(const char *dir, stk_lmdb_facts *facts, stk_err *err)
+{
+    char path[4096];
+    struct stat st;
+    if (stk_path_join(path, sizeof path, dir, "data.mdb"))
+        return stk_fail(err, STK_ERANGE, "%s: path too long", dir);
+    stk_err e = {0};
+    int fd = stk_open_regular(path, &st, &e);
+    if (fd == STK_ENOENT)
+        return stk_fail(err, STK_ENOENT,
+                        "%s: not a stoke database (no data.mdb)", dir);
+    if (fd < 0)
+        return stk_fail(err, fd, "%s", e.msg);
+    int rc = stk_lmdb_check_file(dir, fd, st.st_size, facts, err);
+    close(fd);
+    return rc;
+}
+
 int stk_store_open_any(const char *dir, stk_store **out, stk_err *err)
 {
     return stk_store_open(dir, -1, out, err);
@@ -617,12 +641,10 @@ int stk_store_open(const char *dir, int max_readers, stk_store **out,
                    stk_err *err)
 {
     *out = NULL;
-    char path[4096];
-    struct stat st;
-    if (stk_path_join(path, sizeof path, dir, "data.mdb") ||
-        stat(path, &st) != 0)
-        return stk_fail(err, STK_ENOENT,
-                        "%s: not a stoke database (no data.mdb)", dir);
+    stk_lmdb_facts facts;
+    int rc = check_file(dir, &facts, err);
+    if (rc)
+        return rc;
     stk_store *s = alloc_store();
     if (!s)
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
@@ -631,8 +653,10 @@ int stk_store_open(const char *dir, int max_readers, stk_store **out,
      * writes new files), so readers need no lock table: MDB_NOLOCK lifts
      * the reader-slot limit shared with other processes, leaves no stale
      * slots when a rank dies and opens where lock.mdb is not writable. */
-    int rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK,
-                      max_readers > 0 ? max_readers : 512, err);
+    rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK,
+                  max_readers > 0 ? max_readers : 512, err);
+    if (!rc)
+        rc = stk_lmdb_check_env(s->env, dir, &facts, err);
     if (!rc)
         rc = load_meta(s, dir, err);
     if (!rc && !any && !s->meta.complete)

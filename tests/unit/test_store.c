@@ -304,6 +304,198 @@ static void incomplete_database_refused(void **state)
     assert_non_null(strstr(err.msg, "--force"));
 }
 
+
+/* ---- damaged files ----------------------------------------------------- */
+
+/* Builds dir with splits "train" (ntrain records) and "test" (20) of shape
+ * 3 x h x 5; pixels from fill(), label i % 3. */
+static void build_db(const char *dir, int h, uint64_t ntrain)
+{
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    size_t n = (size_t)3 * h * 5;
+    uint8_t *rec = malloc(STK_RECORD_HEADER + n), *px = malloc(n);
+    uint64_t counts[2] = {ntrain, 20};
+    const char *names[2] = {"train", "test"};
+    for (int k = 0; k < 2; k++)
+        for (uint64_t i = 0; i < counts[k]; i++) {
+            fill(px, k, i, n);
+            stk_record_encode(rec, (int32_t)(i % 3), px, (uint32_t)n);
+            assert_int_equal(stk_store_append(s, names[k], rec,
+                                              STK_RECORD_HEADER + n, &err),
+                             0);
+        }
+    stk_meta m = sample_meta(ntrain, 20);
+    m.height = h;
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+    free(rec);
+    free(px);
+}
+
+static uint8_t *read_all(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    *len = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *d = malloc(*len);
+    assert_int_equal(fread(d, 1, *len, f), *len);
+    fclose(f);
+    return d;
+}
+
+static void write_all(const char *path, const uint8_t *d, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(d, 1, len, f), len);
+    fclose(f);
+}
+
+/* Opens dir and reads every record of every split through a view and a
+ * reader: with a damaged file, each step either fails with a message or
+ * works; none may crash. Returns 0 when all of it worked. */
+static int read_everything(const char *dir)
+{
+    stk_store *s;
+    stk_err err = {0};
+    int rc = stk_store_open(dir, 0, &s, &err);
+    if (rc) {
+        assert_true(rc < 0 && err.msg[0]);
+        return rc;
+    }
+    const stk_meta *m = stk_store_meta(s);
+    for (int k = 0; !rc && k < m->nsplits; k++) {
+        stk_view *v;
+        stk_reader *r;
+        if ((rc = stk_view_open(s, m->splits[k].name, &v, &err)))
+            break;
+        rc = stk_reader_open(s, m->splits[k].name, &r, &err);
+        for (uint64_t i = 0; !rc && i < stk_view_count(v); i++) {
+            stk_record a, b;
+            if (!(rc = stk_view_get(v, i, &a, &err)) &&
+                !(rc = stk_reader_get(r, i, &b, &err)))
+                assert_memory_equal(a.data, b.data, a.nbytes);
+        }
+        stk_reader_close(r);
+        stk_view_close(v);
+    }
+    stk_store_close(s);
+    return rc;
+}
+
+/* Changes bytes where liblmdb 0.9 trusts the file (page headers, node
+ * offsets, node headers, meta pages) and anywhere at random, one change at a
+ * time, in a database of small inline records and one of large (overflow)
+ * records: opening and reading must fail cleanly or work, never crash. */
+static void damaged_file_never_crashes(void **state)
+{
+    (void)state;
+    const int heights[2] = {4, 200}; /* 60-byte and 3000-byte records */
+    unsigned seed = 12345;
+    int refused = 0, trials = 0;
+    for (int d = 0; d < 2; d++) {
+        const char *dir = scratch(d ? "fuzz_big" : "fuzz_small");
+        build_db(dir, heights[d], d ? 400 : 2000);
+        char path[1100];
+        snprintf(path, sizeof path, "%s/data.mdb", dir);
+        size_t len;
+        uint8_t *orig = read_all(path, &len), *buf = malloc(len);
+        size_t ps = 4096, npages = len / ps;
+        for (size_t pg = 0; pg < npages; pg++) {
+            /* the header, the first node offsets, and the first node */
+            const uint8_t *p = orig + pg * ps;
+            uint16_t first = 0;
+            memcpy(&first, p + 16, 2);
+            size_t spots[40];
+            int ns = 0;
+            for (int b = 0; b < 24; b++)
+                spots[ns++] = b;
+            for (size_t b = 0; b < 12 && first >= 16 && first + b < ps; b++)
+                spots[ns++] = first + b;
+            if (pg < 2) /* meta pages: every field */
+                for (int b = 24; b < 16 + 136 && ns < 40; b += 4)
+                    spots[ns++] = b;
+            /* meta pages: every spot; others: 6 spots drawn */
+            for (int j = 0; j < (pg < 2 ? ns : 6); j++) {
+                size_t at = spots[pg < 2 ? j : (int)(rand_r(&seed) % ns)];
+                const uint8_t vals[4] = {0x00, 0xff, p[at] ^ 0x01,
+                                         p[at] ^ 0x80};
+                memcpy(buf, orig, len);
+                buf[pg * ps + at] = vals[rand_r(&seed) % 4];
+                write_all(path, buf, len);
+                refused += read_everything(dir) != 0;
+                trials++;
+            }
+        }
+        for (int t = 0; t < 500; t++) { /* anywhere, 1 to 4 bytes */
+            memcpy(buf, orig, len);
+            int nb = 1 + (int)(rand_r(&seed) % 4);
+            for (int b = 0; b < nb; b++)
+                buf[rand_r(&seed) % len] = (uint8_t)rand_r(&seed);
+            write_all(path, buf, len);
+            refused += read_everything(dir) != 0;
+            trials++;
+        }
+        /* cut short anywhere */
+        for (size_t cut = 0; cut < len; cut += len / 37 + 1) {
+            write_all(path, orig, cut);
+            assert_int_not_equal(read_everything(dir), 0);
+            trials++, refused++;
+        }
+        write_all(path, orig, len);
+        assert_int_equal(read_everything(dir), 0);
+        free(orig);
+        free(buf);
+    }
+    print_message("%d damaged files, %d refused, none crashed\n", trials,
+                  refused);
+    assert_true(refused > trials / 10);
+}
+
+/* A file cut short is named with its size and the size LMDB's meta page
+ * needs; a page header changed is named with database and page. */
+static void damage_is_named(void **state)
+{
+    (void)state;
+    const char *dir = scratch("named");
+    build_db(dir, 4, 2000);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/data.mdb", dir);
+    size_t len;
+    uint8_t *orig = read_all(path, &len);
+    write_all(path, orig, len / 2);
+    stk_store *s;
+    stk_err err = {0};
+    char want[1300];
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), STK_EFORMAT);
+    snprintf(want, sizeof want, "%s: data.mdb is truncated (%zu of %zu bytes)",
+             dir, len / 2, len);
+    assert_string_equal(err.msg, want);
+    /* every leaf page of the train split: its type byte zeroed */
+    int hits = 0;
+    for (size_t pg = 2; pg < len / 4096; pg++) {
+        uint8_t *p = orig + pg * 4096;
+        if (p[10] != 0x02 || p[12] <= 26) /* a leaf of records, not names */
+            continue;
+        p[10] = 0;
+        write_all(path, orig, len);
+        p[10] = 0x02;
+        assert_int_equal(stk_store_open(dir, 0, &s, &err), STK_EFORMAT);
+        snprintf(want, sizeof want,
+                 "%s: data.mdb is damaged (database \"", dir);
+        assert_non_null(strstr(err.msg, want));
+        assert_non_null(strstr(err.msg, "page flags 0x0 where a leaf page "
+                                        "is due"));
+        hits++;
+    }
+    assert_true(hits > 10);
+    free(orig);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(codec_round_trip),
     cmocka_unit_test(keys_sort_in_index_order),
@@ -313,5 +505,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(counts_must_match_metadata),
     cmocka_unit_test(corrupt_record_names_key),
     cmocka_unit_test(incomplete_database_refused),
+    cmocka_unit_test(damaged_file_never_crashes),
+    cmocka_unit_test(damage_is_named),
 };
 UNIT_MAIN(tests)

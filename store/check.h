@@ -1,0 +1,34 @@
+/* check.h - private to store/: the structural check of data.mdb that
+ * stk_store_open runs before liblmdb reads the file (check.c). */
+#ifndef STK_STORE_CHECK_H
+#define STK_STORE_CHECK_H
+
+#include "common/common.h"
+
+#include <lmdb.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* What the check read from the meta page that liblmdb will use. */
+typedef struct stk_lmdb_facts {
+    uint64_t psize;      /* page size */
+    uint64_t last_pgno;  /* last page in use */
+    uint64_t txnid;      /* the newer meta page's transaction id */
+} stk_lmdb_facts;
+
+/* Checks data.mdb (open as fd, size bytes) of database dir before
+ * mdb_env_open: both meta pages, the file's size against the last page the
+ * newer meta counts ("DIR: data.mdb is truncated (N of M bytes)"), and every
+ * branch and leaf page reachable from the main database and every named
+ * database. Returns 0, or STK_EFORMAT with a message naming the database,
+ * page and problem. */
+int stk_lmdb_check_file(const char *dir, int fd, off_t size,
+                        stk_lmdb_facts *facts, stk_err *err);
+
+/* After mdb_env_open: checks that liblmdb chose the meta page the check
+ * read (same page size, last page and transaction), so the pages checked are
+ * the pages it reads. */
+int stk_lmdb_check_env(MDB_env *env, const char *dir,
+                       const stk_lmdb_facts *facts, stk_err *err);
+
+#endif
