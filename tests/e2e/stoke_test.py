@@ -1,8 +1,26 @@
 """Helpers for the end-to-end tests: the Python reader of docs/formats.md
 (executed from the document itself, so the documented code is what we test),
-an independent IDX reader, and image generators."""
-import gzip, os, re, struct
-import numpy as np
+an independent IDX reader, and image generators; need() for the Python
+modules the tests use."""
+import gzip, importlib, os, re, struct, sys
+
+# The Debian package of each module the tests import (scripts/deps.sh test
+# installs them all).
+DEBIAN = {"numpy": "python3-numpy", "PIL": "python3-pil", "lmdb": "python3-lmdb",
+          "torch": "python3-torch"}
+
+
+def need(module):
+    """Imports module, or exits 1 naming the Debian package to install: a
+    missing dependency fails the test (only a missing GPU skips, 77)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        sys.exit(f"FAIL: {sys.executable} cannot import {module} ({e}); install "
+                 f"{DEBIAN.get(module, module)} (scripts/deps.sh test installs it)")
+
+
+np = need("numpy")
 
 SRC = os.environ.get("STK_SRC", os.path.join(os.path.dirname(__file__), "..", ".."))
 

@@ -10,15 +10,11 @@ images equals the test_acc of the last epoch line of metrics.jsonl (at most
 names: from such a file, the first step's loss is PyTorch's on the same
 batch with those weights."""
 import os, shutil, struct, subprocess, sys, time
+import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
-try:
-    import torch
-except ImportError:  # Debian's python3-torch: `scripts/deps.sh bench` installs it
-    print("skip: no torch for /usr/bin/python3")
-    sys.exit(77)
+torch = t.need("torch")  # a missing python3-torch fails, it does not skip
 import torch.nn as nn
 import torch.nn.functional as F
-import stoke_test as t
 import torch_ref as ref
 
 SEED, BATCH, MAX_DIFF = 7, 64, 2

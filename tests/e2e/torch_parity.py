@@ -20,12 +20,9 @@ checks with SGD at lr 0.01, and all 35 of 100-134 with AdamW at lr 1e-3
 micro-batches parts from itself by 1.6e-4 and 7.8e-4); with AdamW at lr
 1e-4, 4 of the 11 inits 100-110 pass."""
 import copy, os, shutil, sys, time
+import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
-try:
-    import torch
-except ImportError:  # Debian's python3-torch: `scripts/deps.sh bench` installs it
-    print("skip: no torch for /usr/bin/python3")
-    sys.exit(77)
+torch = t.need("torch")  # a missing python3-torch fails, it does not skip
 import torch.nn.functional as F
 import torch_ref as ref
 

@@ -12,8 +12,8 @@ run and never in the AdamW run), SGD with --momentum, --nesterov and
 --resume auto ends with the same bytes as an uninterrupted one.
 Needs no PyTorch: the reference is numpy."""
 import json, os, shutil, struct, subprocess, sys
+import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
-import stoke_test as t
 
 BIN = os.environ["STK_BIN"]
 TR, TE, HW, CLS, BATCH, SEED = 24, 6, 4, 3, 8, 3
