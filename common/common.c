@@ -162,85 +162,154 @@ int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err)
     return 0;
 }
 
-/* Inflates a gzip member (or several, as gunzip does) into a growing buffer. */
-static int gunzip(const char *path, const uint8_t *src, size_t n,
-                  uint8_t **data, size_t *len, stk_err *err)
-{
-    size_t cap = n * 4 + 1024, used = 0;
-    uint8_t *out = malloc(cap);
-    if (!out)
-        return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
+/* ---- stk_zfile: a file read front to back, gunzipped on the fly -------- */
+
+struct stk_zfile {
+    int fd;
+    int gz;           /* 1: the content is inflated from the file */
+    int member_end;   /* the last inflate() ended a gzip member */
+    int eof;          /* read() has returned 0 */
+    uint64_t disk_size;
     z_stream zs;
-    memset(&zs, 0, sizeof zs);
-    if (inflateInit2(&zs, 15 + 16) != Z_OK) {
-        free(out);
+    char *path;
+    uint8_t in[64 * 1024];
+};
+
+/* read() that a signal cannot turn into a failure. */
+static ssize_t read_retry(int fd, void *buf, size_t n)
+{
+    ssize_t r;
+    do
+        r = read(fd, buf, n);
+    while (r < 0 && errno == EINTR);
+    return r;
+}
+
+int stk_zfile_open(const char *path, stk_zfile **out, stk_err *err)
+{
+    *out = NULL;
+    stk_zfile *f = calloc(1, sizeof *f);
+    if (!f || !(f->path = strdup(path))) {
+        free(f);
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
+    }
+    struct stat st;
+    f->fd = stk_open_regular(path, &st, err);
+    if (f->fd < 0) {
+        int rc = f->fd;
+        f->fd = -1;
+        stk_zfile_close(f);
+        return rc;
+    }
+    f->disk_size = (uint64_t)st.st_size;
+    ssize_t r = read_retry(f->fd, f->in, sizeof f->in);
+    if (r < 0) {
+        int e = errno;
+        stk_zfile_close(f);
+        return stk_fail(err, stk_from_errno(e), "%s: read failed: %s", path,
+                        strerror(e));
+    }
+    f->zs.next_in = f->in;
+    f->zs.avail_in = (uInt)r;
+    f->eof = r == 0;
+    f->gz = r >= 2 && f->in[0] == 0x1f && f->in[1] == 0x8b;
+    if (f->gz && inflateInit2(&f->zs, 15 + 16) != Z_OK) {
+        f->gz = 0; /* nothing for inflateEnd to free */
+        stk_zfile_close(f);
         return stk_fail(err, STK_ENOMEM, "%s: zlib init failed", path);
     }
-    zs.next_in = (Bytef *)src;
-    int rc = Z_OK;
-    size_t consumed = 0;
-    for (;;) {
-        if (used == cap) {
-            uint8_t *bigger = realloc(out, cap * 2);
-            if (!bigger) {
-                rc = Z_MEM_ERROR;
-                break;
-            }
-            out = bigger;
-            cap *= 2;
-        }
-        size_t in_left = n - consumed;
-        zs.avail_in = in_left > UINT32_MAX ? UINT32_MAX : (uInt)in_left;
-        zs.next_in = (Bytef *)src + consumed;
-        size_t out_left = cap - used;
-        zs.avail_out = out_left > UINT32_MAX ? UINT32_MAX : (uInt)out_left;
-        zs.next_out = out + used;
-        uInt before_in = zs.avail_in, before_out = zs.avail_out;
-        rc = inflate(&zs, Z_NO_FLUSH);
-        consumed += before_in - zs.avail_in;
-        used += before_out - zs.avail_out;
-        if (rc == Z_STREAM_END) {
-            if (consumed == n)
-                break;
-            inflateReset(&zs); /* concatenated members */
-            rc = Z_OK;
-            continue;
-        }
-        if (rc == Z_BUF_ERROR && consumed == n) /* input ended mid-stream */
-            break;
-        if (rc != Z_OK && rc != Z_BUF_ERROR)
-            break;
-    }
-    inflateEnd(&zs);
-    if (rc != Z_STREAM_END) {
-        free(out);
-        if (rc == Z_MEM_ERROR)
-            return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
-        return stk_fail(err, STK_EFORMAT,
-                        "%s: gzip data is %s", path,
-                        rc == Z_BUF_ERROR ? "truncated" : "corrupt");
-    }
-    *data = out;
-    *len = used;
+    *out = f;
     return 0;
 }
 
-int stk_read_maybe_gz(const char *path, uint8_t **data, size_t *len,
-                      stk_err *err)
+/* Refills the input buffer once it is used up; sets eof at the end. */
+static int zfile_fill(stk_zfile *f, stk_err *err)
 {
-    uint8_t *raw;
-    size_t n;
-    int rc = stk_read_file(path, &raw, &n, err);
-    if (rc)
-        return rc;
-    if (n < 2 || raw[0] != 0x1f || raw[1] != 0x8b) {
-        *data = raw;
-        *len = n;
+    if (f->zs.avail_in || f->eof)
         return 0;
+    ssize_t r = read_retry(f->fd, f->in, sizeof f->in);
+    if (r < 0)
+        return stk_fail(err, stk_from_errno(errno), "%s: read failed: %s",
+                        f->path, strerror(errno));
+    f->zs.next_in = f->in;
+    f->zs.avail_in = (uInt)r;
+    f->eof = r == 0;
+    return 0;
+}
+
+/* Plain file: the buffered bytes first, then straight from the file. */
+static int zfile_read_raw(stk_zfile *f, uint8_t *buf, size_t n, size_t *got,
+                          stk_err *err)
+{
+    while (*got < n) {
+        int rc = zfile_fill(f, err);
+        if (rc)
+            return rc;
+        if (!f->zs.avail_in)
+            break; /* the end of the file */
+        size_t k = n - *got < f->zs.avail_in ? n - *got : f->zs.avail_in;
+        memcpy(buf + *got, f->zs.next_in, k);
+        f->zs.next_in += k;
+        f->zs.avail_in -= (uInt)k;
+        *got += k;
     }
-    rc = gunzip(path, raw, n, data, len, err);
-    free(raw);
-    return rc;
+    return 0;
+}
+
+static int zfile_read_gz(stk_zfile *f, uint8_t *buf, size_t n, size_t *got,
+                         stk_err *err)
+{
+    while (*got < n) {
+        int rc = zfile_fill(f, err);
+        if (rc)
+            return rc;
+        if (f->member_end) {
+            if (!f->zs.avail_in)
+                break; /* the last member ended with the file */
+            inflateReset(&f->zs); /* another member follows */
+            f->member_end = 0;
+        }
+        size_t want = n - *got > UINT32_MAX ? UINT32_MAX : n - *got;
+        f->zs.next_out = buf + *got;
+        f->zs.avail_out = (uInt)want;
+        int zr = inflate(&f->zs, Z_NO_FLUSH);
+        *got += want - f->zs.avail_out;
+        if (zr == Z_STREAM_END)
+            f->member_end = 1;
+        else if (zr == Z_MEM_ERROR)
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory", f->path);
+        else if (zr == Z_BUF_ERROR && f->eof) /* input ended mid-member */
+            return stk_fail(err, STK_EFORMAT, "%s: gzip data is truncated",
+                            f->path);
+        else if (zr != Z_OK && zr != Z_BUF_ERROR)
+            return stk_fail(err, STK_EFORMAT, "%s: gzip data is corrupt (%s)",
+                            f->path, f->zs.msg ? f->zs.msg : "bad data");
+    }
+    return 0;
+}
+
+int stk_zfile_read(stk_zfile *f, void *buf, size_t n, size_t *got,
+                   stk_err *err)
+{
+    *got = 0;
+    return f->gz ? zfile_read_gz(f, buf, n, got, err)
+                 : zfile_read_raw(f, buf, n, got, err);
+}
+
+int stk_zfile_is_gzip(const stk_zfile *f) { return f->gz; }
+
+uint64_t stk_zfile_disk_size(const stk_zfile *f) { return f->disk_size; }
+
+void stk_zfile_close(stk_zfile *f)
+{
+    if (!f)
+        return;
+    if (f->gz)
+        inflateEnd(&f->zs);
+    if (f->fd >= 0)
+        close(f->fd);
+    free(f->path);
+    free(f);
 }
 
 int stk_remove_flat_dir(const char *path, stk_err *err)

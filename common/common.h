@@ -73,8 +73,29 @@ FILE *stk_fopen_regular(const char *path, stk_err *err);
 /* Reads a whole regular file into a malloc'd buffer (caller frees). */
 int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err);
 
-/* Reads a file, gunzipping it when it starts with the gzip magic. */
-int stk_read_maybe_gz(const char *path, uint8_t **data, size_t *len, stk_err *err);
+/* A regular file read front to back, inflated on the fly when it starts
+ * with the gzip magic (concatenated members read as one, as gunzip does).
+ * It holds a 64 KiB input buffer and zlib's state, whatever the file
+ * inflates to: the caller decides how much to read, so a small file that
+ * inflates to gigabytes (a gzip bomb) costs only what the caller asks for. */
+typedef struct stk_zfile stk_zfile;
+
+/* Opens path (see stk_open_regular). On failure *out is NULL. */
+int stk_zfile_open(const char *path, stk_zfile **out, stk_err *err);
+
+/* Reads up to n bytes of content into buf; *got < n only at its end.
+ * Damaged gzip data fails with "PATH: gzip data is truncated" or
+ * "PATH: gzip data is corrupt (zlib's reason)". */
+int stk_zfile_read(stk_zfile *f, void *buf, size_t n, size_t *got,
+                   stk_err *err);
+
+/* 1 when the file is gzip, else 0. */
+int stk_zfile_is_gzip(const stk_zfile *f);
+
+/* The file's size on disk (compressed size for gzip). */
+uint64_t stk_zfile_disk_size(const stk_zfile *f);
+
+void stk_zfile_close(stk_zfile *f); /* NULL is a no-op */
 
 /* Removes a directory that holds only plain files (no recursion into
  * subdirectories); a missing directory is not an error. */

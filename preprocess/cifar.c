@@ -57,7 +57,8 @@ static int add_file(stk_source *s, cifar_data *x, int k, const char *name,
                     stk_err *err)
 {
     char path[4096];
-    stk_path_join(path, sizeof path, s->dir, name);
+    if (stk_path_join(path, sizeof path, s->dir, name))
+        return stk_fail(err, STK_ERANGE, "%s: path too long", s->dir);
     uint8_t *data;
     size_t len;
     int rc = stk_read_file(path, &data, &len, err);
@@ -125,33 +126,63 @@ static int max_label(const cifar_data *x)
     return top;
 }
 
+#define MAX_NAME 255 /* bytes of a class name */
+
+/* Reads the class names file (one a line, blank lines skipped) when there
+ * is one; a label is one byte, so at most 256 names. */
+static int read_names(stk_source *s, const char *path, stk_err *err)
+{
+    stk_err e = {0};
+    FILE *f = stk_fopen_regular(path, &e);
+    if (!f) /* no names file: numbers; anything else is reported */
+        return e.code == STK_ENOENT ? 0 : stk_fail(err, e.code, "%s", e.msg);
+    char line[MAX_NAME + 2];
+    int rc = 0, n = 0;
+    while (!rc && fgets(line, sizeof line, f)) {
+        n++;
+        size_t len = strcspn(line, "\r\n");
+        line[len] = '\0';
+        if (len > MAX_NAME)
+            rc = stk_fail(err, STK_EFORMAT,
+                          "%s: line %d is longer than %d bytes", path, n,
+                          MAX_NAME);
+        else if (!len)
+            continue;
+        else if (s->nclasses == 256)
+            rc = stk_fail(err, STK_EFORMAT,
+                          "%s: more than 256 class names (a label is one "
+                          "byte)",
+                          path);
+        else if (stk_source_add_class(s, line))
+            rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
+    }
+    if (!rc && ferror(f))
+        rc = stk_fail(err, STK_EIO, "%s: read failed", path);
+    fclose(f);
+    return rc;
+}
+
 /* Class names from batches.meta.txt / fine_label_names.txt, else numbers. */
 static int add_classes(stk_source *s, const cifar_data *x, stk_err *err)
 {
     int top = max_label(x);
     char path[4096];
-    stk_path_join(path, sizeof path, s->dir,
-                  x->label_bytes == 2 ? "fine_label_names.txt"
-                                      : "batches.meta.txt");
-    FILE *f = fopen(path, "r");
-    char line[256];
-    while (f && fgets(line, sizeof line, f)) {
-        line[strcspn(line, "\r\n")] = '\0';
-        if (*line && stk_source_add_class(s, line)) {
-            fclose(f);
-            return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
-        }
-    }
-    if (f)
-        fclose(f);
+    if (stk_path_join(path, sizeof path, s->dir,
+                      x->label_bytes == 2 ? "fine_label_names.txt"
+                                          : "batches.meta.txt"))
+        return stk_fail(err, STK_ERANGE, "%s: path too long", s->dir);
+    int rc = read_names(s, path, err);
+    if (rc)
+        return rc;
     if (s->nclasses && s->nclasses <= top)
         return stk_fail(err, STK_EFORMAT,
                         "%s names %d classes but a record has label %d", path,
                         s->nclasses, top);
     for (int c = s->nclasses; c <= top; c++) {
-        snprintf(line, sizeof line, "%d", c);
-        if (stk_source_add_class(s, line))
-            return stk_fail(err, STK_ENOMEM, "out of memory");
+        char num[12];
+        snprintf(num, sizeof num, "%d", c);
+        if (stk_source_add_class(s, num))
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
     }
     return 0;
 }
@@ -171,7 +202,7 @@ static int cifar_load(const stk_source *s, stk_decoder *d, int split,
     *label = rec[x->label_bytes - 1];
     const uint8_t *chw = rec + x->label_bytes;
     if (!(im->px = malloc(PIXELS)))
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
     for (int p = 0; p < SIDE * SIDE; p++)
         for (int c = 0; c < 3; c++)
             im->px[3 * p + c] = chw[c * SIDE * SIDE + p];
@@ -192,7 +223,7 @@ static void cifar_free(stk_source *s)
     free(x);
 }
 
-static const source_ops cifar_ops = {cifar_load, cifar_free};
+static const source_ops cifar_ops = {cifar_load, cifar_free, NULL};
 
 int stk_cifar_open(stk_source *s, stk_err *err)
 {

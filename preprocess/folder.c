@@ -60,12 +60,6 @@ static int cmp_str(const void *a, const void *b)
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-static int is_dir(const char *path)
-{
-    struct stat st;
-    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 static int is_image(const char *name)
 {
     const char *dot = strrchr(name, '.');
@@ -73,10 +67,26 @@ static int is_image(const char *name)
                    !strcasecmp(dot, ".jpeg"));
 }
 
+/* Whether entry de of directory path is a directory (following symbolic
+ * links, as torchvision does). d_type saves a stat per entry on the file
+ * systems that fill it in. */
+static int entry_is_dir(const char *path, const struct dirent *de)
+{
+    if (de->d_type != DT_UNKNOWN && de->d_type != DT_LNK)
+        return de->d_type == DT_DIR;
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 /* Lists the entries of dir (no hidden ones): folders into dirs (names),
- * images into files (full paths); either may be NULL. */
+ * files with an image extension into files (full paths); either may be
+ * NULL. Such a file that is not a regular file (a FIFO named x.png, a
+ * device, a dangling link) is listed too: loading it fails with the reason
+ * and the name ("x.png: not a regular file (a FIFO)"), and --skip-bad
+ * records it; nothing is ever opened here, so nothing can block.
+ * *others counts the entries that are neither (may be NULL). */
 static int list_dir(const char *dir, strvec *dirs, strvec *files,
-                    stk_err *err)
+                    size_t *others, stk_err *err)
 {
     DIR *d = opendir(dir);
     if (!d)
@@ -93,14 +103,17 @@ static int list_dir(const char *dir, strvec *dirs, strvec *files,
             rc = STK_ENOMEM;
             break;
         }
-        if (is_dir(full)) {
+        if (entry_is_dir(full, de)) {
             rc = dirs ? push(dirs, strdup(de->d_name)) : 0;
             free(full);
         } else if (files && is_image(de->d_name)) {
             rc = push(files, full);
         } else {
             free(full);
+            if (others)
+                ++*others;
         }
+        errno = 0;
     }
     if (!rc && errno)
         rc = stk_fail(err, STK_EIO, "%s: cannot read directory: %s", dir,
@@ -108,22 +121,42 @@ static int list_dir(const char *dir, strvec *dirs, strvec *files,
     else if (rc == STK_ENOMEM)
         rc = stk_fail(err, rc, "%s: out of memory", dir);
     closedir(d);
-    if (dirs && dirs->n)
+    if (dirs && dirs->n > 1)
         qsort(dirs->v, dirs->n, sizeof *dirs->v, cmp_str);
     return rc;
 }
 
+/* The directories being walked, innermost first: a symbolic link back to
+ * one of them would make the walk endless. */
+typedef struct walk_frame {
+    dev_t dev;
+    ino_t ino;
+    const char *path;
+    const struct walk_frame *up;
+} walk_frame;
+
 /* Collects every image below dir, recursively. */
-static int walk(const char *dir, strvec *files, stk_err *err)
+static int walk(const char *dir, const walk_frame *up, strvec *files,
+                stk_err *err)
 {
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return stk_fail(err, stk_from_errno(errno),
+                        "%s: cannot read directory: %s", dir, strerror(errno));
+    for (const walk_frame *f = up; f; f = f->up)
+        if (f->dev == st.st_dev && f->ino == st.st_ino)
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: a link back to %s (a directory loop)", dir,
+                            f->path);
+    walk_frame here = {st.st_dev, st.st_ino, dir, up};
     strvec sub = {0};
-    int rc = list_dir(dir, &sub, files, err);
+    int rc = list_dir(dir, &sub, files, NULL, err);
     for (size_t i = 0; !rc && i < sub.n; i++) {
         char *p;
         if (asprintf(&p, "%s/%s", dir, sub.v[i]) < 0)
             rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
         else {
-            rc = walk(p, files, err);
+            rc = walk(p, &here, files, err);
             free(p);
         }
     }
@@ -144,23 +177,24 @@ static int index_split(stk_source *s, folder_data *x, int k, const char *root,
                        stk_err *err)
 {
     strvec classes = {0}, files = {0};
-    int rc = list_dir(root, &classes, NULL, err);
+    int rc = list_dir(root, &classes, NULL, NULL, err);
     size_t cap = 0, n = 0;
     for (size_t c = 0; !rc && c < classes.n; c++) {
         char *cdir;
         if (asprintf(&cdir, "%s/%s", root, classes.v[c]) < 0) {
-            rc = stk_fail(err, STK_ENOMEM, "out of memory");
+            rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", root);
             break;
         }
         files.n = 0;
-        rc = walk(cdir, &files, err);
+        rc = walk(cdir, NULL, &files, err);
         free(cdir);
-        qsort(files.v, files.n, sizeof *files.v, cmp_str);
+        if (files.n > 1) /* an empty class folder has no array to sort */
+            qsort(files.v, files.n, sizeof *files.v, cmp_str);
         if (!rc && n + files.n > cap) {
             cap = (n + files.n) * 2;
             item *it = realloc(x->items[k], cap * sizeof *it);
             if (!it)
-                rc = stk_fail(err, STK_ENOMEM, "out of memory");
+                rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", root);
             else
                 x->items[k] = it;
         }
@@ -181,58 +215,93 @@ static int index_split(stk_source *s, folder_data *x, int k, const char *root,
     return rc;
 }
 
-/* Splits: "train" first, then the other folders in name order. */
-static int find_splits(stk_source *s, strvec *top, int *layout_split)
+/* The folder that holds split k's class folders (malloc'd). */
+static char *split_root(const stk_source *s, int layout_split, int k)
 {
-    char p[4096];
+    char *p;
+    if (!layout_split)
+        return strdup(s->dir);
+    return asprintf(&p, "%s/%s", s->dir, s->split_name[k]) < 0 ? NULL : p;
+}
+
+/* Splits: "train" first, then the other folders in name order. */
+static int find_splits(stk_source *s, strvec *top, int *layout_split,
+                       stk_err *err)
+{
     *layout_split = 0;
     for (size_t i = 0; i < top->n; i++)
         if (!strcmp(top->v[i], "train")) {
             strvec inner = {0};
-            snprintf(p, sizeof p, "%s/train", s->dir);
-            if (list_dir(p, &inner, NULL, NULL) == 0 && inner.n)
+            char *p;
+            if (asprintf(&p, "%s/train", s->dir) < 0)
+                return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+            if (list_dir(p, &inner, NULL, NULL, NULL) == 0 && inner.n)
                 *layout_split = 1;
             strvec_free(&inner);
+            free(p);
         }
-    if (!*layout_split) {
-        snprintf(s->split_name[0], 32, "train");
-        s->nsplits = 1;
-        return 0;
-    }
     snprintf(s->split_name[s->nsplits++], 32, "train");
-    for (size_t i = 0; i < top->n; i++) {
+    for (size_t i = 0; *layout_split && i < top->n; i++) {
         if (!strcmp(top->v[i], "train"))
             continue;
-        if (s->nsplits == SRC_MAX_SPLITS || strlen(top->v[i]) >= 32)
-            return STK_EINVAL;
+        if (strlen(top->v[i]) >= sizeof s->split_name[0])
+            return stk_fail(err, STK_EINVAL,
+                            "%s/%s: a split folder's name must be under %zu "
+                            "bytes",
+                            s->dir, top->v[i], sizeof s->split_name[0]);
+        if (s->nsplits == SRC_MAX_SPLITS)
+            return stk_fail(err, STK_EINVAL,
+                            "%s: more than %d split folders (RAW/train holds "
+                            "folders, so every folder of RAW is a split)",
+                            s->dir, SRC_MAX_SPLITS);
         snprintf(s->split_name[s->nsplits++], 32, "%s", top->v[i]);
     }
     return 0;
 }
 
-/* Union of class folder names over the splits, sorted. */
+/* For "no class folders": what dir holds instead. */
+static void describe(const char *dir, char *buf, size_t n)
+{
+    strvec files = {0};
+    size_t others = 0;
+    if (list_dir(dir, NULL, &files, &others, NULL) == 0)
+        snprintf(buf, n,
+                 files.n || others ? "; it holds %zu image file(s) and %zu "
+                                     "other file(s) but no folder"
+                                   : "; it is empty",
+                 files.n, others);
+    else
+        buf[0] = '\0';
+    strvec_free(&files);
+}
+
+/* Union of class folder names over the splits, sorted by bytes (Python's
+ * order for UTF-8 names; any other bytes are kept as they are). */
 static int collect_classes(stk_source *s, int layout_split, stk_err *err)
 {
     strvec all = {0};
     int rc = 0;
     for (int k = 0; !rc && k < s->nsplits; k++) {
-        char root[4096];
-        snprintf(root, sizeof root, "%s%s%s", s->dir, layout_split ? "/" : "",
-                 layout_split ? s->split_name[k] : "");
-        rc = list_dir(root, &all, NULL, err);
+        char *root = split_root(s, layout_split, k);
+        rc = root ? list_dir(root, &all, NULL, NULL, err)
+                  : stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+        free(root);
     }
-    if (!rc && all.n)
+    if (!rc && all.n > 1)
         qsort(all.v, all.n, sizeof *all.v, cmp_str);
     for (size_t i = 0; !rc && i < all.n; i++)
         if (i == 0 || strcmp(all.v[i], all.v[i - 1]))
             if (stk_source_add_class(s, all.v[i]))
-                rc = stk_fail(err, STK_ENOMEM, "out of memory");
+                rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
     strvec_free(&all);
-    if (!rc && !s->nclasses)
+    if (!rc && !s->nclasses) {
+        char what[128];
+        describe(s->dir, what, sizeof what);
         rc = stk_fail(err, STK_ENOENT,
                       "%s: no class folders (expected RAW/<class>/*.png or "
-                      "RAW/<split>/<class>/*.jpg)",
-                      s->dir);
+                      "RAW/<split>/<class>/*.jpg%s)",
+                      s->dir, what);
+    }
     return rc;
 }
 
@@ -272,31 +341,37 @@ static void folder_free(stk_source *s)
     free(x);
 }
 
-static const source_ops folder_ops = {folder_load, folder_free};
+static const char *folder_file(const stk_source *s, int split, uint64_t i)
+{
+    const folder_data *x = s->impl;
+    return x->items[split][i].path;
+}
+
+static const source_ops folder_ops = {folder_load, folder_free, folder_file};
 
 int stk_folder_open(stk_source *s, stk_err *err)
 {
     s->ops = &folder_ops;
     s->format = "folder";
     if (!(s->impl = calloc(1, sizeof(folder_data))))
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
     if (!s->out_c)
         s->out_c = 3;
     if (!s->size)
         s->size = DEFAULT_SIZE;
     strvec top = {0};
     int layout_split = 0;
-    int rc = list_dir(s->dir, &top, NULL, err);
-    if (!rc && find_splits(s, &top, &layout_split))
-        rc = stk_fail(err, STK_EINVAL, "%s: too many split folders", s->dir);
+    int rc = list_dir(s->dir, &top, NULL, NULL, err);
+    if (!rc)
+        rc = find_splits(s, &top, &layout_split, err);
     strvec_free(&top);
     if (!rc)
         rc = collect_classes(s, layout_split, err);
     for (int k = 0; !rc && k < s->nsplits; k++) {
-        char root[4096];
-        snprintf(root, sizeof root, "%s%s%s", s->dir, layout_split ? "/" : "",
-                 layout_split ? s->split_name[k] : "");
-        rc = index_split(s, s->impl, k, root, err);
+        char *root = split_root(s, layout_split, k);
+        rc = root ? index_split(s, s->impl, k, root, err)
+                  : stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+        free(root);
     }
     return rc;
 }

@@ -39,10 +39,16 @@ static int find_file(const char *dir, const char *prefix, const char *kind,
     return STK_ENOENT;
 }
 
+/* Any of the four IDX files makes dir an IDX dataset, so that one missing
+ * file is reported as missing rather than as "no class folders". */
 int stk_idx_probe(const char *dir)
 {
     char p[4096];
-    return find_file(dir, "train", "images", 3, p, sizeof p) == 0;
+    for (int k = 0; k < 2; k++)
+        if (find_file(dir, prefixes[k], "images", 3, p, sizeof p) == 0 ||
+            find_file(dir, prefixes[k], "labels", 1, p, sizeof p) == 0)
+            return 1;
+    return 0;
 }
 
 static uint32_t be32(const uint8_t *p)
@@ -51,58 +57,152 @@ static uint32_t be32(const uint8_t *p)
            p[3];
 }
 
-/* Reads an IDX file and checks its magic, dimensions and size. dims gets
- * the ndim sizes. */
+/* Checks an IDX header (magic and dimensions) and returns the number of
+ * data bytes it promises in *expect. */
+static int check_header(const char *path, const uint8_t *head, size_t got,
+                        int ndim, uint32_t *dims, uint64_t *expect,
+                        stk_err *err)
+{
+    size_t header = 4 + 4 * (size_t)ndim;
+    uint32_t want = 0x0800u | (uint32_t)ndim;
+    if (got < 4 || be32(head) != want)
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: bad IDX magic 0x%08x, expected 0x%08x (unsigned "
+                        "bytes, %d dimension%s)",
+                        path, got < 4 ? 0 : be32(head), want, ndim,
+                        ndim > 1 ? "s" : "");
+    if (got < header)
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: truncated IDX header (%zu of %zu bytes)", path,
+                        got, header);
+    for (int d = 0; d < ndim; d++)
+        dims[d] = be32(head + 4 + 4 * d);
+    if (ndim == 3 && (dims[1] == 0 || dims[2] == 0 || dims[1] > 4096 ||
+                      dims[2] > 4096))
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: bad image size %ux%u (expected 1..4096 a side)",
+                        path, dims[1], dims[2]);
+    /* at most 2^32 * 4096 * 4096 = 2^56: no overflow in 64 bits */
+    *expect = dims[0];
+    for (int d = 1; d < ndim; d++)
+        *expect *= dims[d];
+    return 0;
+}
+
+/* Reads exactly the expect data bytes that follow the header, then one
+ * more to find out whether the file goes on. The buffer grows with what
+ * was actually read, never past what the header promises, so neither a
+ * lying header nor a gzip bomb costs more memory than the data it holds. */
+static int read_body(stk_zfile *f, const char *path, size_t header,
+                     uint64_t expect, uint8_t **out, stk_err *err)
+{
+    if (expect > SIZE_MAX - header - 1)
+        return stk_fail(err, STK_ERANGE,
+                        "%s: header promises %llu data bytes, more than this "
+                        "machine can address",
+                        path, (unsigned long long)expect);
+    size_t total = header + (size_t)expect, cap = 0, have = header, got = 0;
+    uint8_t *buf = NULL;
+    int rc = 0;
+    while (!rc && have < total) {
+        size_t next = cap ? cap * 2 : (size_t)16 << 20;
+        next = next > total ? total : next;
+        uint8_t *b = realloc(buf, next);
+        if (!b) {
+            rc = stk_fail(err, STK_ENOMEM,
+                          "%s: cannot allocate %zu bytes for the %llu data "
+                          "bytes the header promises",
+                          path, next, (unsigned long long)expect);
+            break;
+        }
+        buf = b;
+        cap = next;
+        rc = stk_zfile_read(f, buf + have, cap - have, &got, err);
+        have += got;
+        if (!rc && have < cap)
+            break; /* the data ended early */
+    }
+    uint8_t extra;
+    if (!rc && have == total)
+        rc = stk_zfile_read(f, &extra, 1, &got, err);
+    if (!rc && have < total)
+        rc = stk_fail(err, STK_EFORMAT,
+                      "%s: header promises %llu data bytes but the file "
+                      "holds %zu (truncated)",
+                      path, (unsigned long long)expect, have - header);
+    else if (!rc && got)
+        rc = stk_fail(err, STK_EFORMAT,
+                      "%s: header promises %llu data bytes but the %s holds "
+                      "more (trailing data; reading stopped at %llu bytes)",
+                      path, (unsigned long long)expect,
+                      stk_zfile_is_gzip(f) ? "gzip data" : "file",
+                      (unsigned long long)expect + 1);
+    if (rc) {
+        free(buf);
+        return rc;
+    }
+    if (!buf && !(buf = malloc(header))) /* no data at all: 0 images */
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
+    *out = buf;
+    return 0;
+}
+
+/* Reads an IDX file (gzip or not): the header first, then exactly the data
+ * it promises. dims gets the ndim sizes; *out the header and the data. */
 static int read_idx(const char *path, int ndim, uint32_t *dims, uint8_t **out,
                     stk_err *err)
 {
-    uint8_t *data;
-    size_t len;
-    int rc = stk_read_maybe_gz(path, &data, &len, err);
+    stk_zfile *f;
+    int rc = stk_zfile_open(path, &f, err);
     if (rc)
         return rc;
-    size_t header = 4 + 4 * (size_t)ndim;
-    uint32_t want = 0x0800u | (uint32_t)ndim;
-    if (len < 4 || be32(data) != want) {
+    uint8_t head[16];
+    size_t header = 4 + 4 * (size_t)ndim, got = 0;
+    uint64_t expect = 0;
+    rc = stk_zfile_read(f, head, header, &got, err);
+    if (!rc)
+        rc = check_header(path, head, got, ndim, dims, &expect, err);
+    /* a plain file's size is known: a wrong one fails before any reading */
+    uint64_t disk = stk_zfile_disk_size(f);
+    if (!rc && !stk_zfile_is_gzip(f) && disk - header != expect)
         rc = stk_fail(err, STK_EFORMAT,
-                      "%s: bad IDX magic 0x%08x, expected 0x%08x (unsigned "
-                      "bytes, %d dimension%s)",
-                      path, len < 4 ? 0 : be32(data), want, ndim,
-                      ndim > 1 ? "s" : "");
-    } else if (len < header) {
-        rc = stk_fail(err, STK_EFORMAT, "%s: truncated IDX header", path);
-    } else {
-        size_t expect = 1;
-        for (int d = 0; d < ndim; d++)
-            expect *= (dims[d] = be32(data + 4 + 4 * d));
-        if (ndim == 3 && (dims[1] == 0 || dims[2] == 0 || dims[1] > 4096 ||
-                          dims[2] > 4096))
-            rc = stk_fail(err, STK_EFORMAT, "%s: bad image size %ux%u", path,
-                          dims[1], dims[2]);
-        else if (len - header != expect)
-            rc = stk_fail(err, STK_EFORMAT,
-                          "%s: header promises %zu data bytes but the file "
-                          "holds %zu (%s)",
-                          path, expect, len - header,
-                          len - header < expect ? "truncated" : "trailing data");
-    }
-    if (rc) {
-        free(data);
-        return rc;
-    }
-    *out = data;
-    return 0;
+                      "%s: header promises %llu data bytes but the file "
+                      "holds %llu (%s)",
+                      path, (unsigned long long)expect,
+                      (unsigned long long)(disk - header),
+                      disk - header < expect ? "truncated" : "trailing data");
+    if (!rc)
+        rc = read_body(f, path, header, expect, out, err);
+    if (!rc)
+        memcpy(*out, head, header);
+    stk_zfile_close(f);
+    return rc;
 }
 
 static int open_split(stk_source *s, idx_data *x, int k, stk_err *err)
 {
     char ipath[4096], lpath[4096];
-    if (find_file(s->dir, prefixes[k], "images", 3, ipath, sizeof ipath))
-        return k == 0 ? stk_fail(err, STK_ENOENT,
-                                 "%s: no %s-images-idx3-ubyte[.gz] file",
-                                 s->dir, prefixes[k])
-                      : 1; /* a missing test split is fine */
-    if (find_file(s->dir, prefixes[k], "labels", 1, lpath, sizeof lpath))
+    int no_images =
+        find_file(s->dir, prefixes[k], "images", 3, ipath, sizeof ipath);
+    int no_labels =
+        find_file(s->dir, prefixes[k], "labels", 1, lpath, sizeof lpath);
+    if (no_images && no_labels && k == 1)
+        return 1; /* a missing test split is fine */
+    if (no_images && no_labels) {
+        char t[4096];
+        int test = !find_file(s->dir, "t10k", "images", 3, t, sizeof t) ||
+                   !find_file(s->dir, "t10k", "labels", 1, t, sizeof t);
+        return stk_fail(err, STK_ENOENT,
+                        "%s: no train-images-idx3-ubyte[.gz] and no "
+                        "train-labels-idx1-ubyte[.gz] (the train split is "
+                        "required%s)",
+                        s->dir, test ? "; found only t10k-* files" : "");
+    }
+    if (no_images)
+        return stk_fail(err, STK_ENOENT,
+                        "%s: found %s but no %s-images-idx3-ubyte[.gz]",
+                        s->dir, lpath, prefixes[k]);
+    if (no_labels)
         return stk_fail(err, STK_ENOENT,
                         "%s: found %s but no %s-labels-idx1-ubyte[.gz]",
                         s->dir, ipath, prefixes[k]);
@@ -185,7 +285,7 @@ static void idx_free(stk_source *s)
     free(x);
 }
 
-static const source_ops idx_ops = {idx_load, idx_free};
+static const source_ops idx_ops = {idx_load, idx_free, NULL};
 
 int stk_idx_open(stk_source *s, stk_err *err)
 {

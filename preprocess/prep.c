@@ -11,11 +11,13 @@
 #include "store/store.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #define CHUNK 64
@@ -30,7 +32,8 @@ typedef struct chunk {
     int n;
     uint8_t *recs;        /* n encoded records */
     uint8_t *ok;          /* 1 = loaded, 0 = skipped (skip_bad) */
-    char **why;           /* message of each skipped sample */
+    const char **file;    /* file of each skipped sample (the source's) */
+    char **why;           /* and the reason it was skipped */
     uint64_t *sums;       /* 2 * channels: sum and sum of squares */
     int rc;               /* fatal error at sample n_ok (no skip_bad) */
     stk_err err;
@@ -99,7 +102,11 @@ static void fill_chunk(pool *p, stk_decoder *dec, chunk *c)
             stk_record_put_header(dst, label, p->nbytes);
             add_sums(c->sums, dst + STK_RECORD_HEADER, p->channels, plane);
         } else if (p->opts->skip_bad && rc != STK_ENOMEM) {
-            c->why[j] = strdup(e.msg);
+            /* the file and the reason apart, for the metadata's list */
+            uint64_t i = c->first + (uint64_t)j;
+            c->file[j] = stk_source_sample_file(p->src, c->split, i);
+            c->why[j] = strdup(
+                stk_source_error_reason(p->src, c->split, i, e.msg));
         } else {
             c->rc = rc;
             c->err = e;
@@ -184,9 +191,10 @@ static int pool_init(run *r, stk_err *err)
         chunk *c = &p->slots[i];
         c->recs = malloc(rec * CHUNK);
         c->ok = malloc(CHUNK);
+        c->file = calloc(CHUNK, sizeof *c->file);
         c->why = calloc(CHUNK, sizeof *c->why);
         c->sums = calloc(2 * STK_MAX_CHANNELS, sizeof *c->sums);
-        if (!c->recs || !c->ok || !c->why || !c->sums)
+        if (!c->recs || !c->ok || !c->file || !c->why || !c->sums)
             return stk_fail(err, STK_ENOMEM, "out of memory for %d chunks",
                             p->nslots);
     }
@@ -224,6 +232,7 @@ static void pool_stop(run *r)
             free(c->why[j]);
         free(c->recs);
         free(c->ok);
+        free(c->file);
         free(c->why);
         free(c->sums);
     }
@@ -234,6 +243,11 @@ static void pool_stop(run *r)
     pthread_cond_destroy(&p->done);
 }
 
+static bool canceled(const stk_prep_opts *o)
+{
+    return o->cancel && *o->cancel;
+}
+
 /* Waits for chunk seq; returns it, or NULL when canceled. */
 static chunk *wait_chunk(run *r, uint64_t seq)
 {
@@ -241,7 +255,7 @@ static chunk *wait_chunk(run *r, uint64_t seq)
     chunk *c = &p->slots[seq % (uint64_t)p->nslots];
     pthread_mutex_lock(&p->mu);
     while (!(c->state == SLOT_DONE && c->seq == seq)) {
-        if (p->opts->cancel && *p->opts->cancel) {
+        if (canceled(p->opts)) {
             pthread_mutex_unlock(&p->mu);
             return NULL;
         }
@@ -267,18 +281,21 @@ static void release_chunk(run *r, chunk *c)
     pthread_mutex_unlock(&r->p.mu);
 }
 
-static void note_skipped(run *r, const char *split, const char *why)
+/* Adds {file, error} to the split's list of skipped files. */
+static int note_skipped(run *r, const char *split, const char *file,
+                        const char *why, stk_err *err)
 {
     cJSON *list = cJSON_GetObjectItemCaseSensitive(r->skipped, split);
     if (!list)
         list = cJSON_AddArrayToObject(r->skipped, split);
     cJSON *o = cJSON_CreateObject();
-    const char *colon = strstr(why, ": ");
-    char *file = strndup(why, colon ? (size_t)(colon - why) : strlen(why));
-    cJSON_AddStringToObject(o, "file", file ? file : "");
-    cJSON_AddStringToObject(o, "error", colon ? colon + 2 : why);
+    if (!list || !o || !why || !cJSON_AddStringToObject(o, "file", file) ||
+        !cJSON_AddStringToObject(o, "error", why)) {
+        cJSON_Delete(o);
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", file);
+    }
     cJSON_AddItemToArray(list, o);
-    free(file);
+    return 0;
 }
 
 static int write_chunk(run *r, chunk *c, stk_err *err)
@@ -288,13 +305,15 @@ static int write_chunk(run *r, chunk *c, stk_err *err)
     split_stats *st = &r->stats[c->split];
     size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
     for (int j = 0; j < c->n; j++) {
+        int rc;
         if (!c->ok[j]) {
             st->skipped++;
-            note_skipped(r, split, c->why[j]);
+            if ((rc = note_skipped(r, split, c->file[j], c->why[j], err)))
+                return rc;
             continue;
         }
         const uint8_t *v = c->recs + j * rec;
-        int rc = stk_store_append(r->store, split, v, rec, err);
+        rc = stk_store_append(r->store, split, v, rec, err);
         if (rc)
             return rc;
         st->labels[(uint32_t)v[0] | (uint32_t)v[1] << 8 |
@@ -327,7 +346,7 @@ static void report(run *r, const char *split)
 static int write_all(run *r, stk_err *err)
 {
     for (uint64_t seq = 0; seq < r->p.nchunks; seq++) {
-        chunk *c = wait_chunk(r, seq);
+        chunk *c = canceled(r->p.opts) ? NULL : wait_chunk(r, seq);
         if (!c)
             return stk_fail(err, STK_ECANCELED, "interrupted");
         int rc = write_chunk(r, c, err);
@@ -445,11 +464,55 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
         (rc = pool_init(r, err)) || (rc = write_all(r, err)))
         return rc;
     pool_stop(r);
+    /* the last moment a stop request is honoured: after this, DB_DIR
+     * appears complete and the run has succeeded */
+    if (canceled(o))
+        return stk_fail(err, STK_ECANCELED, "interrupted");
     stk_meta m;
     rc = build_meta(r, raw_dir, &m, err);
     if (!rc)
         rc = stk_store_finish(r->store, &m, err);
     release_meta(&m);
+    return rc;
+}
+
+/* Checks DB_DIR before any work, so that a name that can never be moved
+ * into place fails at once instead of after the whole conversion: it must
+ * not be empty, must be a directory if it exists, and its parent must be
+ * one. Whether it holds a database is the store's business. */
+static int check_db_dir(const char *db, stk_err *err)
+{
+    if (!*db)
+        return stk_fail(err, STK_EINVAL, "DB_DIR is empty");
+    struct stat st;
+    if (stat(db, &st) == 0)
+        return S_ISDIR(st.st_mode)
+                   ? 0
+                   : stk_fail(err, STK_EEXIST,
+                              "%s: exists and is not a directory", db);
+    if (errno != ENOENT && errno != ENOTDIR)
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", db,
+                        strerror(errno));
+    /* every leading component, shortest first, names the first bad one */
+    char *p = strdup(db);
+    if (!p)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", db);
+    size_t n = strlen(p);
+    while (n > 1 && p[n - 1] == '/') /* "db/" is db */
+        p[--n] = '\0';
+    int rc = 0;
+    for (size_t i = 1; !rc && i < n; i++) {
+        if (p[i] != '/' || p[i - 1] == '/')
+            continue;
+        p[i] = '\0';
+        if (stat(p, &st) != 0)
+            rc = stk_fail(err, stk_from_errno(errno), "%s: %s", p,
+                          strerror(errno));
+        else if (!S_ISDIR(st.st_mode))
+            rc = stk_fail(err, STK_ENOENT, "%s: not a directory", p);
+        p[i] = '/';
+    }
+    free(p);
     return rc;
 }
 
@@ -466,12 +529,20 @@ int stk_prep_run(const char *raw_dir, const char *db_dir,
     r.nthreads = opts->workers;
     r.t0 = stk_now();
     stk_source *src = NULL;
-    int rc = stk_source_open(raw_dir, &opts->source, &src, err);
+    int rc = check_db_dir(db_dir, err);
+    if (!rc)
+        rc = stk_source_open(raw_dir, &opts->source, &src, err);
+    if (!rc && canceled(opts)) /* listing a large tree takes a while */
+        rc = stk_fail(err, STK_ECANCELED, "interrupted");
     if (!rc) {
         r.p.src = src;
         rc = run_all(&r, raw_dir, db_dir, err);
         fill_summary(&r, summary);
     }
+    /* After a stop request, whatever failed (a read cut short by the
+     * signal, say) is the interruption: the caller exits 130. */
+    if (rc && rc != STK_ECANCELED && canceled(opts))
+        rc = stk_fail(err, STK_ECANCELED, "interrupted");
     pool_stop(&r);
     stk_store_close(r.store); /* removes the partial database on failure */
     for (int k = 0; k < 8; k++)

@@ -71,15 +71,39 @@ static int parse_format(const char *s, stk_src_format *f)
     return 0;
 }
 
-/* Creation time: $SOURCE_DATE_EPOCH when set (reproducible output), else
- * now. */
-static void created_now(char *buf, size_t n)
+/* The latest creation time SOURCE_DATE_EPOCH may give: 9999-12-31
+ * 23:59:59 UTC, the last second with a four-digit year. */
+#define MAX_EPOCH 253402300799LL
+
+/* Creation time: $SOURCE_DATE_EPOCH when set and not empty (reproducible
+ * output), else now. The variable must be whole seconds since 1970 (digits
+ * only, as `date +%s` prints them, 0..MAX_EPOCH); anything else is refused
+ * rather than recorded as a made-up time. Returns 0 or -1 (printed). */
+static int created_time(char *buf, size_t n)
 {
     const char *sde = getenv("SOURCE_DATE_EPOCH");
-    time_t t = sde && *sde ? (time_t)strtoll(sde, NULL, 10) : time(NULL);
+    time_t t = time(NULL);
+    if (sde && *sde) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(sde, &end, 10);
+        if (sde[strspn(sde, "0123456789")] != '\0' || *end || errno ||
+            v > MAX_EPOCH) {
+            fprintf(stderr,
+                    "prep: SOURCE_DATE_EPOCH: expected whole seconds since "
+                    "1970 (0..%lld), got '%s'\n",
+                    MAX_EPOCH, sde);
+            return -1;
+        }
+        t = (time_t)v;
+    }
     struct tm tm;
-    gmtime_r(&t, &tm);
-    strftime(buf, n, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    if (!gmtime_r(&t, &tm) || !strftime(buf, n, "%Y-%m-%dT%H:%M:%SZ", &tm)) {
+        fprintf(stderr, "prep: cannot format the creation time %lld\n",
+                (long long)t);
+        return -1;
+    }
+    return 0;
 }
 
 static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
@@ -130,6 +154,12 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
                         "--help)\n");
         return -1;
     }
+    for (int i = 0; i < 2; i++)
+        if (!*argv[optind + i]) {
+            fprintf(stderr, "prep: %s is empty (see prep --help)\n",
+                    i ? "DB_DIR" : "RAW_DIR");
+            return -1;
+        }
     return 0;
 }
 
@@ -155,7 +185,6 @@ int main(int argc, char **argv)
 {
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     char created[32];
-    created_now(created, sizeof created);
     progress_state ps = {isatty(2), 0, 0.0};
     stk_prep_opts o = {
         .workers = ncpu > 0 ? (int)(ncpu > 256 ? 256 : ncpu) : 1,
@@ -164,7 +193,8 @@ int main(int argc, char **argv)
         .progress = on_progress,
         .progress_arg = &ps,
     };
-    if (parse_args(argc, argv, &o, &ps.quiet))
+    if (parse_args(argc, argv, &o, &ps.quiet) ||
+        created_time(created, sizeof created))
         return 2;
     const char *raw = argv[optind], *db = argv[optind + 1];
     struct sigaction sa = {0};

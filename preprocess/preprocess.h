@@ -88,10 +88,22 @@ void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
 
 /* Loads sample i of split: label and c*h*w CHW pixels. Safe to call from
  * many threads at once, each with its own decoder. A bad sample returns
- * STK_EFORMAT (or STK_EIO) with a message naming the file. */
+ * STK_EFORMAT (or STK_EIO) with the message "FILE: REASON", FILE being
+ * stk_source_sample_file(s, split, i). */
 int stk_source_load(const stk_source *s, stk_decoder *d, int split,
                     uint64_t i, int32_t *label, uint8_t *pixels,
                     stk_err *err);
+
+/* The file sample i of split is read from: the image of a folder source,
+ * the dataset directory for IDX and CIFAR. Borrowed; lives as long as s. */
+const char *stk_source_sample_file(const stk_source *s, int split,
+                                   uint64_t i);
+
+/* The REASON of a load error message "FILE: REASON" of sample i (found by
+ * its known FILE, so a file name holding ": " is no trouble); the whole
+ * message when it does not start with FILE. Points into msg. */
+const char *stk_source_error_reason(const stk_source *s, int split,
+                                    uint64_t i, const char *msg);
 
 /* ---- prep -------------------------------------------------------------- */
 

@@ -101,6 +101,21 @@ void stk_source_shape(const stk_source *s, int *c, int *h, int *w)
     *w = s->size ? s->size : s->native_w;
 }
 
+const char *stk_source_sample_file(const stk_source *s, int split,
+                                   uint64_t i)
+{
+    return s->ops->file ? s->ops->file(s, split, i) : s->dir;
+}
+
+const char *stk_source_error_reason(const stk_source *s, int split,
+                                    uint64_t i, const char *msg)
+{
+    const char *file = stk_source_sample_file(s, split, i);
+    size_t n = strlen(file);
+    return strncmp(msg, file, n) || strncmp(msg + n, ": ", 2) ? msg
+                                                              : msg + n + 2;
+}
+
 int stk_source_load(const stk_source *s, stk_decoder *d, int split,
                     uint64_t i, int32_t *label, uint8_t *pixels, stk_err *err)
 {
@@ -109,12 +124,13 @@ int stk_source_load(const stk_source *s, stk_decoder *d, int split,
     int rc = s->ops->load(s, d, split, i, label, &im, &owned, err);
     if (rc)
         return rc;
+    const char *file = stk_source_sample_file(s, split, i);
     if (!s->size && (im.w != s->native_w || im.h != s->native_h))
         rc = stk_fail(err, STK_EFORMAT, "%s: sample %llu is %dx%d, not %dx%d",
-                      s->dir, (unsigned long long)i, im.w, im.h, s->native_w,
+                      file, (unsigned long long)i, im.w, im.h, s->native_w,
                       s->native_h);
     else if (stk_image_fit(&im, s->out_c, s->size, pixels))
-        rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+        rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", file);
     if (owned)
         stk_image_free(&im);
     return rc;

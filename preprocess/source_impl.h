@@ -12,6 +12,9 @@ typedef struct source_ops {
     int (*load)(const stk_source *s, stk_decoder *d, int split, uint64_t i,
                 int32_t *label, stk_image *im, int *owned, stk_err *err);
     void (*free)(stk_source *s);
+    /* The file sample i of split comes from; NULL: the source's dir. Every
+     * load error of that sample starts with it and ": ". */
+    const char *(*file)(const stk_source *s, int split, uint64_t i);
 } source_ops;
 
 struct stk_source {

@@ -36,6 +36,76 @@ PY
 "$STK_BIN/dbinfo" db | grep -q "bad1.png: bad PNG" || fail "dbinfo does not list skipped files"
 rm -rf db
 
+# meta_py DB CODE: runs CODE with `meta`, DB's metadata read straight from
+# LMDB and decoded as Python decodes file names (bytes that are not UTF-8
+# become \udcXX), so that it passes whether or not the JSON escapes them.
+meta_py() {
+  $PY - "$1" <<PY
+import json, sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=16)
+with env.begin() as txn:
+    raw = txn.get(b"dataset", db=env.open_db(b"meta", txn=txn))
+meta = json.loads(raw.decode("utf-8", "surrogateescape"))
+$2
+PY
+}
+
+# A FIFO named like an image is refused by name, never waited on (timeout:
+# if opening it blocks again, this fails instead of hanging the suite);
+# --skip-bad records it. A file name holding ": " keeps its path and reason
+# apart in the list.
+cp -r good fifo && mkfifo fifo/class2/x.png && head -c 300 /dev/urandom > "fifo/class3/a: b.png"
+expect_fail 1 "fifo/class2/x.png: not a regular file \(a FIFO\)" timeout -k 5 20 "$P" --quiet fifo db; absent db
+out=$(timeout -k 5 20 "$P" --skip-bad fifo db 2>&1) || fail "--skip-bad with a FIFO: $out"
+no_sanitizer_report "prep --skip-bad fifo" "$out"
+meta_py db '
+sk = meta["skipped_files"]["train"]
+want = [{"file": "fifo/class2/x.png", "error": "not a regular file (a FIFO)"},
+        {"file": "fifo/class3/a: b.png", "error": "not a PNG or JPEG file (bad magic bytes)"}]
+assert sorted(sk, key=lambda s: s["file"]) == want, sk
+assert meta["splits"]["train"]["count"] == 200, meta["splits"]
+print("ok: --skip-bad listed the FIFO and the name with \": \"")' || fail "--skip-bad FIFO metadata"
+rm -rf db
+
+# An empty first class folder is a class with no samples (it once passed
+# NULL to qsort, which UBSan reports).
+cp -r good emptyfirst && mkdir emptyfirst/class00
+out=$("$P" --quiet emptyfirst db 2>&1) || fail "empty first class folder: $out"
+no_sanitizer_report "prep emptyfirst" "$out"
+meta_py db '
+assert meta["classes"][:2] == ["class0", "class00"], meta["classes"]
+assert meta["splits"]["train"]["label_counts"][1] == 0, meta["splits"]
+print("ok: an empty first class folder is a class with no samples")' || fail "empty class folder"
+rm -rf db
+
+# Names that are not UTF-8 are kept byte for byte; classes and samples are
+# in byte order.
+$PY - <<'PY'
+import os
+from PIL import Image
+for cls, files in [(b"caf\xe9", [(b"b.png", 30), (b"\x80.png", 31)]),
+                   (b"caf\xc3\xa9", [(b"\xff.png", 20)]), (b"cafe", [(b"a.png", 10)])]:
+    os.makedirs(b"bytes/" + cls)
+    for f, v in files:
+        Image.new("RGB", (8, 8), (v, v, v)).save(b"bytes/" + cls + b"/" + f, "PNG")
+open(b"bytes/caf\xe9/\xfe: bad.png", "wb").write(b"garbage")
+PY
+out=$("$P" --quiet --skip-bad --size 8 bytes db 2>&1) || fail "non-UTF-8 names: $out"
+no_sanitizer_report "prep bytes" "$out"
+meta_py db '
+import os, struct
+cls = [c.encode("utf-8", "surrogateescape") for c in meta["classes"]]
+assert cls == [b"cafe", b"caf\xc3\xa9", b"caf\xe9"], cls
+sk = meta["skipped_files"]["train"]
+assert [s["file"].encode("utf-8", "surrogateescape") for s in sk] == [b"bytes/caf\xe9/\xfe: bad.png"], sk
+assert sk[0]["error"] == "not a PNG or JPEG file (bad magic bytes)", sk
+with env.begin(db=env.open_db(b"train")) as txn:
+    got = [(struct.unpack_from("<i", v)[0], v[8]) for _, v in txn.cursor()]
+# cafe/a.png, café/\xff.png, caf\xe9/b.png, caf\xe9/\x80.png (b < \x80)
+assert got == [(0, 10), (1, 20), (2, 30), (2, 31)], got
+print("ok: non-UTF-8 names in byte order, kept byte for byte")' || fail "non-UTF-8 names"
+rm -rf db
+
 # --- IDX ---------------------------------------------------------------------
 mkidx() { mkdir -p "$1" && cp "$FASHION"/*.gz "$1"/; }
 mkidx magic && $PY - <<'PY'
@@ -54,17 +124,60 @@ mkidx trunc && gunzip trunc/train-images-idx3-ubyte.gz && truncate -s 1000000 tr
 expect_fail 1 "trunc/train-images-idx3-ubyte: header promises 47040000 data bytes but the file holds 999984 \(truncated\)" "$P" --quiet trunc db; absent db
 mkidx gztrunc && truncate -s 300000 gztrunc/train-images-idx3-ubyte.gz
 expect_fail 1 "gztrunc/train-images-idx3-ubyte.gz: gzip data is truncated" "$P" --quiet gztrunc db; absent db
+mkidx fifoidx && rm fifoidx/train-labels-idx1-ubyte.gz && mkfifo fifoidx/train-labels-idx1-ubyte.gz
+expect_fail 1 "fifoidx/train-labels-idx1-ubyte.gz: not a regular file \(a FIFO\)" timeout -k 5 20 "$P" --quiet fifoidx db; absent db
+mkdir t10k && cp "$FASHION"/t10k-* t10k/
+expect_fail 1 "t10k: no train-images-idx3-ubyte\[.gz\] and no train-labels-idx1-ubyte\[.gz\] \(the train split is required; found only t10k-\* files\)" "$P" --quiet t10k db; absent db
+
+# A gzip bomb: one gzip stream of 2 MB that inflates to 2 GiB behind a
+# header promising 10 images of 28x28. prep reads the header, then no more
+# than it promises plus one byte, so it fails at once under a 1 GB address
+# space limit (a sanitized build reserves terabytes of shadow memory: there
+# the time limit alone has to show it).
+mkdir bomb && $PY - <<'PY'
+import gzip, struct, zlib
+# after a full flush deflate starts afresh, so each further MiB of zeros
+# compresses to the same bytes: written again, never held inflated
+mib, n = bytes(1 << 20), 2048
+head = struct.pack(">IIII", 0x803, 10, 28, 28)
+c = zlib.compressobj(9, zlib.DEFLATED, 31)
+with open("bomb/train-images-idx3-ubyte.gz", "wb") as f:
+    f.write(c.compress(head + mib) + c.flush(zlib.Z_FULL_FLUSH))
+    f.write((c.compress(mib) + c.flush(zlib.Z_FULL_FLUSH)) * (n - 2))
+    f.write(c.compress(mib) + c.flush(zlib.Z_FULL_FLUSH))
+    crc = zlib.crc32(head + mib)
+    for _ in range(n - 1):
+        crc = zlib.crc32(mib, crc)
+    end = c.flush()  # the final block, then the trailer: CRC and size
+    f.write(end[:-8] + struct.pack("<II", crc, (16 + n * len(mib)) & 0xffffffff))
+open("bomb/train-labels-idx1-ubyte.gz", "wb").write(gzip.compress(struct.pack(">II", 0x801, 10) + bytes(10)))
+PY
+vlimit="ulimit -v 1000000;"
+ldd "$P" | grep -q libasan && vlimit=""
+expect_fail 1 "bomb/train-images-idx3-ubyte.gz: header promises 7840 data bytes but the gzip data holds more \(trailing data; reading stopped at 7841 bytes\)" \
+  timeout -k 5 20 bash -c "$vlimit exec '$P' --quiet --workers 2 bomb db"; absent db
 
 # --- CIFAR -------------------------------------------------------------------
 mkdir cifar && head -c $((3073 * 10 + 5)) /dev/urandom > cifar/data_batch_1.bin
 expect_fail 1 "cifar/data_batch_1.bin: 30735 bytes is not a whole number of 3073-byte CIFAR records" "$P" --quiet cifar db; absent db
+mkdir cififo && mkfifo cififo/data_batch_1.bin
+expect_fail 1 "cififo/data_batch_1.bin: not a regular file \(a FIFO\)" timeout -k 5 20 "$P" --quiet cififo db; absent db
+mkdir cifmeta && head -c $((3073 * 10)) /dev/urandom > cifmeta/data_batch_1.bin && mkfifo cifmeta/batches.meta.txt
+expect_fail 1 "cifmeta/batches.meta.txt: not a regular file \(a FIFO\)" timeout -k 5 20 "$P" --quiet cifmeta db; absent db
 
 # --- directories ---------------------------------------------------------------
 expect_fail 1 "nowhere: No such file or directory" "$P" nowhere db; absent db
 touch afile
 expect_fail 1 "afile: not a directory" "$P" afile db; absent db
 mkdir empty
-expect_fail 1 "empty: no class folders" "$P" empty db; absent db
+expect_fail 1 "empty: no class folders .*; it is empty\)" "$P" empty db; absent db
+# DB_DIR is checked before any work (RAW_DIR "nowhere" is not even looked at)
+expect_fail 2 "prep: DB_DIR is empty" "$P" good ""; absent db
+expect_fail 2 "prep: RAW_DIR is empty" "$P" "" db; absent db
+expect_fail 1 "prep: error: afile: not a directory" "$P" nowhere afile/db
+expect_fail 1 "prep: error: afile: exists and is not a directory" "$P" nowhere afile
+expect_fail 1 "prep: error: nothere: No such file or directory" "$P" nowhere nothere/db
+[ "$(stat -c %s afile)" -eq 0 ] || fail "afile changed"
 if [ "$(id -u)" -ne 0 ]; then
   cp -r good locked && chmod 000 locked/class4
   expect_fail 1 "locked/class4: cannot read directory: Permission denied" "$P" locked db; absent db
@@ -103,4 +216,28 @@ expect_fail 2 "expected RAW_DIR and DB_DIR" "$P" good
 expect_fail 2 "unknown option '--bogus'" "$STK_BIN/dbinfo" --bogus grown
 expect_fail 2 "--split: no split \"val\"" "$STK_BIN/dbinfo" --split val grown
 absent db
+
+# --- SOURCE_DATE_EPOCH: whole seconds since 1970, or refused ------------------
+for v in abc 1.5 -1 " 12" 12abc 0x10 253402300800 99999999999999999999; do
+  expect_fail 2 "prep: SOURCE_DATE_EPOCH: expected whole seconds since 1970 \(0\.\.253402300799\), got '$v'" \
+    env SOURCE_DATE_EPOCH="$v" "$P" --quiet good db; absent db
+done
+for v in 0:1970-01-01T00:00:00Z 1700000000:2023-11-14T22:13:20Z 253402300799:9999-12-31T23:59:59Z; do
+  SOURCE_DATE_EPOCH=${v%%:*} "$P" --quiet good sde >/dev/null
+  meta_py sde "assert meta['created'] == '${v#*:}', meta['created']" || fail "SOURCE_DATE_EPOCH=${v%%:*}"
+  rm -rf sde
+done
+ok "SOURCE_DATE_EPOCH checked"
+
+# --- Ctrl-C and SIGTERM: exit 130 at any point, nothing left behind ------------
+# (while the IDX files are read, and while records are written)
+for sig in INT TERM; do
+  for at in 0.3 1.5; do
+    "$P" --workers 1 --quiet --gray --size 40 "$FASHION" sigdb & pid=$!
+    sleep $at; kill -$sig $pid; rc=0; wait $pid || rc=$?
+    [ $rc -eq 130 ] || fail "SIG$sig after ${at}s: exit $rc, expected 130"
+    absent sigdb
+  done
+done
+ok "SIGINT and SIGTERM exit 130"
 ok "all bad inputs refused"

@@ -4,6 +4,7 @@
 
 #include "preprocess/preprocess.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <zlib.h>
 
@@ -269,11 +270,320 @@ static void folder_split_layout(void **state)
     stk_source_close(s);
 }
 
+/* ---- hostile input ------------------------------------------------------ */
+
+/* A case that opens a FIFO fails in 20 s instead of hanging the suite if
+ * opening ever blocks again. */
+static void fail_instead_of_hanging(void) { alarm(20); }
+
+static long max_rss_kib(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss;
+}
+
+/* gzip members of zeros appended to path: mib MiB more once inflated. */
+static void append_zero_members(const char *path, int mib)
+{
+    static uint8_t zeros[1 << 20];
+    uLongf n = compressBound(sizeof zeros) + 32;
+    uint8_t *member = malloc(n);
+    z_stream zs = {0};
+    assert_int_equal(deflateInit2(&zs, 9, Z_DEFLATED, 15 + 16, 9,
+                                  Z_DEFAULT_STRATEGY),
+                     Z_OK);
+    zs.next_in = zeros;
+    zs.avail_in = sizeof zeros;
+    zs.next_out = member;
+    zs.avail_out = (uInt)n;
+    assert_int_equal(deflate(&zs, Z_FINISH), Z_STREAM_END);
+    size_t len = n - zs.avail_out;
+    deflateEnd(&zs);
+    FILE *f = fopen(path, "ab");
+    assert_non_null(f);
+    for (int i = 0; i < mib; i++)
+        assert_int_equal(fwrite(member, 1, len, f), len);
+    fclose(f);
+    free(member);
+}
+
+/* A few KB of gzip that inflate to 256 MiB behind a header promising 20
+ * images of 3x4: refused after reading what the header promises plus one
+ * byte, without the memory to hold the rest. */
+static void idx_gzip_bomb_costs_no_memory(void **state)
+{
+    (void)state;
+    const char *d = scratch("idx_bomb");
+    write_idx(d, "train", 20, 20, 1, 0x803);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", d);
+    append_zero_members(p, 256);
+    long before = max_rss_kib();
+    expect_open_error(d, "train-images-idx3-ubyte.gz: header promises 240 "
+                         "data bytes but the gzip data holds more (trailing "
+                         "data; reading stopped at 241 bytes)");
+    long grown = max_rss_kib() - before;
+    if (grown > 32 * 1024)
+        fail_msg("the peak resident size grew by %ld KiB", grown);
+}
+
+/* A plain IDX file's size is compared with its header before it is read. */
+static void idx_sizes_named(void **state)
+{
+    (void)state;
+    const char *d = scratch("idx_short");
+    write_idx(d, "train", 20, 20, 0, 0x803);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte", d);
+    assert_int_equal(truncate(p, 16 + 100), 0);
+    expect_open_error(d, "train-images-idx3-ubyte: header promises 240 data "
+                         "bytes but the file holds 100 (truncated)");
+    write_idx(d, "train", 20, 20, 0, 0x803);
+    assert_int_equal(truncate(p, 16 + 241), 0);
+    expect_open_error(d, "train-images-idx3-ubyte: header promises 240 data "
+                         "bytes but the file holds 241 (trailing data)");
+    d = scratch("idx_gzshort");
+    write_idx(d, "train", 20, 20, 1, 0x803);
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", d);
+    uint8_t all[16 + 240] = {0};
+    put_be32(all, 0x803);
+    put_be32(all + 4, 21); /* one image more than the data holds */
+    put_be32(all + 8, 3);
+    put_be32(all + 12, 4);
+    write_file(d, "train-images-idx3-ubyte.gz", all, sizeof all, 1);
+    expect_open_error(d, "header promises 252 data bytes but the file holds "
+                         "240 (truncated)");
+}
+
+/* Only t10k-* files: said so, not "no class folders". */
+static void idx_test_split_only(void **state)
+{
+    (void)state;
+    const char *d = scratch("idx_t10k");
+    write_idx(d, "t10k", 9, 9, 1, 0x803);
+    expect_open_error(d, "no train-images-idx3-ubyte[.gz] and no "
+                         "train-labels-idx1-ubyte[.gz] (the train split is "
+                         "required; found only t10k-* files)");
+    d = scratch("idx_labels_only");
+    write_idx(d, "train", 4, 4, 0, 0x803);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte", d);
+    remove(p);
+    expect_open_error(d, "train-labels-idx1-ubyte but no "
+                         "train-images-idx3-ubyte[.gz]");
+}
+
+/* stk_zfile reads plain and gzip files in pieces of any size, several gzip
+ * members as one, and names damaged gzip data. */
+static void zfile_reads_and_refuses(void **state)
+{
+    (void)state;
+    const char *d = scratch("zfile");
+    uint8_t data[70000];
+    for (size_t i = 0; i < sizeof data; i++)
+        data[i] = (uint8_t)(i * 7 + i / 300);
+    write_file(d, "plain", data, sizeof data, 0);
+    write_file(d, "one.gz", data, sizeof data, 1);
+    char p[1200], q[4000];
+    snprintf(p, sizeof p, "%s/one.gz", d);
+    snprintf(q, sizeof q, "cat '%s' '%s' > '%s/two.gz'", p, p, d);
+    assert_int_equal(system(q), 0);
+    const char *names[] = {"plain", "one.gz", "two.gz"};
+    for (int k = 0; k < 3; k++) {
+        snprintf(p, sizeof p, "%s/%s", d, names[k]);
+        stk_zfile *f;
+        stk_err err = {0};
+        assert_int_equal(stk_zfile_open(p, &f, &err), 0);
+        assert_int_equal(stk_zfile_is_gzip(f), k > 0);
+        uint8_t *out = malloc(2 * sizeof data + 65536);
+        size_t have = 0, got, piece = 1;
+        for (;;) { /* pieces of 1, 2, 4, ... 64 Ki bytes */
+            assert_int_equal(stk_zfile_read(f, out + have, piece, &got, &err),
+                             0);
+            have += got;
+            if (got < piece)
+                break;
+            piece = piece < 65536 ? piece * 2 : piece;
+        }
+        assert_int_equal(have, (k == 2 ? 2 : 1) * sizeof data);
+        assert_memory_equal(out, data, sizeof data);
+        if (k == 2)
+            assert_memory_equal(out + sizeof data, data, sizeof data);
+        free(out);
+        stk_zfile_close(f);
+    }
+    /* truncated and corrupt gzip data */
+    snprintf(p, sizeof p, "%s/one.gz", d);
+    struct stat st;
+    assert_int_equal(stat(p, &st), 0);
+    snprintf(q, sizeof q, "head -c %lld '%s' > '%s/cut.gz'",
+             (long long)st.st_size / 2, p, d);
+    assert_int_equal(system(q), 0);
+    snprintf(q, sizeof q,
+             "{ head -c 20 '%s'; head -c 2000 /dev/zero | tr '\\0' '\\377'; } "
+             "> '%s/bad.gz'", p, d);
+    assert_int_equal(system(q), 0);
+    const char *bad[] = {"cut.gz", "bad.gz"};
+    const char *why[] = {"cut.gz: gzip data is truncated",
+                         "bad.gz: gzip data is corrupt ("};
+    for (int k = 0; k < 2; k++) {
+        snprintf(p, sizeof p, "%s/%s", d, bad[k]);
+        stk_zfile *f;
+        stk_err err = {0};
+        assert_int_equal(stk_zfile_open(p, &f, &err), 0);
+        uint8_t *out = malloc(sizeof data);
+        size_t got;
+        assert_int_equal(stk_zfile_read(f, out, sizeof data, &got, &err),
+                         STK_EFORMAT);
+        if (!strstr(err.msg, why[k]))
+            fail_msg("error \"%s\" lacks \"%s\"", err.msg, why[k]);
+        free(out);
+        stk_zfile_close(f);
+    }
+}
+
+/* A FIFO named like an image is listed (so --skip-bad can record it) and
+ * refused by name when loaded, without waiting for a writer; a name holding
+ * ": " keeps its file and reason apart. */
+static void folder_fifo_and_odd_names(void **state)
+{
+    (void)state;
+    fail_instead_of_hanging();
+    const char *d = scratch("folder_fifo");
+    png_at(d, "a/1.png", 10);
+    png_at(d, "a/x: y.png", 20);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/a/2.png", d);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    write_file(d, "a/x: y.png", "garbage", 7, 0);
+    stk_source_opts o = {.size = 4};
+    stk_source *s;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(d, &o, &s, &err), 0);
+    assert_int_equal(stk_source_split_count(s, 0), 3);
+    stk_decoder *dec;
+    assert_int_equal(stk_decoder_create(&dec, &err), 0);
+    uint8_t px[48];
+    int32_t label;
+    assert_int_equal(stk_source_load(s, dec, 0, 0, &label, px, &err), 0);
+    /* a/2.png, the FIFO */
+    assert_int_equal(stk_source_load(s, dec, 0, 1, &label, px, &err),
+                     STK_EFORMAT);
+    snprintf(p, sizeof p, "%s/a/2.png: not a regular file (a FIFO)", d);
+    assert_string_equal(err.msg, p);
+    snprintf(p, sizeof p, "%s/a/2.png", d);
+    assert_string_equal(stk_source_sample_file(s, 0, 1), p);
+    assert_string_equal(stk_source_error_reason(s, 0, 1, err.msg),
+                        "not a regular file (a FIFO)");
+    /* a/x: y.png, garbage */
+    assert_int_equal(stk_source_load(s, dec, 0, 2, &label, px, &err),
+                     STK_EFORMAT);
+    snprintf(p, sizeof p, "%s/a/x: y.png", d);
+    assert_string_equal(stk_source_sample_file(s, 0, 2), p);
+    assert_string_equal(stk_source_error_reason(s, 0, 2, err.msg),
+                        "not a PNG or JPEG file (bad magic bytes)");
+    stk_decoder_destroy(dec);
+    stk_source_close(s);
+    alarm(0);
+}
+
+/* An empty first class folder is a class with no samples (it once passed
+ * NULL to qsort: UBSan). */
+static void folder_empty_first_class(void **state)
+{
+    (void)state;
+    const char *d = scratch("folder_empty_first");
+    png_at(d, "b/1.png", 10);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/a", d);
+    assert_int_equal(mkdir(p, 0755), 0);
+    stk_source_opts o = {.size = 4};
+    stk_source *s;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(d, &o, &s, &err), 0);
+    assert_int_equal(stk_source_nclasses(s), 2);
+    assert_string_equal(stk_source_class_name(s, 0), "a");
+    assert_int_equal(stk_source_split_count(s, 0), 1);
+    stk_source_close(s);
+}
+
+/* Names that are not UTF-8 are kept byte for byte and sorted by bytes. */
+static void folder_non_utf8_names(void **state)
+{
+    (void)state;
+    const char *d = scratch("folder_bytes");
+    png_at(d, "caf\xc3\xa9/\xff.png", 30); /* UTF-8 "café" */
+    png_at(d, "caf\xe9/b.png", 20);        /* Latin-1 "café" */
+    png_at(d, "caf\xe9/\x80.png", 21);
+    png_at(d, "cafe/a.png", 10);
+    stk_source_opts o = {.size = 4};
+    stk_source *s;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(d, &o, &s, &err), 0);
+    assert_int_equal(stk_source_nclasses(s), 3);
+    assert_string_equal(stk_source_class_name(s, 0), "cafe");
+    assert_string_equal(stk_source_class_name(s, 1), "caf\xc3\xa9");
+    assert_string_equal(stk_source_class_name(s, 2), "caf\xe9");
+    char p[1200];
+    snprintf(p, sizeof p, "%s/caf\xe9/\x80.png", d);
+    assert_string_equal(stk_source_sample_file(s, 0, 3), p);
+    uint8_t want[] = {10, 30, 20, 21}; /* b.png before \x80.png */
+    int32_t labels[] = {0, 1, 2, 2};
+    stk_decoder *dec;
+    assert_int_equal(stk_decoder_create(&dec, &err), 0);
+    for (int i = 0; i < 4; i++) {
+        uint8_t px[48];
+        int32_t label;
+        assert_int_equal(stk_source_load(s, dec, 0, (uint64_t)i, &label, px,
+                                         &err),
+                         0);
+        assert_int_equal(label, labels[i]);
+        assert_int_equal(px[0], want[i]);
+    }
+    stk_decoder_destroy(dec);
+    stk_source_close(s);
+}
+
+/* CIFAR: a FIFO as a batch or as the class names file is refused by name;
+ * so is a names file with an overlong line. */
+static void cifar_fifo_and_names(void **state)
+{
+    (void)state;
+    fail_instead_of_hanging();
+    const char *d = scratch("cifar_fifo");
+    char p[1200];
+    snprintf(p, sizeof p, "%s/data_batch_1.bin", d);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    expect_open_error(d, "data_batch_1.bin: not a regular file (a FIFO)");
+    d = scratch("cifar_meta_fifo");
+    write_cifar(d, "data_batch_1.bin", 1, 4, 0);
+    snprintf(p, sizeof p, "%s/batches.meta.txt", d);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    expect_open_error(d, "batches.meta.txt: not a regular file (a FIFO)");
+    d = scratch("cifar_meta_long");
+    write_cifar(d, "data_batch_1.bin", 1, 4, 0);
+    char names[600];
+    memset(names, 'x', sizeof names);
+    memcpy(names, "cat\n", 4);
+    write_file(d, "batches.meta.txt", names, sizeof names, 0);
+    expect_open_error(d, "batches.meta.txt: line 2 is longer than 255 bytes");
+    alarm(0);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(idx_raw_and_gzip),
     cmocka_unit_test(idx_errors_name_the_file),
     cmocka_unit_test(cifar10_and_100),
     cmocka_unit_test(folder_order_and_labels),
     cmocka_unit_test(folder_split_layout),
+    cmocka_unit_test(idx_gzip_bomb_costs_no_memory),
+    cmocka_unit_test(idx_sizes_named),
+    cmocka_unit_test(idx_test_split_only),
+    cmocka_unit_test(zfile_reads_and_refuses),
+    cmocka_unit_test(folder_fifo_and_odd_names),
+    cmocka_unit_test(folder_empty_first_class),
+    cmocka_unit_test(folder_non_utf8_names),
+    cmocka_unit_test(cifar_fifo_and_names),
 };
 UNIT_MAIN(tests)
