@@ -307,11 +307,11 @@ static void still_serves(stk_kv *kv, int round)
     assert_int_equal(stk_kv_set(kv, key, val, strlen(val), &err), 0);
     void *v;
     size_t n;
-    assert_int_equal(stk_kv_get(kv, key, 1000, &v, &n, &err), 0);
+    assert_int_equal(stk_kv_get(kv, key, 30000, &v, &n, &err), 0);
     assert_int_equal(n, strlen(val));
     assert_memory_equal(v, val, n);
     free(v);
-    assert_int_equal(stk_kv_get(kv, "good/before", 1000, &v, &n, &err), 0);
+    assert_int_equal(stk_kv_get(kv, "good/before", 30000, &v, &n, &err), 0);
     assert_int_equal(n, 6);
     free(v);
 }
@@ -326,10 +326,13 @@ static void inflight_back_to_zero(stk_store_server *s)
     assert_int_equal(usage(s).inflight, 0);
 }
 
+/* Timeouts are generous: under the sanitizers, on a busy machine, an
+ * 8 MiB value takes a while through the store. */
 static stk_kv *good_client(int port)
 {
-    stk_kv *kv = client(port);
+    stk_kv *kv;
     stk_err err;
+    assert_int_equal(stk_kv_connect("127.0.0.1", port, 30000, &kv, &err), 0);
     assert_int_equal(stk_kv_set(kv, "good/before", "before", 6, &err), 0);
     return kv;
 }
@@ -403,7 +406,7 @@ static void store_drops_huge_values(void **state)
     assert_int_equal(stk_kv_set(kv, "big", val, big, &err), 0); /* the limit: fine */
     void *v;
     size_t n;
-    assert_int_equal(stk_kv_get(kv, "big", 1000, &v, &n, &err), 0);
+    assert_int_equal(stk_kv_get(kv, "big", 30000, &v, &n, &err), 0);
     assert_int_equal(n, big);
     free(v);
     /* the client refuses to send one byte more, naming the limit */
@@ -460,7 +463,7 @@ static void store_drops_too_many_keys_and_bytes(void **state)
     /* what is there can still be read and replaced */
     void *v;
     size_t n;
-    assert_int_equal(stk_kv_get(kv, "flood/042", 1000, &v, &n, &err), 0);
+    assert_int_equal(stk_kv_get(kv, "flood/042", 30000, &v, &n, &err), 0);
     free(v);
     assert_int_equal(stk_kv_set(kv, "good/before", "before", 6, &err), 0);
     assert_int_equal(stk_kv_set(kv, "good/new", "x", 1, &err), STK_EPEER);
@@ -559,7 +562,7 @@ static void store_bounds_half_sent_requests(void **state)
     size_t hlen = raw_head(head, 1, NULL, 4, 8u << 20); /* announces 8 MiB */
     size_t part = 1536 << 10;
     uint8_t *bytes = calloc(1, part);
-    /* one connection: 1.5 MiB of it is held, and no more than was sent */
+    /* one connection: 1.5 MiB of it is held, not the 8 MiB announced */
     fd[0] = raw_client(port, &lp[0]);
     raw_send(fd[0], head, hlen);
     raw_send(fd[0], bytes, part);
@@ -571,13 +574,17 @@ static void store_bounds_half_sent_requests(void **state)
     expect_dropped(s, &b, fd[0], lp[0], 1, "a request in progress would make",
                    "for this connection, over the limit of 2097152");
     inflight_back_to_zero(s);
-    /* three connections, 1.5 MiB each: two fit in 4 MiB, not three */
+    /* three connections, 1400 KiB each: two fit in 4 MiB, not three. Each
+     * announces one byte more than it sends, which caps what is held for
+     * it at what it sent (+ 1), so that the wait below sees all of it. */
+    part = 1400 << 10;
+    hlen = raw_head(head, 1, NULL, 4, (uint32_t)part + 1);
     for (int i = 0; i < 3; i++) {
         fd[i] = raw_client(port, &lp[i]);
         raw_send(fd[i], head, hlen);
         raw_send(fd[i], bytes, part);
         if (i < 2)
-            holds(s, (size_t)(i + 1) * part);
+            holds(s, (size_t)(i + 1) * (hlen + part));
     }
     expect_dropped(s, &b, fd[2], lp[2], 2, "a request in progress would make",
                    "for all connections, over the limit of 4194304");
