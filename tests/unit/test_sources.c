@@ -508,6 +508,21 @@ static void folder_empty_first_class(void **state)
     stk_source_close(s);
 }
 
+/* A symbolic link back to a folder being walked is refused by name instead
+ * of walking until the path is too long. */
+static void folder_link_loop(void **state)
+{
+    (void)state;
+    const char *d = scratch("folder_loop");
+    png_at(d, "a/1.png", 10);
+    char p[1200], want[2400];
+    snprintf(p, sizeof p, "%s/a/sub", d);
+    assert_int_equal(symlink("..", p), 0);
+    snprintf(want, sizeof want, "%s/a/sub/a: a link back to %s/a (a directory "
+             "loop)", d, d);
+    expect_open_error(d, want);
+}
+
 /* Names that are not UTF-8 are kept byte for byte and sorted by bytes. */
 static void folder_non_utf8_names(void **state)
 {
@@ -583,6 +598,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(zfile_reads_and_refuses),
     cmocka_unit_test(folder_fifo_and_odd_names),
     cmocka_unit_test(folder_empty_first_class),
+    cmocka_unit_test(folder_link_loop),
     cmocka_unit_test(folder_non_utf8_names),
     cmocka_unit_test(cifar_fifo_and_names),
 };
