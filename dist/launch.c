@@ -468,10 +468,11 @@ static void release_watcher(launcher *l)
 
 int stk_launch(const stk_launch_opts *o, int *exit_code, stk_err *err)
 {
-    *exit_code = 1;
+    *exit_code = 2; /* options that cannot work are bad usage */
     int rc = check_opts(o, err);
     if (rc)
         return rc;
+    *exit_code = 1;
     launcher l;
     memset(&l, 0, sizeof l);
     l.o = o;
