@@ -467,19 +467,22 @@ static uint8_t t_pixel(uint64_t i, int j)
 
 static int32_t t_label(uint64_t i) { return (int32_t)((i * 5 + 1) % T_CLS); }
 
-/* The database (train: samples 0..23, test: 24..29) and the model file in
- * dir; returns dir. */
-static const char *tiny_setup(const char *dir, char *db, char *model, size_t n)
+/* A test's scratch directory: the database, the model file and the run. */
+typedef struct tiny {
+    char dir[1024], db[1100], model[1100], out[1100];
+} tiny;
+
+/* Writes the database (train: samples 0..23, test: 24..29) and the model
+ * file into t's paths. */
+static void tiny_write(const tiny *t)
 {
-    snprintf(db, n, "%s/db", dir);
-    snprintf(model, n, "%s/linear.txt", dir);
-    FILE *f = fopen(model, "w");
+    FILE *f = fopen(t->model, "w");
     assert_non_null(f);
     fputs("flatten\nhead: linear classes\n", f);
     fclose(f);
     stk_store *s;
     stk_err err = {0};
-    assert_int_equal(stk_store_create(db, NULL, &s, &err), 0);
+    assert_int_equal(stk_store_create(t->db, NULL, &s, &err), 0);
     static uint64_t counts[2][T_CLS];
     memset(counts, 0, sizeof counts);
     uint8_t rec[STK_RECORD_HEADER + T_PX], px[T_PX];
@@ -504,18 +507,23 @@ static const char *tiny_setup(const char *dir, char *db, char *model, size_t n)
     }
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
-    return dir;
 }
 
-/* Training options for the tiny set: SGD without momentum at a constant
- * 0.1, no warm-up; tests set what they check. */
-static stk_train_opts tiny_opts(const char *db, const char *model, const char *out)
+/* Fills t for the test `name`, writes its data, and returns the options
+ * of a run into t->out: SGD without momentum at a constant 0.1, no
+ * warm-up; tests set what they check. */
+static stk_train_opts tiny_open(const char *name, tiny *t)
 {
+    snprintf(t->dir, sizeof t->dir, "%s", scratch(name));
+    snprintf(t->db, sizeof t->db, "%s/db", t->dir);
+    snprintf(t->model, sizeof t->model, "%s/linear.txt", t->dir);
+    snprintf(t->out, sizeof t->out, "%s/run", t->dir);
+    tiny_write(t);
     stk_train_opts o;
     stk_train_defaults(&o);
-    o.db = db;
-    o.model = model;
-    o.out = out;
+    o.db = t->db;
+    o.model = t->model;
+    o.out = t->out;
     o.threads = 1;
     o.workers = 1;
     o.batch = T_BATCH;
@@ -711,17 +719,12 @@ static ref_run train_and_compare(const stk_train_opts *o)
     return r;
 }
 
-#define TINY(o, name)                                                          \
-    char db_[1100], model_[1100], out_[1100];                                  \
-    const char *dir_ = tiny_setup(scratch(name), db_, model_, sizeof db_);    \
-    snprintf(out_, sizeof out_, "%s/run", dir_);                               \
-    stk_train_opts o = tiny_opts(db_, model_, out_)
-
 /* SGD with momentum, weight decay and 4 warm-up steps (constant after). */
 static void sgd_momentum_decay_warmup_match_reference(void **state)
 {
     (void)state;
-    TINY(o, "sgd");
+    tiny t;
+    stk_train_opts o = tiny_open("sgd", &t);
     o.momentum = 0.9f;
     o.weight_decay = 0.05f;
     o.warmup = 4;
@@ -734,7 +737,8 @@ static void sgd_momentum_decay_warmup_match_reference(void **state)
 static void sgd_nesterov_step_schedule_match_reference(void **state)
 {
     (void)state;
-    TINY(o, "nesterov");
+    tiny t;
+    stk_train_opts o = tiny_open("nesterov", &t);
     o.momentum = 0.8f;
     o.nesterov = true;
     o.epochs = 5;
@@ -751,7 +755,8 @@ static void sgd_nesterov_step_schedule_match_reference(void **state)
 static void adamw_cosine_warmup_match_reference(void **state)
 {
     (void)state;
-    TINY(o, "adamw");
+    tiny t;
+    stk_train_opts o = tiny_open("adamw", &t);
     o.optim = STK_OPT_ADAMW;
     o.lr = 0.05f;
     o.weight_decay = 0.1f;
@@ -765,7 +770,8 @@ static void adamw_cosine_warmup_match_reference(void **state)
 static void clip_scales_to_the_norm_only_above_it(void **state)
 {
     (void)state;
-    TINY(o, "clip");
+    tiny t;
+    stk_train_opts o = tiny_open("clip", &t);
     o.momentum = 0.9f;
     o.clip = 0.05f;
     ref_run r = train_and_compare(&o);
@@ -773,7 +779,9 @@ static void clip_scales_to_the_norm_only_above_it(void **state)
         fail_msg("the test needs every step clipped: smallest norm %g", r.min_norm);
     stk_train_opts wide = o;
     wide.clip = 1000;
-    snprintf(out_, sizeof out_, "%s/wide", dir_);
+    char wide_out[1100];
+    snprintf(wide_out, sizeof wide_out, "%s/wide", t.dir);
+    wide.out = wide_out;
     ref_run rw = train_and_compare(&wide);
     if (!(rw.max_norm < wide.clip))
         fail_msg("the test needs no step clipped: largest norm %g", rw.max_norm);
@@ -850,7 +858,8 @@ static void resume_equals_uninterrupted(stk_train_opts o)
 static void resume_sgd_equals_uninterrupted(void **state)
 {
     (void)state;
-    TINY(o, "resume-sgd");
+    tiny t;
+    stk_train_opts o = tiny_open("resume-sgd", &t);
     o.momentum = 0.9f;
     o.nesterov = true;
     o.weight_decay = 0.01f;
@@ -862,7 +871,8 @@ static void resume_sgd_equals_uninterrupted(void **state)
 static void resume_adamw_equals_uninterrupted(void **state)
 {
     (void)state;
-    TINY(o, "resume-adamw");
+    tiny t;
+    stk_train_opts o = tiny_open("resume-adamw", &t);
     o.optim = STK_OPT_ADAMW;
     o.lr = 0.05f;
     o.weight_decay = 0.1f;
