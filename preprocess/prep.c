@@ -185,7 +185,7 @@ static int pool_init(run *r, stk_err *err)
     int want = r->nthreads;
     r->nthreads = 0; /* none started yet */
     if (!p->slots || !r->threads)
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "out of memory for %d workers", want);
     size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
     for (int i = 0; i < p->nslots; i++) {
         chunk *c = &p->slots[i];
@@ -195,8 +195,10 @@ static int pool_init(run *r, stk_err *err)
         c->why = calloc(CHUNK, sizeof *c->why);
         c->sums = calloc(2 * STK_MAX_CHANNELS, sizeof *c->sums);
         if (!c->recs || !c->ok || !c->file || !c->why || !c->sums)
-            return stk_fail(err, STK_ENOMEM, "out of memory for %d chunks",
-                            p->nslots);
+            return stk_fail(err, STK_ENOMEM,
+                            "out of memory for %d chunks of %d %zu-byte "
+                            "records (fewer --workers need fewer)",
+                            p->nslots, CHUNK, rec);
     }
     int ns = stk_source_nsplits(p->src);
     for (int k = 0; k < ns; k++) {
@@ -207,10 +209,13 @@ static int pool_init(run *r, stk_err *err)
     for (int k = ns + 1; k < 9; k++)
         p->split_first_chunk[k] = UINT64_MAX;
     p->nchunks = p->split_first_chunk[ns];
-    for (; r->nthreads < want; r->nthreads++)
-        if (pthread_create(&r->threads[r->nthreads], NULL, worker_main, p))
-            return stk_fail(err, STK_ENOMEM, "cannot start worker thread %d",
-                            r->nthreads);
+    for (; r->nthreads < want; r->nthreads++) {
+        int e = pthread_create(&r->threads[r->nthreads], NULL, worker_main, p);
+        if (e)
+            return stk_fail(err, STK_ENOMEM,
+                            "cannot start worker thread %d of %d: %s",
+                            r->nthreads + 1, want, strerror(e));
+    }
     return 0;
 }
 
@@ -371,9 +376,10 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
     m->classes = calloc((size_t)m->nclasses + 1, sizeof(char *));
     m->nsplits = stk_source_nsplits(src);
     if (!m->classes)
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", raw_dir);
     for (int c = 0; c < m->nclasses; c++)
-        m->classes[c] = strdup(stk_source_class_name(src, c));
+        if (!(m->classes[c] = strdup(stk_source_class_name(src, c))))
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory", raw_dir);
     size_t plane = (size_t)m->height * m->width;
     for (int k = 0; k < m->nsplits; k++) {
         stk_split_meta *sp = &m->splits[k];
@@ -399,6 +405,9 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
     m->tool = strdup("stoke prep " STK_VERSION);
     m->created = strdup(r->p.opts->created ? r->p.opts->created : "");
     m->skipped_json = cJSON_PrintUnformatted(r->skipped);
+    if (!m->source_path || !m->source_format || !m->tool || !m->created ||
+        !m->skipped_json)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", raw_dir);
     return 0;
 }
 
@@ -449,7 +458,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
         r->stats[k].labels = calloc(
             (size_t)stk_source_nclasses(r->p.src) + 1, sizeof(uint64_t));
         if (!r->stats[k].labels)
-            return stk_fail(err, STK_ENOMEM, "out of memory");
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
     }
     stk_store_opts so = {
         .map_size = o->map_size ? o->map_size
@@ -459,7 +468,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
         .force = o->force,
     };
     if (!(r->skipped = cJSON_CreateObject()))
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
     if ((rc = stk_store_create(db_dir, &so, &r->store, err)) ||
         (rc = pool_init(r, err)) || (rc = write_all(r, err)))
         return rc;
