@@ -52,16 +52,18 @@ PY
 
 # A FIFO named like an image is refused by name, never waited on (timeout:
 # if opening it blocks again, this fails instead of hanging the suite);
-# --skip-bad records it. A file name holding ": " keeps its path and reason
-# apart in the list.
+# --skip-bad records it, and a dangling link. A file name holding ": " keeps
+# its path and reason apart in the list.
 cp -r good fifo && mkfifo fifo/class2/x.png && head -c 300 /dev/urandom > "fifo/class3/a: b.png"
+ln -s /nonexistent/gone.png fifo/class4/gone.png
 expect_fail 1 "fifo/class2/x.png: not a regular file \(a FIFO\)" timeout -k 5 20 "$P" --quiet fifo db; absent db
 out=$(timeout -k 5 20 "$P" --skip-bad fifo db 2>&1) || fail "--skip-bad with a FIFO: $out"
 no_sanitizer_report "prep --skip-bad fifo" "$out"
 meta_py db '
 sk = meta["skipped_files"]["train"]
 want = [{"file": "fifo/class2/x.png", "error": "not a regular file (a FIFO)"},
-        {"file": "fifo/class3/a: b.png", "error": "not a PNG or JPEG file (bad magic bytes)"}]
+        {"file": "fifo/class3/a: b.png", "error": "not a PNG or JPEG file (bad magic bytes)"},
+        {"file": "fifo/class4/gone.png", "error": "No such file or directory"}]
 assert sorted(sk, key=lambda s: s["file"]) == want, sk
 assert meta["splits"]["train"]["count"] == 200, meta["splits"]
 print("ok: --skip-bad listed the FIFO and the name with \": \"")' || fail "--skip-bad FIFO metadata"

@@ -444,8 +444,9 @@ static void zfile_reads_and_refuses(void **state)
 }
 
 /* A FIFO named like an image is listed (so --skip-bad can record it) and
- * refused by name when loaded, without waiting for a writer; a name holding
- * ": " keeps its file and reason apart. */
+ * refused by name when loaded, without waiting for a writer; so is a
+ * dangling link (it once failed the listing: "cannot read directory"); a
+ * name holding ": " keeps its file and reason apart. */
 static void folder_fifo_and_odd_names(void **state)
 {
     (void)state;
@@ -456,12 +457,14 @@ static void folder_fifo_and_odd_names(void **state)
     char p[1200];
     snprintf(p, sizeof p, "%s/a/2.png", d);
     assert_int_equal(mkfifo(p, 0600), 0);
+    snprintf(p, sizeof p, "%s/a/3.png", d);
+    assert_int_equal(symlink("/nonexistent/3.png", p), 0);
     write_file(d, "a/x: y.png", "garbage", 7, 0);
     stk_source_opts o = {.size = 4};
     stk_source *s;
     stk_err err = {0};
     assert_int_equal(stk_source_open(d, &o, &s, &err), 0);
-    assert_int_equal(stk_source_split_count(s, 0), 3);
+    assert_int_equal(stk_source_split_count(s, 0), 4);
     stk_decoder *dec;
     assert_int_equal(stk_decoder_create(&dec, &err), 0);
     uint8_t px[48];
@@ -476,12 +479,17 @@ static void folder_fifo_and_odd_names(void **state)
     assert_string_equal(stk_source_sample_file(s, 0, 1), p);
     assert_string_equal(stk_source_error_reason(s, 0, 1, err.msg),
                         "not a regular file (a FIFO)");
-    /* a/x: y.png, garbage */
+    /* a/3.png, the dangling link */
     assert_int_equal(stk_source_load(s, dec, 0, 2, &label, px, &err),
+                     STK_ENOENT);
+    assert_string_equal(stk_source_error_reason(s, 0, 2, err.msg),
+                        "No such file or directory");
+    /* a/x: y.png, garbage */
+    assert_int_equal(stk_source_load(s, dec, 0, 3, &label, px, &err),
                      STK_EFORMAT);
     snprintf(p, sizeof p, "%s/a/x: y.png", d);
-    assert_string_equal(stk_source_sample_file(s, 0, 2), p);
-    assert_string_equal(stk_source_error_reason(s, 0, 2, err.msg),
+    assert_string_equal(stk_source_sample_file(s, 0, 3), p);
+    assert_string_equal(stk_source_error_reason(s, 0, 3, err.msg),
                         "not a PNG or JPEG file (bad magic bytes)");
     stk_decoder_destroy(dec);
     stk_source_close(s);
