@@ -166,9 +166,9 @@ int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err)
 
 struct stk_zfile {
     int fd;
-    int gz;           /* 1: the content is inflated from the file */
-    int member_end;   /* the last inflate() ended a gzip member */
-    int eof;          /* read() has returned 0 */
+    int gz;         /* 1: the content is inflated from the file */
+    int member_end; /* the last inflate() ended a gzip member */
+    int eof;        /* read() has returned 0 */
     uint64_t disk_size;
     z_stream zs;
     char *path;

@@ -77,8 +77,8 @@ static int check_header(const char *path, const uint8_t *head, size_t got,
                         got, header);
     for (int d = 0; d < ndim; d++)
         dims[d] = be32(head + 4 + 4 * d);
-    if (ndim == 3 && (dims[1] == 0 || dims[2] == 0 || dims[1] > 4096 ||
-                      dims[2] > 4096))
+    if (ndim == 3 &&
+        (dims[1] == 0 || dims[2] == 0 || dims[1] > 4096 || dims[2] > 4096))
         return stk_fail(err, STK_EFORMAT,
                         "%s: bad image size %ux%u (expected 1..4096 a side)",
                         path, dims[1], dims[2]);

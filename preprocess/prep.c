@@ -105,8 +105,8 @@ static void fill_chunk(pool *p, stk_decoder *dec, chunk *c)
             /* the file and the reason apart, for the metadata's list */
             uint64_t i = c->first + (uint64_t)j;
             c->file[j] = stk_source_sample_file(p->src, c->split, i);
-            c->why[j] = strdup(
-                stk_source_error_reason(p->src, c->split, i, e.msg));
+            c->why[j] =
+                strdup(stk_source_error_reason(p->src, c->split, i, e.msg));
         } else {
             c->rc = rc;
             c->err = e;

@@ -101,14 +101,13 @@ void stk_source_shape(const stk_source *s, int *c, int *h, int *w)
     *w = s->size ? s->size : s->native_w;
 }
 
-const char *stk_source_sample_file(const stk_source *s, int split,
-                                   uint64_t i)
+const char *stk_source_sample_file(const stk_source *s, int split, uint64_t i)
 {
     return s->ops->file ? s->ops->file(s, split, i) : s->dir;
 }
 
-const char *stk_source_error_reason(const stk_source *s, int split,
-                                    uint64_t i, const char *msg)
+const char *stk_source_error_reason(const stk_source *s, int split, uint64_t i,
+                                    const char *msg)
 {
     const char *file = stk_source_sample_file(s, split, i);
     size_t n = strlen(file);
