@@ -1,6 +1,7 @@
 /* cli.c - checked flag values for the tools' mains. */
 #include "cli.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,18 @@ int stk_cli_int(const char *tool, const char *flag, const char *s, long lo,
         return bad(tool, flag, want, s);
     }
     *out = (int)v;
+    return 0;
+}
+
+int stk_cli_u64(const char *tool, const char *flag, const char *s,
+                uint64_t *out)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = isdigit((unsigned char)*s) ? strtoull(s, &end, 10) : 0;
+    if (!end || errno || *end)
+        return bad(tool, flag, "a whole number 0..18446744073709551615", s);
+    *out = (uint64_t)v;
     return 0;
 }
 

@@ -6,10 +6,16 @@
 #define STK_CLI_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* A whole number in lo..hi. */
 int stk_cli_int(const char *tool, const char *flag, const char *s, long lo,
                 long hi, int *out);
+
+/* A whole number 0..2^64-1 written in decimal digits only: no sign, no
+ * blanks (strtoull alone would take "-1" as 2^64-1), e.g. a seed. */
+int stk_cli_u64(const char *tool, const char *flag, const char *s,
+                uint64_t *out);
 
 /* A number in [lo, hi]. */
 int stk_cli_float(const char *tool, const char *flag, const char *s,

@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,7 +90,7 @@ static int parse_args(int argc, char **argv, config *c)
         case 'p': rc = stk_cli_int("sweep", "--prefetch", optarg, 1, 1024, &c->prefetch); break;
         case 'c': rc = stk_cli_float("sweep", "--consume-ms", optarg, 0, 1e5, &consume); c->consume_ms = consume; break;
         case 'r': c->raw = optarg; break;
-        case 'S': c->seed = strtoull(optarg, NULL, 10); break;
+        case 'S': rc = stk_cli_u64("sweep", "--seed", optarg, &c->seed); break;
         case 'j': c->json = optarg; break;
         case 'P': c->plot = optarg; break;
         case 'h': fputs(usage, stdout); exit(0);
@@ -324,9 +325,12 @@ int main(int argc, char **argv)
     stk_source *src = NULL;
     int src_split = 0, rc = stk_store_open(c.db, 0, &store, &err);
     const stk_meta *m = rc ? NULL : stk_store_meta(store);
-    if (!rc && stk_meta_split(m, c.split) < 0)
+    bool usage = false; /* a flag the database contradicts: exit 2 */
+    if (!rc && stk_meta_split(m, c.split) < 0) {
+        usage = true;
         rc = stk_fail(&err, STK_ENOENT, "--split: no split \"%s\" in %s",
                       c.split, c.db);
+    }
     if (!rc && c.raw)
         rc = open_raw(&c, m, &src, &src_split, &err);
     if (!rc)
@@ -365,5 +369,5 @@ int main(int argc, char **argv)
         fprintf(stderr, "sweep: error: %s\n", err.msg);
     stk_source_close(src);
     stk_store_close(store);
-    return rc ? 1 : 0;
+    return rc ? (usage ? 2 : 1) : 0;
 }

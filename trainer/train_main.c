@@ -160,7 +160,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case 'o': rc = choose("--optim", optarg, optims, 2, &v); o->optim = (stk_optim)v; break;
         case 'M': rc = num_f("--momentum", optarg, 0, 0.9999, &o->momentum); break;
         case 'w': rc = num_i("--workers", optarg, 0, 64, &o->workers); break;
-        case 's': o->seed = strtoull(optarg, NULL, 10); break;
+        case 's': rc = stk_cli_u64("train", "--seed", optarg, &o->seed); break;
         case 'O': o->out = optarg; break;
         case O_NEST: o->nesterov = true; break;
         case O_WD: rc = num_f("--weight-decay", optarg, 0, 10, &o->weight_decay); break;
@@ -200,6 +200,12 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     }
     if (!rc && (optind != argc || !o->db)) {
         fprintf(stderr, "train: --db DB_DIR is required and takes no other arguments (see train --help)\n");
+        return -1;
+    }
+    /* as PyTorch's SGD: Nesterov's look-ahead is along the momentum */
+    if (!rc && o->nesterov && o->optim == STK_OPT_SGD && o->momentum == 0) {
+        fprintf(stderr, "train: --nesterov needs --momentum above 0 (Nesterov momentum "
+                        "requires a momentum and zero dampening)\n");
         return -1;
     }
     return rc;
