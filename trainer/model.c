@@ -68,61 +68,123 @@ static void add_param(stk_model *m, layer *l, const char *suffix, int ndim,
     *index = m->np++;
 }
 
-static int shape_layer(stk_model *m, layer *l, int *auto_conv, int *auto_fc,
-                       stk_err *err)
+/* Sizes a model may reach: a layer's output over a batch and a parameter
+ * tensor are counted in int (the GEMMs' and shapes' type), and the model's
+ * parameters, each with gradient and optimizer state, in at most 8 GiB per
+ * buffer. Everything is computed in 64 bits and checked against these
+ * before it is stored or allocated. */
+#define MODEL_MAX_VALUES ((int64_t)INT32_MAX)
+
+/* A layer's name for messages: its parameter prefix, or its kind and place. */
+static const char *layer_label(const layer *l, int index, char *buf, size_t n)
+{
+    static const char *const kinds[] = {"conv", "pool", "relu", "dropout",
+                                        "dropout2d", "flatten", "linear"};
+    if (*l->s.name)
+        snprintf(buf, n, "%s", l->s.name);
+    else
+        snprintf(buf, n, "layer %d (%s)", index + 1, kinds[l->s.kind]);
+    return buf;
+}
+
+/* Stores an output shape computed in 64 bits, once it is known to fit:
+ * per sample and over a batch of max_batch, at most MODEL_MAX_VALUES. */
+static int set_output(stk_model *m, layer *l, int index, int64_t oc, int64_t oh,
+                      int64_t ow, stk_err *err)
+{
+    char name[STK_NAME_MAX + 32];
+    /* each factor first, so that their product cannot wrap */
+    bool fits = oc >= 1 && oh >= 1 && ow >= 1 && oh <= MODEL_MAX_VALUES &&
+                ow <= MODEL_MAX_VALUES && oc <= MODEL_MAX_VALUES / oh / ow &&
+                oc * oh * ow <= MODEL_MAX_VALUES / m->max_batch;
+    if (!fits)
+        return stk_fail(err, STK_ERANGE,
+                        "model: %s: its %lldx%lldx%lld output over a batch of %d is "
+                        "more than %lld values",
+                        layer_label(l, index, name, sizeof name), (long long)oc,
+                        (long long)oh, (long long)ow, m->max_batch,
+                        (long long)MODEL_MAX_VALUES);
+    l->oc = (int)oc;
+    l->oh = (int)oh;
+    l->ow = (int)ow;
+    return 0;
+}
+
+/* Adds a layer's weight (dims given in 64 bits) and bias once the weight
+ * and the model's total stay within MODEL_MAX_VALUES. */
+static int add_weights(stk_model *m, layer *l, int index, int ndim,
+                       const int64_t *shape, stk_err *err)
+{
+    char name[STK_NAME_MAX + 32];
+    int64_t count = 1;
+    int dims[4];
+    for (int d = 0; d < ndim; d++) {
+        if (count > MODEL_MAX_VALUES / shape[d])
+            return stk_fail(err, STK_ERANGE,
+                            "model: %s: its weight has more than %lld values",
+                            layer_label(l, index, name, sizeof name),
+                            (long long)MODEL_MAX_VALUES);
+        count *= shape[d];
+        dims[d] = (int)shape[d];
+    }
+    if ((int64_t)m->total + count + shape[0] > MODEL_MAX_VALUES)
+        return stk_fail(err, STK_ERANGE,
+                        "model: %s: brings the model past %lld parameters",
+                        layer_label(l, index, name, sizeof name),
+                        (long long)MODEL_MAX_VALUES);
+    add_param(m, l, "weight", ndim, dims, &l->pw);
+    add_param(m, l, "bias", 1, dims, &l->pb);
+    return 0;
+}
+
+static int shape_layer(stk_model *m, layer *l, int index, int *auto_conv,
+                       int *auto_fc, stk_err *err)
 {
     stk_layer_spec *s = &l->s;
+    int64_t c = l->c, h = l->h, w = l->w, k = s->k, stride = s->stride, pad = s->pad;
     l->pw = l->pb = -1;
-    l->oc = l->c;
-    l->oh = l->h;
-    l->ow = l->w;
     switch (s->kind) {
-    case STK_L_CONV:
+    case STK_L_CONV: {
         ++*auto_conv; /* the n-th conv is convN unless named otherwise */
         if (!*s->name)
             snprintf(s->name, sizeof s->name, "conv%d", *auto_conv);
-        l->oc = s->out;
-        l->oh = (l->h + 2 * s->pad - s->k) / s->stride + 1;
-        l->ow = (l->w + 2 * s->pad - s->k) / s->stride + 1;
-        if (l->h + 2 * s->pad < s->k || l->w + 2 * s->pad < s->k)
+        if (h + 2 * pad < k || w + 2 * pad < k)
             return stk_fail(err, STK_EINVAL,
                             "model: %s: a %dx%d kernel does not fit its "
                             "%dx%dx%d input",
                             s->name, s->k, s->k, l->c, l->h, l->w);
+        int rc = set_output(m, l, index, s->out, (h + 2 * pad - k) / stride + 1,
+                            (w + 2 * pad - k) / stride + 1, err);
+        if (!rc)
+            rc = add_weights(m, l, index, 4, (int64_t[]){s->out, c, k, k}, err);
+        if (rc)
+            return rc;
         l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
                                  s->stride, s->pad, s->pad, l->oh, l->ow};
         l->wino = m->conv != STK_CONV_IM2COL && stk_wino_fits(&l->cs, l->oc);
-        add_param(m, l, "weight", 4, (int[]){s->out, l->c, s->k, s->k}, &l->pw);
-        add_param(m, l, "bias", 1, (int[]){s->out}, &l->pb);
-        break;
+        return 0;
+    }
     case STK_L_POOL:
-        if (l->h < s->k || l->w < s->k)
+        if (h < k || w < k)
             return stk_fail(err, STK_EINVAL,
                             "model: a %dx%d max-pool does not fit its %dx%dx%d "
                             "input",
                             s->k, s->k, l->c, l->h, l->w);
-        l->oh = (l->h - s->k) / s->stride + 1;
-        l->ow = (l->w - s->k) / s->stride + 1;
-        break;
+        return set_output(m, l, index, c, (h - k) / stride + 1, (w - k) / stride + 1,
+                          err);
     case STK_L_FLATTEN:
-        l->oc = l->c * l->h * l->w;
-        l->oh = l->ow = 1;
-        break;
+        return set_output(m, l, index, c * h * w, 1, 1, err);
     case STK_L_LINEAR: {
         ++*auto_fc;
         if (!*s->name)
             snprintf(s->name, sizeof s->name, "fc%d", *auto_fc);
-        int in = l->c * l->h * l->w, out = s->out ? s->out : m->classes;
-        l->oc = out;
-        l->oh = l->ow = 1;
-        add_param(m, l, "weight", 2, (int[]){out, in}, &l->pw);
-        add_param(m, l, "bias", 1, (int[]){out}, &l->pb);
-        break;
+        int64_t out = s->out ? s->out : m->classes;
+        int rc = set_output(m, l, index, out, 1, 1, err);
+        return rc ? rc : add_weights(m, l, index, 2, (int64_t[]){out, c * h * w}, err);
     }
     default:
-        break;
+        return set_output(m, l, index, c, h, w, err);
     }
-    return 0;
 }
 
 /* kaiming_uniform_(a=sqrt(5)) and PyTorch's bias rule both give
@@ -254,6 +316,12 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
     *out = NULL;
     if (spec->n < 1 || max_batch < 1 || nclasses < 1)
         return stk_fail(err, STK_EINVAL, "model: empty model or batch");
+    if (c < 1 || h < 1 || w < 1 || (int64_t)c * h > MODEL_MAX_VALUES ||
+        (int64_t)c * h * w > MODEL_MAX_VALUES / max_batch)
+        return stk_fail(err, STK_ERANGE,
+                        "model: a %dx%dx%d input over a batch of %d is more than "
+                        "%lld values",
+                        c, h, w, max_batch, (long long)MODEL_MAX_VALUES);
     stk_model *m = calloc(1, sizeof *m);
     if (!m)
         return stk_fail(err, STK_ENOMEM, "model: out of memory");
@@ -269,7 +337,7 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         l->c = i ? m->l[i - 1].oc : c;
         l->h = i ? m->l[i - 1].oh : h;
         l->w = i ? m->l[i - 1].ow : w;
-        rc = shape_layer(m, l, &auto_conv, &auto_fc, err);
+        rc = shape_layer(m, l, i, &auto_conv, &auto_fc, err);
     }
     for (int i = 0; i < m->nl; i++)
         fuse_pool(m, i);
@@ -283,14 +351,18 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
                               m->p[i].name);
                 break;
             }
-    for (int i = 0; !rc && i < m->nl; i++) /* GEMM sizes are int */
-        if ((out_size(&m->l[i]) > (size_t)INT32_MAX / (size_t)max_batch) ||
-            (m->l[i].s.kind == STK_L_CONV &&
-             (size_t)m->l[i].cs.c * m->l[i].cs.kh * m->l[i].cs.kw >
-                 (size_t)INT32_MAX / ((size_t)m->l[i].oh * m->l[i].ow * max_batch)))
-            rc = stk_fail(err, STK_EINVAL,
-                          "model: layer %d is too large for a batch of %d", i + 1,
-                          max_batch);
+    for (int i = 0; !rc && i < m->nl; i++) { /* im2col's GEMM sizes are int */
+        const layer *l = &m->l[i];
+        char name[STK_NAME_MAX + 32];
+        if (l->s.kind == STK_L_CONV &&
+            (int64_t)l->cs.c * l->cs.kh * l->cs.kw >
+                MODEL_MAX_VALUES / ((int64_t)l->oh * l->ow * max_batch))
+            rc = stk_fail(err, STK_ERANGE,
+                          "model: %s: its im2col columns over a batch of %d are more "
+                          "than %lld values",
+                          layer_label(l, i, name, sizeof name), max_batch,
+                          (long long)MODEL_MAX_VALUES);
+    }
     const layer *last = &m->l[m->nl - 1];
     if (!rc && out_size(last) != (size_t)nclasses)
         rc = stk_fail(err, STK_EINVAL,

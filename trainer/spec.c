@@ -3,6 +3,7 @@
 #include "trainer.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,41 +73,73 @@ static int parse_kind(const char *w, stk_layer_kind *k)
     return -1;
 }
 
+/* What a model file may ask for (docs/models.md): every number is checked
+ * against these before it sizes anything, so that no value wraps an int. */
+enum {
+    SPEC_MAX_WIDTH = 1 << 20, /* conv channels, linear features */
+    SPEC_MAX_KERNEL = 1024,   /* conv and pool kernel sizes, strides */
+    SPEC_MAX_PAD = 1024,
+};
+
+/* A whole number lo..hi for a layer's field; why says what is wrong with
+ * the token, which field it is for and what that field takes. */
+static int whole(const char *field, const char *tok, const char *val, long lo,
+                 long hi, int *out, char *why, size_t n)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(val, &end, 10);
+    if (end == val || *end || errno || v < lo || v > hi) {
+        snprintf(why, n, "'%s' is %s: %s takes a whole number %ld..%ld", tok,
+                 end == val || *end ? "not a number" : "out of range", field, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
 /* Reads "key=value" or a positional integer/float into the spec; on
- * failure, why says what is wrong with tok. */
+ * failure, why says which field is wrong, what it allows and what it got. */
 static int parse_arg(stk_layer_spec *s, const char *tok, int pos, char *why,
                      size_t n)
 {
-    char *end;
     const char *eq = strchr(tok, '=');
     const char *val = eq ? eq + 1 : tok;
     bool conv = s->kind == STK_L_CONV, pool = s->kind == STK_L_POOL;
+    const char *kind = conv ? "conv" : pool ? "pool" : "linear";
+    char field[32];
     if (eq && !(!strncmp(tok, "stride=", 7) && (conv || pool)) &&
         !(!strncmp(tok, "pad=", 4) && conv)) {
         snprintf(why, n, "'%s' does not apply to this layer", tok);
         return -1;
     }
     if (!strncmp(tok, "stride=", 7))
-        s->stride = (int)strtol(val, &end, 10);
-    else if (!strncmp(tok, "pad=", 4))
-        s->pad = (int)strtol(val, &end, 10);
-    else if (s->kind == STK_L_DROPOUT || s->kind == STK_L_DROPOUT2D)
+        return whole("stride", tok, val, 1, SPEC_MAX_KERNEL, &s->stride, why, n);
+    if (!strncmp(tok, "pad=", 4))
+        return whole("pad", tok, val, 0, SPEC_MAX_PAD, &s->pad, why, n);
+    if ((s->kind == STK_L_DROPOUT || s->kind == STK_L_DROPOUT2D) && pos == 0) {
+        char *end;
         s->p = strtof(val, &end);
-    else if (pool && pos == 0)
-        s->k = s->stride = (int)strtol(val, &end, 10);
-    else if (s->kind == STK_L_LINEAR && pos == 0 && !strcmp(val, "classes"))
-        return (s->out = 0), 0;
-    else if (pos == 0 && (conv || s->kind == STK_L_LINEAR))
-        s->out = (int)strtol(val, &end, 10);
-    else if (pos == 1 && conv)
-        s->k = (int)strtol(val, &end, 10);
-    else {
-        snprintf(why, n, "unexpected '%s'", tok);
+        if (end != val && !*end && s->p >= 0 && s->p < 1)
+            return 0;
+        snprintf(why, n, "'%s' is %s: dropout probability takes a number in [0, 1)",
+                 tok, end == val || *end ? "not a number" : "out of range");
         return -1;
     }
-    if (*end)
-        snprintf(why, n, "'%s' is not a number", tok);
-    return *end ? -1 : 0;
+    if (pool && pos == 0) {
+        int rc = whole("pool size", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why, n);
+        s->stride = s->k;
+        return rc;
+    }
+    if (s->kind == STK_L_LINEAR && pos == 0 && !strcmp(val, "classes"))
+        return (s->out = 0), 0;
+    snprintf(field, sizeof field, "%s %s", kind, conv ? "channels" : "features");
+    if (pos == 0 && (conv || s->kind == STK_L_LINEAR))
+        return whole(field, tok, val, 1, SPEC_MAX_WIDTH, &s->out, why, n);
+    if (pos == 1 && conv)
+        return whole("conv kernel", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why, n);
+    snprintf(why, n, "unexpected '%s'", tok);
+    return -1;
 }
 
 static int parse_line(char *line, stk_layer_spec *s, char *why, size_t n)
@@ -132,15 +165,15 @@ static int parse_line(char *line, stk_layer_spec *s, char *why, size_t n)
     while ((tok = strtok_r(NULL, " \t", &save)))
         if (parse_arg(s, tok, pos++, why, n))
             return -1;
-    snprintf(why, n, "a missing or out-of-range value");
-    if (s->kind == STK_L_CONV && (s->out < 1 || s->k < 1))
+    if (s->kind == STK_L_CONV && (s->out < 1 || s->k < 1)) {
+        snprintf(why, n, "conv needs a channel count and a kernel size (conv C K)");
         return -1;
-    if (s->kind == STK_L_POOL && s->k < 1)
+    }
+    if (s->kind == STK_L_POOL && s->k < 1) {
+        snprintf(why, n, "pool needs a kernel size (pool K)");
         return -1;
-    if ((s->kind == STK_L_DROPOUT || s->kind == STK_L_DROPOUT2D) &&
-        !(s->p >= 0 && s->p < 1))
-        return -1;
-    return s->stride < 1 || s->pad < 0 || s->out < 0 ? -1 : 0;
+    }
+    return 0;
 }
 
 int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
