@@ -62,6 +62,7 @@ struct stk_loader {
     stk_sampler sampler;
     uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
     size_t sample_bytes;
+    int nclasses;       /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
     pthread_cond_t ready, freed;
@@ -100,6 +101,14 @@ static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
     int rc = stk_view_get(ctx, index, &r, err);
     if (rc)
         return rc;
+    /* a label beyond the classes is named here, where its key is known,
+     * not later as a row of some batch */
+    if (r.label < 0 || r.label >= l->nclasses)
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu: label %d is not one of the "
+                        "database's %d classes (0..%d)",
+                        l->split, (unsigned long long)index, (int)r.label,
+                        l->nclasses, l->nclasses - 1);
     memcpy(dst, r.data, l->sample_bytes);
     *label = r.label;
     return 0;
@@ -332,7 +341,10 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
     l->shard_len = stk_sampler_len(&l->sampler);
     uint64_t b = (uint64_t)l->o.batch_size;
     l->nbatches = l->o.drop_last ? l->shard_len / b : (l->shard_len + b - 1) / b;
-    if (!l->nbatches)
+    /* an uneven shard may be empty where the split has fewer samples than
+     * ranks: the others evaluate them all, and this rank's epochs end at
+     * once; anywhere else a rank without a batch is an error */
+    if (!l->nbatches && !(l->o.uneven && n > 0))
         return stk_fail(err, STK_EINVAL,
                         "split \"%s\": rank %d gets %llu of %llu samples, not "
                         "one batch of %d",
@@ -345,6 +357,8 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
     l->started = true;
     if (!l->t_open)
         l->t_open = stk_now();
+    if (!l->nbatches)
+        return 0; /* nothing to load: no ring, no workers */
     int rc = alloc_ring(l, err);
     return rc ? rc : start_workers(l, err);
 }
@@ -389,6 +403,7 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     l->ops = &store_ops;
     l->store = store;
     l->sample_bytes = stk_meta_sample_bytes(stk_store_meta(store));
+    l->nclasses = stk_store_meta(store)->nclasses;
     l->t_open = stk_now(); /* indexing the split counts toward first batch */
     /* the view checks that the split exists and knows its size */
     if ((rc = stk_view_open(store, l->split, &l->view, err))) {
@@ -480,6 +495,10 @@ int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
         pthread_mutex_unlock(&l->mu);
         return rc;
     }
+    if (!l->nbatches) { /* an empty shard: every epoch ends at once */
+        pthread_mutex_unlock(&l->mu);
+        return 0;
+    }
     uint64_t abs = l->first_abs + l->take_seq;
     if (abs % l->nbatches == 0 && l->take_seq > 0 && !l->ended) {
         l->ended = true; /* report the epoch boundary once */
@@ -520,6 +539,8 @@ uint64_t stk_loader_batches(const stk_loader *l) { return l->nbatches; }
 
 stk_loader_pos stk_loader_position(const stk_loader *l)
 {
+    if (!l->nbatches)
+        return (stk_loader_pos){l->o.start_epoch, 0};
     pthread_mutex_lock((pthread_mutex_t *)&l->mu);
     uint64_t abs = l->first_abs + l->take_seq;
     pthread_mutex_unlock((pthread_mutex_t *)&l->mu);

@@ -35,7 +35,8 @@ typedef struct stk_sampler {
     bool shuffle;
     bool drop_last;       /* trim to equal shards instead of padding */
     bool uneven;          /* no padding, no trimming: shards differ by <= 1
-                             (evaluation: every sample exactly once) */
+                             (evaluation: every sample exactly once); with
+                             fewer samples than ranks, some shards are empty */
 } stk_sampler;
 
 /* Samples in this rank's shard per epoch. */
@@ -65,7 +66,8 @@ typedef struct stk_loader_opts {
     bool shuffle;
     uint64_t seed;
     bool drop_last;       /* sampler trims and the last short batch is dropped */
-    bool uneven;          /* see stk_sampler */
+    bool uneven;          /* see stk_sampler; an empty shard is no error:
+                             each stk_loader_next returns 0 (an epoch ended) */
     int rank, world;      /* world 0 means 1 */
     uint64_t start_epoch; /* resume position (see stk_loader_position) */
     uint64_t start_batch;
