@@ -11,9 +11,12 @@
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define MAX_TENSORS (2 * STK_MAX_LAYERS)
 
@@ -65,6 +68,27 @@ static int save_params(run_state *r, const float *dev, const char *suffix,
     return rc;
 }
 
+/* Writes a small text file atomically: PATH.tmp (created anew, so that
+ * nothing planted under that name, a FIFO say, is opened), fsync, rename. */
+static int write_small(const char *path, const char *text, stk_err *err)
+{
+    char tmp[4300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    unlink(tmp);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    size_t len = strlen(text);
+    bool ok = fd >= 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
+    int e = errno;
+    if (fd >= 0 && close(fd) != 0 && ok)
+        ok = false, e = errno;
+    if (ok && rename(tmp, path) != 0)
+        ok = false, e = errno;
+    if (ok)
+        return 0;
+    unlink(tmp);
+    return stk_fail(err, stk_from_errno(e), "%s: cannot write: %s", path, strerror(e));
+}
+
 static int write_state(run_state *r, const char *path, stk_err *err)
 {
     const stk_train_opts *o = r->o;
@@ -82,15 +106,18 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     cJSON_AddNumberToObject(s, "batch", o->batch);
     cJSON_AddNumberToObject(s, "lr", o->lr);
     cJSON_AddNumberToObject(s, "epochs", o->epochs);
+    cJSON_AddNumberToObject(s, "accum", o->accum);
+    if (r->epoch_steps_known) {
+        cJSON *es = cJSON_AddArrayToObject(s, "epoch_steps");
+        for (uint64_t e = 0; e < r->pos_epoch; e++)
+            cJSON_AddItemToArray(es, cJSON_CreateNumber((double)r->epoch_steps[e]));
+    }
     char *text = cJSON_Print(s);
     cJSON_Delete(s);
-    FILE *f = fopen(path, "w");
-    int ok = f && text && fputs(text, f) >= 0 && fflush(f) == 0 &&
-             fsync(fileno(f)) == 0;
-    if (f && fclose(f) != 0)
-        ok = 0;
+    int rc = text ? write_small(path, text, err)
+                  : stk_fail(err, STK_ENOMEM, "%s: out of memory", path);
     free(text);
-    return ok ? 0 : stk_fail(err, STK_EIO, "%s: cannot write: %s", path, strerror(errno));
+    return rc;
 }
 
 /* Removes step directories beyond the newest `keep`, sparing the best. */
@@ -125,6 +152,28 @@ static void prune(const char *dir, int keep, const char *best,
     }
 }
 
+/* The step directory RUN_DIR/checkpoints/BEST names ("" when there is no
+ * BEST yet); anything there but a regular file is an error. */
+static int read_best(const char *run, char *name, size_t n, stk_err *err)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/checkpoints/BEST", run);
+    *name = '\0';
+    stk_err e = {0};
+    FILE *f = stk_fopen_regular(path, &e);
+    if (!f) {
+        if (e.code == STK_ENOENT)
+            return 0;
+        if (err)
+            *err = e;
+        return e.code;
+    }
+    if (fgets(name, (int)n, f))
+        name[strcspn(name, "\n")] = '\0';
+    fclose(f);
+    return 0;
+}
+
 int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
 {
     char dir[4096], tmp[4096], path[4200], name[32];
@@ -155,33 +204,30 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     if (!rc)
         rc = stk_fsync_dir(path, err);
     if (!rc && is_best) {
-        char best[4200];
+        char best[4200], line[64];
         snprintf(best, sizeof best, "%s/best.safetensors", r->o->out);
         rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best, err);
-        char tmpb[4300];
         snprintf(best, sizeof best, "%s/checkpoints/BEST", r->o->out);
-        snprintf(tmpb, sizeof tmpb, "%s.tmp", best);
-        FILE *f = rc ? NULL : fopen(tmpb, "w");
-        if (!rc && (!f || fprintf(f, "%s\n", name) < 0 || fflush(f) ||
-                    fsync(fileno(f)) || fclose(f) || (f = NULL, rename(tmpb, best))))
-            rc = stk_fail(err, STK_EIO, "%s: cannot write: %s", best, strerror(errno));
-        if (f)
-            fclose(f);
+        snprintf(line, sizeof line, "%s\n", name);
+        if (!rc)
+            rc = write_small(best, line, err);
     }
     if (rc) {
         stk_remove_flat_dir(tmp, NULL);
         return rc;
     }
-    char best_name[64] = "";
-    snprintf(path, sizeof path, "%s/checkpoints/BEST", r->o->out);
-    FILE *f = fopen(path, "r");
-    if (f && fgets(best_name, sizeof best_name, f))
-        best_name[strcspn(best_name, "\n")] = '\0';
-    if (f)
-        fclose(f);
+    char best_name[64];
+    if ((rc = read_best(r->o->out, best_name, sizeof best_name, err)))
+        return rc; /* prune nothing while the best is unknown */
     snprintf(path, sizeof path, "%s/checkpoints", r->o->out);
     prune(path, r->o->keep > 0 ? r->o->keep : 1, best_name, name);
     return 0;
+}
+
+int stk_checkpoint_check_dir(run_state *r, stk_err *err)
+{
+    char best_name[64];
+    return read_best(r->o->out, best_name, sizeof best_name, err);
 }
 
 /* ---- loading -------------------------------------------------------------- */
@@ -217,8 +263,11 @@ static void newest(const char *run, char *out, size_t n)
     DIR *d = opendir(dir);
     char best[300] = "";
     struct dirent *de;
+    struct stat st; /* lstat: a FIFO or link named step-N is no checkpoint */
     while (d && (de = readdir(d)))
-        if (!strncmp(de->d_name, "step-", 5) && strcmp(de->d_name, best) > 0)
+        if (!strncmp(de->d_name, "step-", 5) && strcmp(de->d_name, best) > 0 &&
+            fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+            S_ISDIR(st.st_mode))
             snprintf(best, sizeof best, "%s", de->d_name);
     if (d)
         closedir(d);
@@ -232,11 +281,8 @@ static void newest(const char *run, char *out, size_t n)
  * written by another number of ranks, the batch where this world has
  * trained the same number of samples of the epoch (rounded down to a whole
  * step). */
-static uint64_t resume_batch(run_state *r, uint64_t batch, const cJSON *world)
+static uint64_t resume_batch(run_state *r, uint64_t batch, uint64_t was)
 {
-    uint64_t was = cJSON_IsNumber(world) && world->valuedouble >= 1
-                       ? (uint64_t)world->valuedouble
-                       : 1;
     uint64_t now = (uint64_t)r->rank.world, accum = (uint64_t)r->o->accum;
     if (was == now) /* a step starts at a multiple of --accum, whatever the
                        checkpoint's run used */
@@ -254,6 +300,131 @@ static uint64_t resume_batch(run_state *r, uint64_t batch, const cJSON *world)
     return at;
 }
 
+/* The whole number obj[key] of state.json, in lo..hi; a message names the
+ * file, the field and (why) what bounds it. */
+static int state_num(const char *path, const cJSON *obj, const char *key,
+                     const char *field, double lo, double hi, const char *why,
+                     uint64_t *out, stk_err *err)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsNumber(v))
+        return stk_fail(err, STK_EFORMAT, "%s: %s is missing or not a number", path,
+                        field);
+    double d = v->valuedouble;
+    if (!(d >= lo && d <= hi) || d != floor(d))
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: %s is %.17g, expected a whole number %.0f..%.0f%s", path,
+                        field, d, lo, hi, why);
+    *out = (uint64_t)d;
+    return 0;
+}
+
+/* What state.json says about the run so far, each field checked against
+ * this run (its --batch, --seed, --optim, --epochs and the train split). */
+typedef struct saved_state {
+    uint64_t epoch, loader_epoch, batch, world, step, accum, size;
+    double best_acc;
+} saved_state;
+
+/* state.json's epoch_steps (older checkpoints lack it): one entry per
+ * finished epoch, each 1..most, adding up with the steps of the current
+ * epoch to step. Copied to r->epoch_steps for the checkpoints to come. */
+static int check_epoch_steps(run_state *r, const char *path, const cJSON *s,
+                             const saved_state *v, uint64_t most, uint64_t in_epoch,
+                             stk_err *err)
+{
+    const cJSON *es = cJSON_GetObjectItemCaseSensitive(s, "epoch_steps");
+    r->epoch_steps_known = es != NULL;
+    if (!es)
+        return 0;
+    if (!cJSON_IsArray(es) || (uint64_t)cJSON_GetArraySize(es) != v->epoch)
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: epoch_steps is not a list of %llu entries (one per "
+                        "finished epoch)",
+                        path, (unsigned long long)v->epoch);
+    uint64_t sum = in_epoch;
+    char field[48];
+    for (uint64_t e = 0; e < v->epoch; e++) {
+        snprintf(field, sizeof field, "epoch_steps[%llu]", (unsigned long long)e);
+        const cJSON *item = cJSON_GetArrayItem(es, (int)e);
+        if (!cJSON_IsNumber(item) || item->valuedouble < 1 ||
+            item->valuedouble > (double)most || item->valuedouble != floor(item->valuedouble))
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: %s is not a whole number 1..%llu (the steps an epoch "
+                            "can take)",
+                            path, field, (unsigned long long)most);
+        r->epoch_steps[e] = (uint64_t)item->valuedouble;
+        sum += r->epoch_steps[e];
+    }
+    if (sum != v->step)
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: step is %llu, but epoch_steps and loader.batch add up to "
+                        "%llu",
+                        path, (unsigned long long)v->step, (unsigned long long)sum);
+    return 0;
+}
+
+static int check_state(run_state *r, const char *path, const cJSON *s,
+                       saved_state *v, stk_err *err)
+{
+    const stk_train_opts *o = r->o;
+    const stk_meta *m = stk_store_meta(r->store);
+    uint64_t n = m->splits[stk_meta_split(m, "train")].count, b = (uint64_t)o->batch;
+    const cJSON *pos = cJSON_GetObjectItemCaseSensitive(s, "loader");
+    const cJSON *opt = cJSON_GetObjectItemCaseSensitive(s, "optim");
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(s, "seed");
+    const cJSON *best = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
+    const char *want = o->optim == STK_OPT_SGD ? "sgd" : "adamw";
+    char why[96];
+    if (!cJSON_IsObject(s))
+        return stk_fail(err, STK_EFORMAT, "%s: not a JSON object", path);
+    if (!cJSON_IsString(opt) || strcmp(opt->valuestring, want))
+        return stk_fail(err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
+                        path, cJSON_IsString(opt) ? opt->valuestring : "(none)", want);
+    int rc = state_num(path, s, "batch", "batch", (double)b, (double)b,
+                       " (this run's --batch: the position counts its batches)",
+                       &v->size, err);
+    if (!rc && !(cJSON_IsNumber(seed) && seed->valuedouble == (double)o->seed))
+        rc = stk_fail(err, STK_EINVAL,
+                      "%s: seed is not this run's --seed %llu (the data order and "
+                      "dropout derive from it: resume with the same --seed)",
+                      path, (unsigned long long)o->seed);
+    snprintf(why, sizeof why, " (this run's --epochs %d)", o->epochs);
+    if (!rc)
+        rc = state_num(path, s, "epoch", "epoch", 0, o->epochs, why, &v->epoch, err);
+    if (!rc)
+        rc = state_num(path, pos, "epoch", "loader.epoch", (double)v->epoch,
+                       (double)v->epoch, " (the same as epoch)", &v->loader_epoch, err);
+    if (!rc)
+        rc = state_num(path, pos, "world", "loader.world", 1, 1 << 20, "", &v->world,
+                       err);
+    /* a position within the epoch, as that many ranks split it; a finished
+     * run's is the start of the epoch after its last */
+    uint64_t batches = ((n + v->world - 1) / v->world + b - 1) / b;
+    bool done = v->epoch == (uint64_t)o->epochs;
+    snprintf(why, sizeof why, " (%s)",
+             done ? "all epochs are done" : "the batches of an epoch for loader.world ranks");
+    if (!rc)
+        rc = state_num(path, pos, "batch", "loader.batch", 0,
+                       done ? 0 : (double)batches - 1, why, &v->batch, err);
+    v->accum = (uint64_t)o->accum; /* older checkpoints do not record it */
+    if (!rc && cJSON_GetObjectItemCaseSensitive(s, "accum"))
+        rc = state_num(path, s, "accum", "accum", 1, 1 << 16, "", &v->accum, err);
+    /* every finished epoch took at least one step and at most one per
+     * batch of a single rank; this one as many as its position says */
+    uint64_t in_epoch = (v->batch + v->accum - 1) / v->accum, most = (n + b - 1) / b;
+    if (!rc)
+        rc = state_num(path, s, "step", "step", (double)(v->epoch + in_epoch),
+                       (double)v->epoch * (double)most + (double)in_epoch,
+                       " (the steps that epoch and loader.batch allow)", &v->step, err);
+    if (!rc)
+        rc = check_epoch_steps(r, path, s, v, most, in_epoch, err);
+    v->best_acc = cJSON_IsNumber(best) ? best->valuedouble : 0;
+    if (!rc && best && !(cJSON_IsNumber(best) && v->best_acc >= 0 && v->best_acc <= 1))
+        rc = stk_fail(err, STK_EFORMAT, "%s: best_acc is not an accuracy in [0, 1]", path);
+    return rc;
+}
+
 static int read_state(run_state *r, const char *dir, stk_err *err)
 {
     char path[4200];
@@ -265,29 +436,14 @@ static int read_state(run_state *r, const char *dir, stk_err *err)
         return rc;
     cJSON *s = cJSON_ParseWithLength((const char *)text, len);
     free(text);
-    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(s, "epoch");
-    const cJSON *st = cJSON_GetObjectItemCaseSensitive(s, "step");
-    const cJSON *opt = cJSON_GetObjectItemCaseSensitive(s, "optim");
-    const cJSON *pos = cJSON_GetObjectItemCaseSensitive(s, "loader");
-    const cJSON *pb = cJSON_GetObjectItemCaseSensitive(pos, "batch");
-    const char *want = r->o->optim == STK_OPT_SGD ? "sgd" : "adamw";
-    if (!cJSON_IsNumber(ep) || !cJSON_IsNumber(st) || !cJSON_IsString(opt) ||
-        !cJSON_IsNumber(pb))
-        rc = stk_fail(err, STK_EFORMAT, "%s: missing epoch, step, optim or loader", path);
-    else if (strcmp(opt->valuestring, want))
-        rc = stk_fail(err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
-                      path, opt->valuestring, want);
-    const cJSON *pe = cJSON_GetObjectItemCaseSensitive(pos, "epoch");
-    if (!rc && (!cJSON_IsNumber(pe) || pe->valuedouble < 0 || st->valuedouble < 0 ||
-                pb->valuedouble < 0))
-        rc = stk_fail(err, STK_EFORMAT, "%s: negative or missing loader position", path);
+    saved_state v;
+    rc = check_state(r, path, s, &v, err);
     if (!rc) {
-        r->epoch = pe->valueint;
-        r->step = (uint64_t)st->valuedouble;
-        r->start_batch = resume_batch(r, (uint64_t)pb->valuedouble,
-                                      cJSON_GetObjectItemCaseSensitive(pos, "world"));
-        const cJSON *b = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
-        r->best_acc = cJSON_IsNumber(b) ? b->valuedouble : 0;
+        r->epoch = (int)v.epoch;
+        r->step = v.step;
+        r->epoch_first_step = v.step - (v.batch + v.accum - 1) / v.accum;
+        r->start_batch = resume_batch(r, v.batch, v.world);
+        r->best_acc = v.best_acc;
     }
     cJSON_Delete(s);
     return rc;

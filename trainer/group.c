@@ -94,6 +94,24 @@ int group_sum(run_state *r, float *v, int n, stk_err *err)
     return rc ? rc : stk_sync(r->be, err);
 }
 
+int group_agree(run_state *r, int rc, stk_err *err)
+{
+    if (r->rank.world == 1)
+        return rc;
+    /* how many ranks failed, and whether rank 0 is one of them */
+    float v[2] = {rc ? 1.0f : 0.0f, rc && r->rank.rank == 0 ? 1.0f : 0.0f};
+    stk_err mine;
+    int sum = group_sum(r, v, 2, rc ? &mine : err);
+    if (rc || sum)
+        return rc ? rc : sum;
+    if (v[1] > 0)
+        return stk_fail(err, STK_EPEER, "rank 0 could not start (its message says why)");
+    if (v[0] > 0)
+        return stk_fail(err, STK_EPEER, "%.0f other rank(s) could not start (their "
+                        "messages say why)", v[0]);
+    return 0;
+}
+
 /* Where rank 0 starts (fresh or resumed), for every rank. */
 typedef struct start_pos {
     uint64_t step, start_batch;

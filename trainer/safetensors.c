@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,7 +59,10 @@ int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
     size_t hl = strlen(json), padded = (hl + 7) / 8 * 8;
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    /* created anew: whatever was left under that name (a FIFO would
+     * block the open) is never written through */
+    unlink(tmp);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     int rc = fd < 0 ? -1 : 0;
     uint8_t len[8];
     for (int b = 0; b < 8; b++)
@@ -131,6 +135,14 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
         return stk_fail(err, STK_EFORMAT, "%s: \"%s\" has a bad byte range",
                         path, t->name);
     memcpy(t->data, data + (size_t)b, t->count * sizeof(float));
+    /* a NaN or infinity would spread through every later step and into
+     * every checkpoint written after it */
+    for (size_t i = 0; i < t->count; i++)
+        if (!isfinite(t->data[i]))
+            return stk_fail(err, STK_ERANGE,
+                            "%s: \"%s\" holds %s at element %zu (weights and "
+                            "optimizer state must be finite)",
+                            path, t->name, isnan(t->data[i]) ? "NaN" : "an infinity", i);
     return 0;
 }
 

@@ -7,11 +7,13 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -491,6 +493,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         res->epochs_done = r->epoch + 1;
         if (ta > r->best_acc)
             r->best_acc = ta;
+        r->epoch_steps[r->epoch] = r->step - r->epoch_first_step;
+        r->epoch_first_step = r->step;
         rc = save(r, ta >= r->best_acc, err);
         if (stopped) { /* at an epoch boundary: evaluated and saved */
             res->stopped = true;
@@ -631,11 +635,73 @@ static int check_fresh(const char *ckdir, const char *out, stk_err *err)
                 : 0;
 }
 
+/* Opens path for writing with flags, O_NONBLOCK added so that a FIFO
+ * planted there cannot block the open (for a write-only open of a FIFO
+ * without a reader it fails with ENXIO), and keeps it only when it is a
+ * regular file; stk_open_regular phrases the refusal of anything else. */
+static int open_regular_rw(const char *path, int flags, stk_err *err)
+{
+    struct stat st;
+    int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0644);
+    if (fd < 0 && errno != ENXIO)
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+    int fl = fd < 0 ? -1 : fcntl(fd, F_GETFL);
+    if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && fl >= 0 &&
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0)
+        return fd;
+    if (fd >= 0)
+        close(fd);
+    int again = stk_open_regular(path, &st, err); /* names what path is */
+    if (again < 0)
+        return again;
+    close(again); /* replaced by a regular file meanwhile: still refused */
+    return stk_fail(err, STK_EIO, "%s: changed while it was opened", path);
+}
+
+/* One run at a time in RUN_DIR: an exclusive flock on RUN_DIR/.lock, held
+ * for the life of the run (the kernel drops it when the process ends, even
+ * by kill -9, so a crash never blocks the next run). The holder writes its
+ * pid there, for the message of a run it turns away. */
+static int lock_run_dir(run_state *r, const char *dir, stk_err *err)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/.lock", dir);
+    int fd = open_regular_rw(path, O_RDWR | O_CREAT, err);
+    if (fd < 0)
+        return fd;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char pid[24] = "";
+        ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
+        close(fd);
+        pid[n > 0 ? n : 0] = '\0';
+        pid[strspn(pid, "0123456789")] = '\0';
+        if (e != EWOULDBLOCK)
+            return stk_fail(err, stk_from_errno(e), "%s: cannot lock: %s", path,
+                            strerror(e));
+        return stk_fail(err, STK_EEXIST,
+                        "--out %s is in use by another train (pid %s); two runs never "
+                        "share a RUN_DIR: wait for it to end or choose another --out",
+                        dir, *pid ? pid : "unknown");
+    }
+    char line[32];
+    int len = snprintf(line, sizeof line, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len) {
+        int e = errno;
+        close(fd);
+        return stk_fail(err, stk_from_errno(e), "%s: %s", path, strerror(e));
+    }
+    r->lock_fd = fd;
+    return 0;
+}
+
 static int open_run_dir(run_state *r, stk_err *err)
 {
     char path[4096];
     const char *dir = r->o->out;
     int rc = make_dirs(dir, err);
+    if (!rc)
+        rc = lock_run_dir(r, dir, err); /* before anything in it is read */
     if (rc)
         return rc;
     snprintf(path, sizeof path, "%s/checkpoints", dir);
@@ -643,9 +709,16 @@ static int open_run_dir(run_state *r, stk_err *err)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
     if (!r->o->resume && (rc = check_fresh(path, dir, err)))
         return rc;
+    if ((rc = stk_checkpoint_check_dir(r, err)))
+        return rc;
     snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
-    if (!(r->metrics = fopen(path, "a")))
+    int fd = open_regular_rw(path, O_WRONLY | O_APPEND | O_CREAT, err);
+    if (fd < 0)
+        return fd;
+    if (!(r->metrics = fdopen(fd, "a"))) {
+        close(fd);
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+    }
     return 0;
 }
 
@@ -655,19 +728,24 @@ static int setup(run_state *r, stk_err *err)
     r->key = (stk_philox_key){(uint32_t)o->seed, (uint32_t)(o->seed >> 32) ^ 0x5bd1e995u};
     /* the backend first: on a GPU it selects the rank's device before any
      * other CUDA call */
+    r->epoch_steps = calloc((size_t)o->epochs, sizeof *r->epoch_steps);
+    r->epoch_steps_known = true;
+    if (!r->epoch_steps)
+        return stk_fail(err, STK_ENOMEM, "out of memory");
     int rc = stk_backend_create(o->device, o->device_id, o->threads, &r->be, err);
     if (!rc)
         rc = group_open(r, err);
-    if (!rc)
-        rc = load_spec(r, err);
-    if (!rc)
-        rc = setup_data(r, err);
     if (rc)
         return rc;
-    const stk_meta *m = stk_store_meta(r->store);
-    r->host = (stk_host_alloc){pinned_alloc, pinned_free, r->be};
-    rc = stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
-                          m->nclasses, o->batch, o->seed, &r->model, err);
+    rc = load_spec(r, err);
+    if (!rc)
+        rc = setup_data(r, err);
+    if (!rc) {
+        const stk_meta *m = stk_store_meta(r->store);
+        r->host = (stk_host_alloc){pinned_alloc, pinned_free, r->be};
+        rc = stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
+                              m->nclasses, o->batch, o->seed, &r->model, err);
+    }
     if (!rc)
         rc = setup_buffers(r, err);
     bool lead = r->rank.rank == 0; /* rank 0 owns RUN_DIR; the rest follow it */
@@ -677,6 +755,7 @@ static int setup(run_state *r, stk_err *err)
         rc = stk_checkpoint_load_weights(r, o->init_from, err);
     if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
+    rc = group_agree(r, rc, err); /* a rank that failed ends them all now */
     if (!rc)
         rc = group_share_start(r, err);
     if (!rc)
@@ -689,6 +768,8 @@ static void teardown(run_state *r)
     group_close(r);
     if (r->metrics)
         fclose(r->metrics);
+    if (r->lock_fd >= 0)
+        close(r->lock_fd); /* the last: RUN_DIR is free once all is written */
     if (r->be) {
         stk_dev_free(r->be, r->x_f);
         stk_dev_free(r->be, r->x_u8);
@@ -698,6 +779,7 @@ static void teardown(run_state *r)
         stk_dev_free(r->be, r->state2);
     }
     free(r->host_logits);
+    free(r->epoch_steps);
     stk_model_destroy(r->model);
     stk_store_close(r->store);
     stk_backend_destroy(r->be);
@@ -728,6 +810,7 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     r.o = o;
+    r.lock_fd = -1;
     if (in->rank) {
         r.rank = *in->rank;
     } else {

@@ -32,6 +32,7 @@ typedef struct run_state {
     float lr;
     double train_loss, train_acc, best_acc;
     FILE *metrics;
+    int lock_fd;             /* rank 0: the flock on RUN_DIR/.lock, or -1 */
     int tty;
     /* data parallelism (group.c) */
     stk_rank_info rank;
@@ -44,6 +45,12 @@ typedef struct run_state {
     uint64_t shard;          /* training samples per rank per epoch */
     uint64_t batches;        /* and batches */
     int saved_world;         /* world size of the resumed checkpoint */
+    /* rank 0: the steps each finished epoch took (o->epochs entries; known
+     * unless resumed from a checkpoint that did not record them), and the
+     * step at which the current epoch began; state.json keeps them so
+     * that a resume can check its step against them */
+    uint64_t *epoch_steps, epoch_first_step;
+    bool epoch_steps_known;
     bool stopped;            /* the ranks agreed to stop (a signal) */
 } run_state;
 
@@ -65,6 +72,10 @@ void group_grads_ready(int param, void *arg);
 int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err);
 /* Sums n host floats over the ranks, in place. */
 int group_sum(run_state *r, float *v, int n, stk_err *err);
+/* Every rank passes its setup's rc: each returns its own error, or an
+ * error naming the ranks that failed when it did not, so that no rank
+ * waits out --timeout for one that has already given up. */
+int group_agree(run_state *r, int rc, stk_err *err);
 
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch);
@@ -78,6 +89,10 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err);
 /* Restores weights, optimizer state and position from a checkpoint
  * directory ("auto": the newest in RUN_DIR/checkpoints). */
 int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err);
+
+/* Checks what RUN_DIR/checkpoints holds besides step directories (BEST)
+ * is what a run wrote there: a regular file. */
+int stk_checkpoint_check_dir(run_state *r, stk_err *err);
 
 /* Loads weights only (--init-from). */
 int stk_checkpoint_load_weights(run_state *r, const char *path, stk_err *err);
