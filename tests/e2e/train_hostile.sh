@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# train and sweep against hostile input (issue 13): a FIFO wherever they
+# read a file, two runs into one --out, model-file numbers that overflowed,
+# NaN and infinite weights on resume, a doctored state.json, bad seeds and
+# Nesterov without momentum, and more ranks than test samples. Every
+# refusal has its documented exit code and message, and leaves the run
+# directory as it was; anything that could block is bounded by a timeout.
+source "$STK_SRC/tests/e2e/lib.sh"
+T="$STK_BIN/train"
+S="$STK_BIN/sweep"
+# SIGTERM alone would only ask train to stop at a step boundary
+t() { timeout -k 5 30 "$@"; }
+
+# a tiny database: the first 512 training and 2 test samples of Fashion-MNIST
+$PY - <<'PY'
+import gzip, os
+os.makedirs("tinyraw")
+for split, n in (("train", 512), ("t10k", 2)):
+    for kind, per in (("images-idx3", 28 * 28), ("labels-idx1", 1)):
+        data = gzip.open(f"/usr/share/datasets/fashion-mnist/{split}-{kind}-ubyte.gz").read()
+        head = bytearray(data[:4 + 4 * data[3]])
+        head[4:8] = n.to_bytes(4, "big")
+        open(f"tinyraw/{split}-{kind}-ubyte", "wb").write(bytes(head) + data[len(head):len(head) + n * per])
+PY
+"$STK_BIN/prep" --quiet tinyraw db >/dev/null
+c=(--db db --model mlp --optim sgd --batch 64 --workers 1 --quiet)
+"$T" "${c[@]}" --epochs 1 --out base >/dev/null
+ck=checkpoints/step-00000008
+[ -f base/$ck/model.safetensors ] || fail "no base checkpoint"
+# fresh copy of the base run: the checkpoint of 1 epoch (8 steps)
+run() { rm -rf "$1" && cp -r base "$1"; }
+# the run directory holds no checkpoint after step 8 and the same best weights
+untouched() {
+  [ ! -e "$1/checkpoints/step-00000016" ] || fail "$1: a refused run wrote a checkpoint"
+  cmp -s base/best.safetensors "$1/best.safetensors" || fail "$1: best.safetensors changed"
+}
+
+# ---- FIFOs where train reads (or appends to) a file: refused, never opened --
+mkfifo fifo
+expect_fail 1 "train: error: fifo: not a regular file \(a FIFO\)" t "$T" "${c[@]}" --model fifo --out x
+expect_fail 1 "train: error: fifo: not a regular file \(a FIFO\)" t "$T" "${c[@]}" --init-from fifo --out x
+for f in $ck/model.safetensors $ck/optim.safetensors $ck/state.json checkpoints/BEST metrics.jsonl .lock; do
+  run r && rm r/$f && mkfifo r/$f
+  expect_fail 1 "train: error: r/$f: not a regular file \(a FIFO\)" \
+    t "$T" "${c[@]}" --epochs 2 --out r --resume auto
+  untouched r
+done
+# a FIFO named like a checkpoint is no checkpoint: --resume auto takes the newest directory
+run r && mkfifo r/checkpoints/step-00000099
+t "$T" --db db --model mlp --optim sgd --batch 64 --workers 1 --epochs 2 --out r --resume auto 2> r.err ||
+  { cat r.err; fail "a FIFO among the checkpoints"; }
+grep -q "resumed from r/$ck (epoch 2, step 8)" r.err || fail "resume: $(cat r.err)"
+[ -f r/checkpoints/step-00000016/model.safetensors ] || fail "no checkpoint after the resume"
+# files train writes anew are created afresh, never opened through a FIFO left there
+run r && mkfifo r/best.safetensors.tmp r/checkpoints/BEST.tmp
+t "$T" "${c[@]}" --epochs 2 --out r --resume auto >/dev/null || fail "FIFOs at the temporary names"
+[ -f r/best.safetensors ] && [ "$(cat r/checkpoints/BEST)" = step-00000016 ] || fail "best not written"
+ok "FIFOs refused by name or written around; none blocks"
+
+# ---- two runs into one --out --------------------------------------------------
+# a long run holds RUN_DIR; a second (one process or a group) is refused at
+# once naming the holder, writes nothing there, and the lock dies with it
+"$STK_BIN/prep" --quiet "$FASHION" fm >/dev/null
+"$T" --db fm --model mlp --workers 1 --quiet --epochs 100 --log-every 100000 --out busy &
+A=$!
+for _ in $(seq 300); do [ "$(cat busy/.lock 2>/dev/null)" = "$A" ] && break; sleep 0.1; done
+[ "$(cat busy/.lock 2>/dev/null)" = "$A" ] || fail "the first run did not lock busy"
+expect_fail 1 "train: error: --out busy is in use by another train \(pid $A\)" \
+  t "$T" --db fm --model mlp --workers 1 --quiet --epochs 1 --out busy
+expect_fail 1 "--out busy is in use by another train \(pid $A\)" \
+  t "$T" --db fm --model mlp --workers 1 --quiet --epochs 1 --out busy --resume auto --nproc 2
+kill -0 $A || fail "the first run died"
+! grep -q '"world":2' busy/metrics.jsonl || fail "the refused group wrote metrics"
+kill -9 $A; wait $A || true
+t "$T" --db fm --model mlp --workers 1 --quiet --epochs 100 --max-steps 3 --out busy --resume auto \
+  2> busy.err || { cat busy.err; fail "a killed run's lock blocked the next run"; }
+grep -Eq "stopped at step [0-9]+" busy.err || fail "after kill -9: $(cat busy.err)"
+ok "two runs never share a RUN_DIR; kill -9 frees it"
+
+# ---- model files: every number range-checked, sizes in 64 bits ------------------
+bad_model() { # FILE-TEXT PATTERN
+  printf "$1" > m.txt
+  expect_fail 1 "$2" t "$T" "${c[@]}" --model m.txt --out xm
+}
+bad_model 'flatten\nlinear 4294967297\nlinear classes\n' \
+  "m.txt:2: '4294967297' is out of range: linear features takes a whole number 1..1048576"
+bad_model 'conv 8 3 pad=2147483647\nflatten\nlinear classes\n' \
+  "m.txt:1: 'pad=2147483647' is out of range: pad takes a whole number 0..1024"
+bad_model 'conv 8 3 stride=-2\nflatten\nlinear classes\n' \
+  "m.txt:1: 'stride=-2' is out of range: stride takes a whole number 1..1024"
+bad_model 'pool 99999999999\n' "m.txt:1: '99999999999' is out of range: pool size takes a whole number 1..1024"
+bad_model 'conv 8 three\n' "m.txt:1: 'three' is not a number: conv kernel takes a whole number 1..1024"
+bad_model 'flatten\ndropout 1.5\nlinear classes\n' \
+  "m.txt:2: '1.5' is out of range: dropout probability takes a number in \[0, 1\)"
+bad_model 'conv 1048576 3\nflatten\nlinear classes\n' \
+  "model: conv1: its 1048576x26x26 output over a batch of 64 is more than 2147483647 values"
+bad_model 'conv 8 3 pad=1024\nflatten\nlinear classes\n' \
+  "model: conv1: its 8x2074x2074 output over a batch of 64 is more than 2147483647 values"
+bad_model 'flatten\nwide: linear 1048576\nlinear 1048576\nlinear classes\n' \
+  "model: fc2: its weight has more than 2147483647 values"
+[ ! -e xm ] || fail "a refused model created its --out"
+ok "model-file numbers and layer sizes bounded"
+
+# ---- NaN and infinite weights or optimizer state: refused on load ------------
+poison() { # RUN FILE TENSOR VALUE: element 5 of TENSOR in RUN's checkpoint
+  $PY - "$@" <<'PY'
+import json, struct, sys
+run, f, name, value = sys.argv[1:]
+p = f"{run}/checkpoints/step-00000008/{f}"
+b = bytearray(open(p, "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+start = 8 + n + json.loads(b[8:8 + n])[name]["data_offsets"][0] + 5 * 4
+b[start:start + 4] = struct.pack("<f", float(value))
+open(p, "wb").write(bytes(b))
+PY
+}
+run nan && poison nan model.safetensors fc1.weight nan
+expect_fail 1 "nan/$ck/model.safetensors: \"fc1.weight\" holds NaN at element 5" \
+  t "$T" "${c[@]}" --epochs 2 --out nan --resume auto
+untouched nan
+expect_fail 1 "nan/$ck/model.safetensors: \"fc1.weight\" holds NaN at element 5" \
+  t "$T" "${c[@]}" --epochs 1 --out fromnan --init-from nan/$ck/model.safetensors
+[ ! -e fromnan/best.safetensors ] || fail "--init-from NaN wrote weights"
+run inf && poison inf optim.safetensors fc2.bias.momentum_buffer -inf
+expect_fail 1 "inf/$ck/optim.safetensors: \"fc2.bias.momentum_buffer\" holds an infinity at element 5" \
+  t "$T" "${c[@]}" --epochs 2 --out inf --resume auto
+untouched inf
+ok "non-finite tensors refused by file and name"
+
+# ---- state.json: every field checked against the run -----------------------
+bad_state() { # PYTHON-EDIT PATTERN [FLAGS...]
+  local edit=$1 pat=$2; shift 2
+  run st && $PY - "$edit" <<'PY'
+import json, sys
+p = "st/checkpoints/step-00000008/state.json"
+s = json.load(open(p)); exec(sys.argv[1]); json.dump(s, open(p, "w"))
+PY
+  expect_fail 1 "st/$ck/state.json: $pat" t "$T" "${c[@]}" --epochs 2 --out st --resume auto "$@"
+  untouched st
+}
+bad_state 's["epoch"] = -1' "epoch is -1, expected a whole number 0..2 \(this run's --epochs 2\)"
+bad_state 's["epoch"] = s["loader"]["epoch"] = 7' "epoch is 7, expected a whole number 0..2"
+bad_state 's["loader"]["epoch"] = 0' "loader.epoch is 0, expected a whole number 1..1 \(the same as epoch\)"
+bad_state 's["loader"]["batch"] = 8' "loader.batch is 8, expected a whole number 0..7"
+bad_state 's["loader"]["batch"] = 2.5' "loader.batch is 2.5, expected a whole number"
+bad_state 's["epoch"] = s["loader"]["epoch"] = 2; s["loader"]["batch"] = 3' \
+  "loader.batch is 3, expected a whole number 0..0 \(all epochs are done\)"
+bad_state 's["loader"]["world"] = 0' "loader.world is 0, expected a whole number 1..1048576"
+bad_state 's["step"] = 1e15' "step is 1000000000000000, expected a whole number 1..8"
+bad_state 's["step"] = 5' "step is 5, but epoch_steps and loader.batch add up to 8"
+bad_state 's["epoch_steps"] = [0]' "epoch_steps\[0\] is not a whole number 1..8"
+bad_state 's["epoch_steps"] = [4, 4]' "epoch_steps is not a list of 1 entries"
+bad_state 'del s["step"]' "step is missing or not a number"
+bad_state 's["best_acc"] = 7' "best_acc is not an accuracy in \[0, 1\]"
+bad_state 'pass' "seed is not this run's --seed 2" --seed 2
+bad_state 'pass' "batch is 64, expected a whole number 32..32 \(this run's --batch" --batch 32
+bad_state 'pass' "written with --optim sgd, this run uses adamw" --optim adamw
+ok "state.json checked field by field"
+
+# ---- flags: seeds are unsigned 64-bit numbers; Nesterov needs momentum ------
+for s in abc -1 " 3" 18446744073709551616 1e3 ""; do
+  expect_fail 2 "train: --seed: expected a whole number 0..18446744073709551615, got '$s'" \
+    "$T" --db db --seed "$s"
+  expect_fail 2 "sweep: --seed: expected a whole number 0..18446744073709551615, got '$s'" \
+    "$S" --db db --seed "$s"
+done
+expect_fail 2 "train: --nesterov needs --momentum above 0 \(Nesterov momentum requires a momentum" \
+  "$T" --db db --optim sgd --momentum 0 --nesterov
+[ ! -e runs ] || fail "a refused flag created the default --out"
+t "$T" "${c[@]}" --epochs 1 --seed 18446744073709551615 --out bigseed >/dev/null || fail "seed 2^64-1"
+t "$T" "${c[@]}" --epochs 1 --nesterov --momentum 0.5 --max-steps 2 --out nest >/dev/null || fail "Nesterov"
+ok "--seed and --nesterov refused as usage errors (exit 2); their good values run"
+
+# ---- more ranks than test samples: an empty share, every sample once ---------
+# 2 test samples on 3 ranks; then one process evaluates the same weights
+# (--lr 0 leaves them as they are): the same count, accuracy and loss
+t "$T" "${c[@]}" --epochs 1 --nproc 3 --out three >/dev/null || fail "--nproc 3 with 2 test samples"
+w=$(ls three/checkpoints | grep step- | tail -1)
+t "$T" "${c[@]}" --epochs 1 --lr 0 --momentum 0 --init-from three/checkpoints/$w/model.safetensors \
+  --out one >/dev/null || fail "evaluating on one process"
+$PY - <<'PY' || fail "3-rank evaluation"
+import json
+ep = lambda d: [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"epoch"' in l][-1]
+a, b = ep("three"), ep("one")
+assert a["world"] == 3 and b["world"] == 1, (a, b)
+assert a["test_samples"] == b["test_samples"] == 2, (a, b)
+assert a["test_acc"] == b["test_acc"] and abs(a["test_loss"] - b["test_loss"]) < 1e-5, (a, b)
+print(f"ok: 3 ranks and 1 evaluate the 2 test samples alike (acc {a['test_acc']}, loss {a['test_loss']:.6f})")
+PY
