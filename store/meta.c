@@ -2,6 +2,7 @@
 #include "store.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +29,29 @@ void stk_meta_free(stk_meta *m)
 
 uint32_t stk_meta_sample_bytes(const stk_meta *m)
 {
-    return (uint32_t)m->channels * (uint32_t)m->height * (uint32_t)m->width;
+    uint64_t n = (uint64_t)m->channels * (uint64_t)m->height *
+                 (uint64_t)m->width;
+    return n <= STK_MAX_SAMPLE_BYTES ? (uint32_t)n : 0;
+}
+
+int stk_split_name_ok(const char *name, stk_err *err)
+{
+    size_t n = strlen(name);
+    if (n == 0 || n >= STK_SPLIT_NAME_MAX)
+        return stk_fail(err, STK_EINVAL,
+                        "split name \"%s\" must be 1..%d bytes", name,
+                        STK_SPLIT_NAME_MAX - 1);
+    if (!strcmp(name, STK_META_DB) || !strcmp(name, STK_CHECKSUM_DB))
+        return stk_fail(err, STK_EINVAL,
+                        "split name \"%s\" is reserved (the database holds "
+                        "a \"%s\" and a \"%s\" table)",
+                        name, STK_META_DB, STK_CHECKSUM_DB);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+            return stk_fail(err, STK_EINVAL,
+                            "split name has a control character at byte %zu",
+                            i);
+    return 0;
 }
 
 int stk_meta_split(const stk_meta *m, const char *name)
@@ -92,14 +115,21 @@ char *stk_meta_to_json(const stk_meta *m)
     cJSON_AddStringToObject(src, "path", m->source_path ? m->source_path : "");
     cJSON_AddStringToObject(src, "format",
                             m->source_format ? m->source_format : "");
-    cJSON *sk = m->skipped_json ? cJSON_Parse(m->skipped_json) : NULL;
+    char *raw = m->skipped_json ? stk_json_unescape_bytes(
+                                      m->skipped_json, strlen(m->skipped_json))
+                                : NULL;
+    cJSON *sk = raw ? cJSON_Parse(raw) : NULL;
+    free(raw);
     cJSON_AddItemToObject(o, "skipped_files", sk ? sk : cJSON_CreateObject());
     cJSON_AddStringToObject(o, "tool", m->tool ? m->tool : "");
     cJSON_AddStringToObject(o, "created", m->created ? m->created : "");
     cJSON_AddBoolToObject(o, "complete", m->complete);
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
-    return text;
+    /* names are bytes; the file is UTF-8 (text.c) */
+    char *utf8 = text ? stk_json_escape_bytes(text) : NULL;
+    free(text);
+    return utf8;
 }
 
 /* ---- parsing ----------------------------------------------------------- */
@@ -115,11 +145,30 @@ static int want(const cJSON *item, int (*is)(const cJSON *), const char *name,
     return 0;
 }
 
-static int is_num(const cJSON *x) { return cJSON_IsNumber(x); }
 static int is_str(const cJSON *x) { return cJSON_IsString(x); }
 static int is_arr(const cJSON *x) { return cJSON_IsArray(x); }
 static int is_obj(const cJSON *x) { return cJSON_IsObject(x); }
 static int is_bool(const cJSON *x) { return cJSON_IsBool(x); }
+
+/* A whole number 0..max from field name; a double that is negative,
+ * fractional, not finite or too large is refused before any conversion
+ * (casting it would be undefined and wraps to nonsense like 2^64 - 5). */
+static int get_count(const cJSON *v, uint64_t max, const char *name,
+                     uint64_t *out, stk_err *err)
+{
+    if (!cJSON_IsNumber(v))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: field \"%s\" is missing or not a number",
+                        name);
+    double d = v->valuedouble;
+    if (!(d >= 0 && d <= (double)max) || d != floor(d))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: \"%s\" is %.17g, expected a whole number "
+                        "0..%llu",
+                        name, d, (unsigned long long)max);
+    *out = (uint64_t)d;
+    return 0;
+}
 
 static char *dup_str(const cJSON *o, const char *key)
 {
@@ -127,8 +176,9 @@ static char *dup_str(const cJSON *o, const char *key)
     return strdup(cJSON_IsString(v) ? v->valuestring : "");
 }
 
-static int read_vec(const cJSON *a, double *out, int n, const char *what,
-                    stk_err *err)
+/* n numbers in lo..hi. */
+static int read_vec(const cJSON *a, double *out, int n, double lo, double hi,
+                    const char *what, stk_err *err)
 {
     if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != n)
         return stk_fail(err, STK_EFORMAT,
@@ -136,11 +186,45 @@ static int read_vec(const cJSON *a, double *out, int n, const char *what,
                         what, n);
     for (int i = 0; i < n; i++) {
         const cJSON *v = cJSON_GetArrayItem(a, i);
-        if (!cJSON_IsNumber(v))
+        if (!cJSON_IsNumber(v) || !(v->valuedouble >= lo) ||
+            !(v->valuedouble <= hi))
             return stk_fail(err, STK_EFORMAT,
-                            "metadata: \"%s\"[%d] is not a number", what, i);
+                            "metadata: \"%s\"[%d] is not a number in "
+                            "%g..%g",
+                            what, i, lo, hi);
         out[i] = v->valuedouble;
     }
+    return 0;
+}
+
+/* label_counts: nclasses whole numbers that sum to count. */
+static int parse_label_counts(const cJSON *lc, const stk_meta *m,
+                              stk_split_meta *sp, stk_err *err)
+{
+    char field[96];
+    snprintf(field, sizeof field, "splits.%s.label_counts", sp->name);
+    if (!cJSON_IsArray(lc) || cJSON_GetArraySize(lc) != m->nclasses)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: %s must have %d entries (one per class)",
+                        field, m->nclasses);
+    sp->label_counts = calloc((size_t)m->nclasses + 1, sizeof(uint64_t));
+    if (!sp->label_counts)
+        return stk_fail(err, STK_ENOMEM, "metadata: out of memory");
+    uint64_t sum = 0;
+    const cJSON *v;
+    int c = 0, rc;
+    cJSON_ArrayForEach(v, lc)
+    {
+        if ((rc = get_count(v, sp->count, field, &sp->label_counts[c], err)))
+            return rc;
+        sum += sp->label_counts[c++]; /* each <= count < 2^30: no wrap */
+    }
+    if (sum != sp->count)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: %s sum to %llu but splits.%s.count is "
+                        "%llu",
+                        field, (unsigned long long)sum, sp->name,
+                        (unsigned long long)sp->count);
     return 0;
 }
 
@@ -148,57 +232,73 @@ static int parse_split(const cJSON *o, const char *name, stk_meta *m,
                        stk_split_meta *sp, stk_err *err)
 {
     int rc;
+    char field[96];
     snprintf(sp->name, sizeof sp->name, "%s", name);
-    const cJSON *count = cJSON_GetObjectItemCaseSensitive(o, "count");
-    if ((rc = want(count, is_num, "splits.count", err)))
+    snprintf(field, sizeof field, "splits.%s.count", name);
+    if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(o, "count"),
+                        STK_MAX_RECORDS, field, &sp->count, err)) ||
+        (rc = parse_label_counts(
+             cJSON_GetObjectItemCaseSensitive(o, "label_counts"), m, sp, err)))
         return rc;
-    sp->count = (uint64_t)count->valuedouble;
-    const cJSON *lc = cJSON_GetObjectItemCaseSensitive(o, "label_counts");
-    if (!cJSON_IsArray(lc) || cJSON_GetArraySize(lc) != m->nclasses)
-        return stk_fail(err, STK_EFORMAT,
-                        "metadata: splits.%s.label_counts must have %d "
-                        "entries",
-                        name, m->nclasses);
-    sp->label_counts = calloc((size_t)m->nclasses + 1, sizeof(uint64_t));
-    if (!sp->label_counts)
-        return stk_fail(err, STK_ENOMEM, "metadata: out of memory");
-    for (int c = 0; c < m->nclasses; c++)
-        sp->label_counts[c] =
-            (uint64_t)cJSON_GetArrayItem(lc, c)->valuedouble;
+    snprintf(field, sizeof field, "splits.%s.mean", name);
     if ((rc = read_vec(cJSON_GetObjectItemCaseSensitive(o, "mean"), sp->mean,
-                       m->channels, "mean", err)) ||
-        (rc = read_vec(cJSON_GetObjectItemCaseSensitive(o, "std"), sp->std,
-                       m->channels, "std", err)))
+                       m->channels, 0, 1, field, err)))
+        return rc;
+    snprintf(field, sizeof field, "splits.%s.std", name);
+    if ((rc = read_vec(cJSON_GetObjectItemCaseSensitive(o, "std"), sp->std,
+                       m->channels, 0, 1, field, err)))
         return rc;
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(o, "skipped");
-    sp->nskipped = cJSON_IsNumber(sk) ? (uint64_t)sk->valuedouble : 0;
-    return 0;
+    snprintf(field, sizeof field, "splits.%s.skipped", name);
+    sp->nskipped = 0;
+    return sk ? get_count(sk, (uint64_t)1 << 53, field, &sp->nskipped, err)
+              : 0;
 }
 
+/* record.shape: C 1..STK_MAX_CHANNELS, H and W 1..STK_MAX_SIDE, and
+ * C*H*W at most STK_MAX_SAMPLE_BYTES, checked before any int holds them. */
 static int parse_shape(const cJSON *root, stk_meta *m, stk_err *err)
 {
     const cJSON *rec = cJSON_GetObjectItemCaseSensitive(root, "record");
     int rc = want(rec, is_obj, "record", err);
     if (rc)
         return rc;
-    const cJSON *hb = cJSON_GetObjectItemCaseSensitive(rec, "header_bytes");
-    if (!cJSON_IsNumber(hb) || hb->valueint != STK_RECORD_HEADER)
-        return stk_fail(err, STK_EFORMAT,
-                        "metadata: record.header_bytes must be %d",
-                        STK_RECORD_HEADER);
-    double shape[3];
-    if ((rc = read_vec(cJSON_GetObjectItemCaseSensitive(rec, "shape"), shape,
-                       3, "record.shape", err)))
+    uint64_t hb;
+    if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "header_bytes"),
+                        UINT32_MAX, "record.header_bytes", &hb, err)))
         return rc;
-    m->channels = (int)shape[0];
-    m->height = (int)shape[1];
-    m->width = (int)shape[2];
-    if (m->channels < 1 || m->channels > STK_MAX_CHANNELS || m->height < 1 ||
-        m->width < 1)
+    if (hb != STK_RECORD_HEADER)
         return stk_fail(err, STK_EFORMAT,
-                        "metadata: record.shape [%d,%d,%d] is not a valid "
-                        "CHW shape",
-                        m->channels, m->height, m->width);
+                        "metadata: record.header_bytes is %llu, expected %d",
+                        (unsigned long long)hb, STK_RECORD_HEADER);
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(rec, "shape");
+    if (!cJSON_IsArray(shape) || cJSON_GetArraySize(shape) != 3)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: \"record.shape\" must be an array of 3 "
+                        "numbers (C, H, W)");
+    static const char *const names[3] = {"record.shape[0] (channels)",
+                                         "record.shape[1] (height)",
+                                         "record.shape[2] (width)"};
+    const uint64_t max[3] = {STK_MAX_CHANNELS, STK_MAX_SIDE, STK_MAX_SIDE};
+    uint64_t dim[3];
+    for (int i = 0; i < 3; i++) {
+        if ((rc = get_count(cJSON_GetArrayItem(shape, i), max[i], names[i],
+                            &dim[i], err)))
+            return rc;
+        if (dim[i] == 0)
+            return stk_fail(err, STK_EFORMAT, "metadata: %s is 0", names[i]);
+    }
+    uint64_t bytes = dim[0] * dim[1] * dim[2]; /* <= 4 * 2^32: no wrap */
+    if (bytes > STK_MAX_SAMPLE_BYTES)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: record.shape [%llu,%llu,%llu] makes "
+                        "%llu-byte records, over the limit of %llu",
+                        (unsigned long long)dim[0], (unsigned long long)dim[1],
+                        (unsigned long long)dim[2], (unsigned long long)bytes,
+                        (unsigned long long)STK_MAX_SAMPLE_BYTES);
+    m->channels = (int)dim[0];
+    m->height = (int)dim[1];
+    m->width = (int)dim[2];
     return 0;
 }
 
@@ -208,6 +308,11 @@ static int parse_classes(const cJSON *root, stk_meta *m, stk_err *err)
     int rc = want(cl, is_arr, "classes", err);
     if (rc)
         return rc;
+    if (cJSON_GetArraySize(cl) > STK_MAX_CLASSES)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: \"classes\" holds %d names, over the "
+                        "limit of %d",
+                        cJSON_GetArraySize(cl), STK_MAX_CLASSES);
     m->nclasses = 0;
     m->classes = calloc((size_t)cJSON_GetArraySize(cl) + 1, sizeof(char *));
     if (!m->classes)
@@ -217,7 +322,8 @@ static int parse_classes(const cJSON *root, stk_meta *m, stk_err *err)
     {
         if ((rc = want(c, is_str, "classes[]", err)))
             return rc;
-        m->classes[m->nclasses++] = strdup(c->valuestring);
+        if (!(m->classes[m->nclasses++] = strdup(c->valuestring)))
+            return stk_fail(err, STK_ENOMEM, "metadata: out of memory");
     }
     return 0;
 }
@@ -233,11 +339,19 @@ static int parse_splits(const cJSON *root, stk_meta *m, stk_err *err)
     const cJSON *name;
     cJSON_ArrayForEach(name, order)
     {
-        if (!cJSON_IsString(name) || m->nsplits == STK_MAX_SPLITS ||
-            strlen(name->valuestring) >= STK_SPLIT_NAME_MAX)
+        if (!cJSON_IsString(name) || m->nsplits == STK_MAX_SPLITS)
             return stk_fail(err, STK_EFORMAT,
-                            "metadata: split_order holds a bad or extra "
-                            "name");
+                            "metadata: split_order holds more than %d names "
+                            "or one that is not a string",
+                            STK_MAX_SPLITS);
+        stk_err why;
+        if ((rc = stk_split_name_ok(name->valuestring, &why)))
+            return stk_fail(err, STK_EFORMAT, "metadata: split_order: %s",
+                            why.msg);
+        if (stk_meta_split(m, name->valuestring) >= 0)
+            return stk_fail(err, STK_EFORMAT,
+                            "metadata: split_order names \"%s\" twice",
+                            name->valuestring);
         const cJSON *o =
             cJSON_GetObjectItemCaseSensitive(splits, name->valuestring);
         if (!cJSON_IsObject(o))
@@ -255,6 +369,8 @@ static int parse_splits(const cJSON *root, stk_meta *m, stk_err *err)
 static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
 {
     int rc;
+    if (!cJSON_IsObject(root))
+        return stk_fail(err, STK_EFORMAT, "metadata: not a JSON object");
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(root, "format_version");
     if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, STK_FORMAT_NAME))
@@ -286,7 +402,11 @@ int stk_meta_from_json(const char *json, size_t len, stk_meta *m,
                        stk_err *err)
 {
     memset(m, 0, sizeof *m);
-    cJSON *root = cJSON_ParseWithLength(json, len);
+    char *raw = stk_json_unescape_bytes(json, len); /* text.c */
+    if (!raw)
+        return stk_fail(err, STK_ENOMEM, "metadata: out of memory");
+    cJSON *root = cJSON_Parse(raw);
+    free(raw);
     if (!root)
         return stk_fail(err, STK_EFORMAT, "metadata: not valid JSON");
     int rc = parse_root(root, m, err);

@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #define MIB ((size_t)1 << 20)
-#define META_DB "meta"
+#define META_DB STK_META_DB
 #define META_KEY "dataset"
 
 struct split_count {
@@ -389,10 +389,12 @@ static int select_split(stk_store *s, const char *split, stk_err *err)
             return stk_fail(err, STK_EINVAL,
                             "%s: split \"%s\" was already finished",
                             s->final_dir, split);
-    if (s->ncounts == STK_MAX_SPLITS || strlen(split) >= STK_SPLIT_NAME_MAX ||
-        !strcmp(split, META_DB) || !*split)
-        return stk_fail(err, STK_EINVAL, "%s: bad or too many splits (\"%s\")",
-                        s->final_dir, split);
+    stk_err why;
+    if (stk_split_name_ok(split, &why))
+        return stk_fail(err, STK_EINVAL, "%s: %s", s->final_dir, why.msg);
+    if (s->ncounts == STK_MAX_SPLITS)
+        return stk_fail(err, STK_EINVAL, "%s: more than %d splits (\"%s\")",
+                        s->final_dir, STK_MAX_SPLITS, split);
     int rc = flush(s, err);
     if (rc)
         return rc;
@@ -412,6 +414,11 @@ int stk_store_append(stk_store *s, const char *split, const void *rec,
     int rc = select_split(s, split, err);
     if (rc)
         return rc;
+    if (s->counts[s->cur].count == STK_MAX_RECORDS)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: split \"%s\" would hold more than %llu records",
+                        s->final_dir, split,
+                        (unsigned long long)STK_MAX_RECORDS);
     if (s->pend_len + 4 + len > s->pend_cap) {
         size_t cap = s->pend_cap ? s->pend_cap : MIB;
         while (cap < s->pend_len + 4 + len)
@@ -566,6 +573,11 @@ static int open_splits(stk_store *s, MDB_txn *txn, const char *dir,
             rc = mdb_stat(txn, s->split_dbi[i], &st);
         if (rc == MDB_NOTFOUND && sp->count == 0)
             continue; /* an empty split never got a database */
+        if (rc == MDB_NOTFOUND)
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: split \"%s\" is listed in the metadata but "
+                            "its database is missing",
+                            dir, sp->name);
         if (rc)
             return stk_fail(err, STK_EFORMAT, "%s: split \"%s\": %s", dir,
                             sp->name, mdb_strerror(rc));
@@ -709,18 +721,35 @@ static int find_split(const stk_store *s, const char *split, stk_err *err)
                              "split \"%s\" is not in the database", split);
 }
 
-/* Decodes a stored value; a wrong size names the split and key. */
+/* Decodes a stored value; a wrong size names the split, the key and which
+ * size disagrees with what. */
 static int decode_value(const char *split, uint64_t index, const void *data,
                         size_t len, uint32_t expect, stk_record *rec,
                         stk_err *err)
 {
     if (!stk_record_decode(data, len, expect, rec))
         return 0;
+    unsigned long long key = (unsigned long long)index;
+    if (len < STK_RECORD_HEADER)
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu: record is %zu bytes, "
+                        "shorter than its %d-byte header",
+                        split, key, len, STK_RECORD_HEADER);
+    const uint8_t *p = data;
+    uint32_t n = (uint32_t)p[4] | (uint32_t)p[5] << 8 |
+                 (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
+    if (n != expect)
+        return stk_fail(err, STK_EFORMAT,
+                        "split \"%s\": key %llu: the record's size field "
+                        "says %u pixel bytes, the metadata's shape needs %u",
+                        split, key, n, expect);
     return stk_fail(err, STK_EFORMAT,
-                    "split \"%s\": key %llu: record is %zu bytes, expected "
-                    "%u (%d-byte header + %u pixels)",
-                    split, (unsigned long long)index, len,
-                    STK_RECORD_HEADER + expect, STK_RECORD_HEADER, expect);
+                    "split \"%s\": key %llu: record is %zu bytes, its size "
+                    "field and the shape need %llu (%d-byte header + %u "
+                    "pixels)",
+                    split, key, len,
+                    (unsigned long long)STK_RECORD_HEADER + expect,
+                    STK_RECORD_HEADER, expect);
 }
 
 /* ---- readers ----------------------------------------------------------- */

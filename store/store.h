@@ -55,6 +55,15 @@ uint64_t stk_key_decode(const uint8_t key[8]);
 #define STK_MAX_CHANNELS 4
 #define STK_SPLIT_NAME_MAX 32
 
+/* Limits on what metadata may describe (docs/formats.md); parsing refuses
+ * anything beyond them, naming the field, before it sizes anything. */
+#define STK_MAX_SIDE 65536                     /* height, width */
+#define STK_MAX_SAMPLE_BYTES ((uint64_t)1 << 30) /* C*H*W */
+#define STK_MAX_CLASSES (1 << 20)
+/* records per split: its checksum list (4 bytes a record) is one LMDB value,
+ * and LMDB values are under 4 GiB */
+#define STK_MAX_RECORDS (((uint64_t)1 << 30) - 1)
+
 typedef struct stk_split_meta {
     char name[STK_SPLIT_NAME_MAX];
     uint64_t count;            /* records, keys 0..count-1 */
@@ -88,11 +97,40 @@ char *stk_meta_to_json(const stk_meta *m);
 int stk_meta_from_json(const char *json, size_t len, stk_meta *m,
                        stk_err *err);
 
-/* Payload bytes per record: channels * height * width. */
+/* Payload bytes per record: channels * height * width (at most
+ * STK_MAX_SAMPLE_BYTES in any parsed metadata). */
 uint32_t stk_meta_sample_bytes(const stk_meta *m);
+
+/* Named databases of the environment besides the splits. */
+#define STK_META_DB "meta"
+#define STK_CHECKSUM_DB "checksums"
+
+/* 0 when name may name a split: 1..STK_SPLIT_NAME_MAX-1 bytes, no control
+ * characters, not a reserved database name; else STK_EINVAL saying why. */
+int stk_split_name_ok(const char *name, stk_err *err);
 
 /* Index of a split by name, or -1. */
 int stk_meta_split(const stk_meta *m, const char *name);
+
+/* ---- names in the UTF-8 metadata (text.c) ----------------------------- */
+
+/* Length (1..4) of the valid UTF-8 sequence at s (n bytes available), or 0
+ * when s starts with a byte that is not part of one (Python's strict
+ * decoder: no overlong forms, no surrogates, nothing above U+10FFFF). */
+size_t stk_utf8_len(const char *s, size_t n);
+
+/* A copy of JSON text (malloc'd; NULL when out of memory) in which every
+ * byte that is not part of a valid UTF-8 sequence is written as the escape
+ * \udcXX (PEP 383 surrogateescape, as Python's json.dumps(os.fsdecode(b))
+ * writes it), so the text is valid UTF-8 and names keep their exact bytes.
+ * Bytes outside strings are ASCII in any JSON, so only strings change. */
+char *stk_json_escape_bytes(const char *text);
+
+/* The reverse, for a parser that refuses lone surrogates (cJSON): a copy of
+ * len bytes of JSON text (malloc'd, NUL-terminated) in which each escape
+ * \udc80..\udcff that does not complete a surrogate pair becomes the raw
+ * byte 0x80..0xff again. */
+char *stk_json_unescape_bytes(const char *json, size_t len);
 
 /* ---- the store --------------------------------------------------------- */
 

@@ -5,6 +5,7 @@
 
 #include "store/store.h"
 
+#include <cjson/cJSON.h>
 #include <lmdb.h>
 #include <math.h>
 #include <sys/stat.h>
@@ -496,6 +497,161 @@ static void damage_is_named(void **state)
     free(orig);
 }
 
+
+/* ---- metadata bounds and names ----------------------------------------- */
+
+/* The sample metadata's JSON with one field replaced: path is "record",
+ * "shape", 1 style (object keys, then an array index as a number). */
+static int parse_with(const char *key1, const char *key2, int index,
+                      const char *value, stk_err *err)
+{
+    stk_meta m = sample_meta(10, 4);
+    m.complete = true;
+    char *json = stk_meta_to_json(&m);
+    cJSON *root = cJSON_Parse(json);
+    free(json);
+    cJSON *parent = cJSON_GetObjectItemCaseSensitive(root, key1);
+    if (key2)
+        parent = cJSON_GetObjectItemCaseSensitive(parent, key2);
+    assert_non_null(parent);
+    cJSON *v = cJSON_Parse(value);
+    assert_non_null(v);
+    if (index >= 0)
+        cJSON_ReplaceItemInArray(parent, index, v);
+    else
+        cJSON_ReplaceItemInObjectCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(root, key1), key2, v);
+    json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    stk_meta back;
+    int rc = stk_meta_from_json(json, strlen(json), &back, err);
+    free(json);
+    if (!rc)
+        stk_meta_free(&back);
+    return rc;
+}
+
+static void refused_naming(int rc, const stk_err *err, const char *field,
+                           const char *why)
+{
+    if (rc != STK_EFORMAT || !strstr(err->msg, field) ||
+        !strstr(err->msg, why))
+        fail_msg("expected a refusal naming %s (%s), got %d: %s", field, why,
+                 rc, err->msg);
+}
+
+/* Shapes and counts out of range are refused, naming the field, before
+ * they size anything (C*H*W once wrapped in 32 bits, a count of -5 printed
+ * as 18446744073709551611). */
+static void meta_bounds_refused(void **state)
+{
+    (void)state;
+    stk_err err = {0};
+    refused_naming(parse_with("record", "shape", 1, "70000", &err),
+                   &err, "record.shape[1] (height)", "0..65536");
+    refused_naming(parse_with("record", "shape", 2, "1e20", &err), &err,
+                   "record.shape[2] (width)", "is 1e+20");
+    refused_naming(parse_with("record", "shape", 0, "2.5", &err), &err,
+                   "record.shape[0] (channels)", "whole number");
+    refused_naming(parse_with("record", "shape", 0, "0", &err), &err,
+                   "record.shape[0] (channels)", "is 0");
+    refused_naming(parse_with("record", "shape", -1, "[4,65536,65536]", &err),
+                   &err, "record.shape [4,65536,65536]",
+                   "17179869184-byte records, over the limit of 1073741824");
+    refused_naming(parse_with("record", "header_bytes", -1, "8.5", &err), &err,
+                   "record.header_bytes", "whole number");
+    refused_naming(parse_with("splits", "train", -1,
+                              "{\"count\": -5, \"label_counts\": [0,0,0], "
+                              "\"mean\": [0,0,0], \"std\": [0,0,0]}",
+                              &err),
+                   &err, "splits.train.count", "is -5");
+    refused_naming(parse_with("splits", "train", -1,
+                              "{\"count\": 1e300, \"label_counts\": [0,0,0], "
+                              "\"mean\": [0,0,0], \"std\": [0,0,0]}",
+                              &err),
+                   &err, "splits.train.count", "0..1073741823");
+    refused_naming(parse_with("splits", "train", -1,
+                              "{\"count\": 10, \"label_counts\": [3,3,3], "
+                              "\"mean\": [0,0,0], \"std\": [0,0,0]}",
+                              &err),
+                   &err, "splits.train.label_counts", "sum to 9 but");
+    refused_naming(parse_with("splits", "train", -1,
+                              "{\"count\": 10, \"label_counts\": [11,-1,0], "
+                              "\"mean\": [0,0,0], \"std\": [0,0,0]}",
+                              &err),
+                   &err, "splits.train.label_counts", "is 11");
+    refused_naming(parse_with("splits", "train", -1,
+                              "{\"count\": 10, \"label_counts\": [4,3,3], "
+                              "\"mean\": [0,7,0], \"std\": [0,0,0]}",
+                              &err),
+                   &err, "splits.train.mean", "[1] is not a number in 0..1");
+    refused_naming(parse_with("split_order", NULL, 1, "\"train\"", &err), &err,
+                   "split_order", "names \"train\" twice");
+    refused_naming(parse_with("split_order", NULL, 1, "\"meta\"", &err), &err,
+                   "split_order", "\"meta\" is reserved");
+    /* and the untouched metadata parses */
+    assert_int_equal(parse_with("record", "shape", 1, "4", &err), 0);
+}
+
+/* Every byte that is not part of valid UTF-8 becomes \udcXX and comes back;
+ * valid UTF-8, surrogate pairs and escaped backslashes are left alone. */
+static void utf8_escape_round_trip(void **state)
+{
+    (void)state;
+    char *e = stk_json_escape_bytes("\"caf\xe9 \xc3\xa9 \xed\xa0\x80 \xff\"");
+    assert_string_equal(
+        e, "\"caf\\udce9 \xc3\xa9 \\udced\\udca0\\udc80 \\udcff\"");
+    free(e);
+    const char *keep = "\"\\ud83d\\udc80 \\\\udc80 \\u00e9\"";
+    char *u = stk_json_unescape_bytes(keep, strlen(keep));
+    assert_string_equal(u, keep);
+    free(u);
+    unsigned seed = 7;
+    for (int t = 0; t < 20000; t++) {
+        char s[16];
+        int n = 1 + t % 14;
+        for (int i = 0; i < n; i++) { /* no quote, backslash or NUL */
+            s[i] = (char)(t < 255 && i == 0 ? t + 1 : rand_r(&seed));
+            while (!s[i] || s[i] == '"' || s[i] == '\\')
+                s[i] = (char)rand_r(&seed);
+        }
+        s[n] = '\0';
+        e = stk_json_escape_bytes(s);
+        for (size_t i = 0, k, len = strlen(e); i < len; i += k)
+            assert_int_not_equal(k = stk_utf8_len(e + i, len - i), 0);
+        u = stk_json_unescape_bytes(e, strlen(e));
+        assert_string_equal(u, s);
+        free(e);
+        free(u);
+    }
+}
+
+/* Class names and skipped files that are not UTF-8 survive the metadata's
+ * round trip byte for byte, and the JSON written is valid UTF-8. */
+static void meta_names_keep_their_bytes(void **state)
+{
+    (void)state;
+    stk_meta m = sample_meta(10, 4);
+    char *classes[] = {"caf\xe9", "\xe2\x82\xac uro", "\x1b[31mred"};
+    m.classes = classes;
+    m.skipped_json = "{\"train\":[{\"file\":\"raw/caf\xe9/bad\xfe.png\","
+                     "\"error\":\"bad PNG\"}]}";
+    m.complete = true;
+    char *json = stk_meta_to_json(&m);
+    for (size_t i = 0, k, n = strlen(json); i < n; i += k)
+        assert_int_not_equal(k = stk_utf8_len(json + i, n - i), 0);
+    assert_non_null(strstr(json, "\"caf\\udce9\""));
+    assert_non_null(strstr(json, "bad\\udcfe.png"));
+    stk_meta back;
+    stk_err err = {0};
+    assert_int_equal(stk_meta_from_json(json, strlen(json), &back, &err), 0);
+    for (int c = 0; c < 3; c++)
+        assert_string_equal(back.classes[c], classes[c]);
+    assert_non_null(strstr(back.skipped_json, "raw/caf\xe9/bad\xfe.png"));
+    stk_meta_free(&back);
+    free(json);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(codec_round_trip),
     cmocka_unit_test(keys_sort_in_index_order),
@@ -507,5 +663,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(incomplete_database_refused),
     cmocka_unit_test(damaged_file_never_crashes),
     cmocka_unit_test(damage_is_named),
+    cmocka_unit_test(meta_bounds_refused),
+    cmocka_unit_test(utf8_escape_round_trip),
+    cmocka_unit_test(meta_names_keep_their_bytes),
 };
 UNIT_MAIN(tests)
