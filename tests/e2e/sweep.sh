@@ -33,7 +33,8 @@ PY
 expect_fail 2 "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
 expect_fail 2 "--db DB_DIR is required" "$S" --workers 1
 expect_fail 2 "unknown option '--turbo'" "$S" --db db --turbo
-expect_fail 2 "--split: no split \"test\"" "$S" --db db --split test
+expect_fail 2 "--split: no split \"test\"" "$S" --db db --split test --json no.json
+[ ! -e no.json ] || fail "a refused sweep wrote its --json"
 expect_fail 1 "nodb: not a stoke database" "$S" --db nodb
 mkdir half && cp db/data.mdb half/ && $PY - <<'PY'
 import lmdb, json

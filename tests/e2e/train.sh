@@ -56,10 +56,15 @@ PY
 cmp straight/checkpoints/step-00000470/model.safetensors midway/nested/checkpoints/step-00000470/model.safetensors \
   || fail "resuming from a mid-epoch stop ends with different weights"
 ok "stop at step 100 + --resume auto ends with the same weights as 2 epochs"
+# what a run directory holds: its files' contents, listed
+snapshot() { (cd "$1" && find . -type f ! -name .lock | sort | xargs md5sum); }
+before=$(snapshot straight)
 expect_fail 1 "--out straight holds the checkpoints of an earlier run; continue it with --resume auto" \
   "$T" "${common[@]}" --epochs 1 --out straight
+[ "$(snapshot straight)" = "$before" ] || fail "a refused fresh run changed straight"
 "$T" "${common[@]}" "${const[@]}" --epochs 2 --out straight --resume auto | grep -q "already finished 2 epoch(s) (470 steps" \
   || fail "resuming a finished run should say there is nothing left"
+[ "$(snapshot straight)" = "$before" ] || fail "resuming a finished run changed straight"
 ok "resuming a finished run reports it and changes nothing"
 
 # adamw (the default): one file holds both moments; the cnn with
@@ -75,6 +80,11 @@ assert names == sorted(f"{p}.{s}" for p in ("fc1.weight", "fc1.bias", "fc2.weigh
 print("ok: adamw checkpoint holds exp_avg and exp_avg_sq of every parameter")
 PY
 "$T" --db db --model cnn --augment --max-steps 5 --batch 32 --quiet --out cnn > /dev/null
+$PY - <<'PY' || fail "cnn --augment checkpoint"
+import json
+st = json.load(open("cnn/checkpoints/step-00000005/state.json"))
+assert st["step"] == 5 and st["loader"] == {"epoch": 0, "batch": 5, "world": 1}, st
+PY
 ok "adamw and cnn --augment run"
 
 # bad input
@@ -82,6 +92,12 @@ printf 'conv 8 30\nflatten\nlinear classes\n' > big.txt
 expect_fail 1 "conv1: a 30x30 kernel does not fit its 1x28x28 input" "$T" --db db --model big.txt --out x
 printf 'conv1: conv 4 3\nconv 4 3\nflatten\nlinear classes\n' > twins.txt
 "$T" --db db --model twins.txt --max-steps 1 --quiet --out twins >/dev/null || fail "conv1 + unnamed conv"
+$PY - <<'PY' || fail "twins' tensor names"
+import json, struct
+raw = open("twins/checkpoints/step-00000001/model.safetensors", "rb").read()
+names = sorted(k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__")
+assert names == ["conv1.bias", "conv1.weight", "conv2.bias", "conv2.weight", "fc1.bias", "fc1.weight"], names
+PY
 printf 'a: conv 4 3\na: conv 4 3\nflatten\nlinear classes\n' > same.txt
 expect_fail 1 "two layers are named \"a\"" "$T" --db db --model same.txt --out x
 printf 'conv 8 3\nwobble\n' > typo.txt
@@ -93,6 +109,7 @@ expect_fail 1 "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.
 expect_fail 1 "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \
   "$T" "${common[@]}" --epochs 3 --out run1 --resume auto --lr 90 --schedule constant --warmup 0
 [ -f run1/checkpoints/step-00000235/model.safetensors ] || fail "the good checkpoint is gone"
+[ "$(ls run1/checkpoints)" = $'BEST\nstep-00000235' ] || fail "a NaN run left checkpoints: $(ls run1/checkpoints)"
 expect_fail 2 "--optim: expected sgd or adamw, got 'lion'" "$T" --db db --optim lion
 expect_fail 2 "--lr: expected a number" "$T" --db db --lr fast
 expect_fail 2 "unknown option '--turbo'" "$T" --db db --turbo
@@ -102,4 +119,5 @@ expect_fail 1 "--device cuda: (no CUDA device|this stoke was built without CUDA)
 mkdir onesplit && $PY "$STK_SRC/tests/e2e/make_folder.py" onesplit/raw 50 28 && "$STK_BIN/prep" --quiet onesplit/raw onesplit/db
 expect_fail 1 "onesplit/db: needs splits \"train\" and \"test\"" "$T" --db onesplit/db --out x
 expect_fail 1 "nodb: not a stoke database" "$T" --db nodb
+! ls x/checkpoints 2>/dev/null | grep -q step- || fail "a refused run wrote a checkpoint into x"
 ok "bad input refused"
