@@ -26,7 +26,7 @@
  * MDB_page, MDB_node, MDB_db, MDB_meta) for 64-bit hosts, in the host's byte
  * order as liblmdb writes it. stk_lmdb_check_env then confirms that
  * liblmdb picked the meta page checked here. */
-#include "check.h"
+#include "store_impl.h"
 
 #include <errno.h>
 #include <stdarg.h>

@@ -2,8 +2,9 @@
 #include "store.h"
 
 #include <string.h>
+#include <zlib.h>
 
-static void put_le32(uint8_t *p, uint32_t v)
+void stk_put_le32(uint8_t *p, uint32_t v)
 {
     p[0] = (uint8_t)v;
     p[1] = (uint8_t)(v >> 8);
@@ -11,7 +12,7 @@ static void put_le32(uint8_t *p, uint32_t v)
     p[3] = (uint8_t)(v >> 24);
 }
 
-static uint32_t get_le32(const uint8_t *p)
+uint32_t stk_get_le32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
            (uint32_t)p[3] << 24;
@@ -19,8 +20,8 @@ static uint32_t get_le32(const uint8_t *p)
 
 void stk_record_put_header(uint8_t *dst, int32_t label, uint32_t nbytes)
 {
-    put_le32(dst, (uint32_t)label);
-    put_le32(dst + 4, nbytes);
+    stk_put_le32(dst, (uint32_t)label);
+    stk_put_le32(dst + 4, nbytes);
 }
 
 void stk_record_encode(uint8_t *dst, int32_t label, const uint8_t *pixels,
@@ -37,10 +38,10 @@ int stk_record_decode(const void *src, size_t len, uint32_t expect,
     const uint8_t *p = src;
     if (len < STK_RECORD_HEADER)
         return STK_EFORMAT;
-    uint32_t n = get_le32(p + 4);
+    uint32_t n = stk_get_le32(p + 4);
     if (n != expect || len != STK_RECORD_HEADER + (size_t)n)
         return STK_EFORMAT;
-    out->label = (int32_t)get_le32(p);
+    out->label = (int32_t)stk_get_le32(p);
     out->nbytes = n;
     out->data = p + STK_RECORD_HEADER;
     return 0;
@@ -60,4 +61,17 @@ uint64_t stk_key_decode(const uint8_t key[8])
     for (int b = 0; b < 8; b++)
         v = v << 8 | key[b];
     return v;
+}
+
+uint32_t stk_crc32(const void *data, size_t len)
+{
+    uLong crc = crc32(0L, Z_NULL, 0);
+    const Bytef *p = data;
+    while (len) { /* zlib takes uInt lengths */
+        uInt n = len > (1u << 30) ? 1u << 30 : (uInt)len;
+        crc = crc32(crc, p, n);
+        p += n;
+        len -= n;
+    }
+    return (uint32_t)crc;
 }

@@ -123,6 +123,8 @@ char *stk_meta_to_json(const stk_meta *m)
     cJSON_AddItemToObject(o, "skipped_files", sk ? sk : cJSON_CreateObject());
     cJSON_AddStringToObject(o, "tool", m->tool ? m->tool : "");
     cJSON_AddStringToObject(o, "created", m->created ? m->created : "");
+    if (m->checksums)
+        cJSON_AddStringToObject(o, "checksums", "crc32");
     cJSON_AddBoolToObject(o, "complete", m->complete);
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
@@ -391,6 +393,11 @@ static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
     m->created = dup_str(root, "created");
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_files");
     m->skipped_json = sk ? cJSON_PrintUnformatted(sk) : NULL;
+    const cJSON *ck = cJSON_GetObjectItemCaseSensitive(root, "checksums");
+    if (ck && (!cJSON_IsString(ck) || strcmp(ck->valuestring, "crc32")))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: \"checksums\" is not \"crc32\"");
+    m->checksums = ck != NULL;
     const cJSON *done = cJSON_GetObjectItemCaseSensitive(root, "complete");
     if ((rc = want(done, is_bool, "complete", err)))
         return rc;

@@ -2,7 +2,7 @@
  * growth, read-only opening and per-thread zero-copy readers. */
 #include "store.h"
 
-#include "check.h"
+#include "store_impl.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -25,6 +25,8 @@
 struct split_count {
     char name[STK_SPLIT_NAME_MAX];
     uint64_t count;
+    uint8_t *crc; /* crc32 of each record, uint32 little-endian */
+    size_t crc_cap;
 };
 
 struct stk_store {
@@ -63,6 +65,8 @@ static void free_store(stk_store *s)
     free(s->final_dir);
     free(s->partial_dir);
     free(s->pend);
+    for (int i = 0; i < s->ncounts; i++)
+        free(s->counts[i].crc);
     stk_meta_free(&s->meta);
     free(s);
 }
@@ -380,6 +384,24 @@ static int flush(stk_store *s, stk_err *err)
     }
 }
 
+/* Keeps the record's crc32 for the checksum list written at finish. */
+static int note_crc(stk_store *s, struct split_count *c, const void *rec,
+                    size_t len, stk_err *err)
+{
+    size_t at = (size_t)c->count * 4;
+    if (at + 4 > c->crc_cap) {
+        size_t cap = c->crc_cap ? 2 * c->crc_cap : 4096;
+        uint8_t *p = realloc(c->crc, cap);
+        if (!p)
+            return stk_fail(err, STK_ENOMEM, "%s: out of memory",
+                            s->final_dir);
+        c->crc = p;
+        c->crc_cap = cap;
+    }
+    stk_put_le32(c->crc + at, stk_crc32(rec, len));
+    return 0;
+}
+
 static int select_split(stk_store *s, const char *split, stk_err *err)
 {
     if (s->cur >= 0 && !strcmp(s->counts[s->cur].name, split))
@@ -419,6 +441,8 @@ int stk_store_append(stk_store *s, const char *split, const void *rec,
                         "%s: split \"%s\" would hold more than %llu records",
                         s->final_dir, split,
                         (unsigned long long)STK_MAX_RECORDS);
+    if ((rc = note_crc(s, &s->counts[s->cur], rec, len, err)))
+        return rc;
     if (s->pend_len + 4 + len > s->pend_cap) {
         size_t cap = s->pend_cap ? s->pend_cap : MIB;
         while (cap < s->pend_len + 4 + len)
@@ -447,10 +471,30 @@ uint64_t stk_store_count(const stk_store *s, const char *split)
     return 0;
 }
 
+/* Puts the checksum list of every split written and the metadata's own
+ * checksum (docs/formats.md, "Checksums"). */
+static int put_checksums(stk_store *s, MDB_txn *txn, MDB_dbi meta_dbi,
+                         const char *json)
+{
+    MDB_dbi dbi;
+    int rc = mdb_dbi_open(txn, STK_CHECKSUM_DB, MDB_CREATE, &dbi);
+    for (int i = 0; !rc && i < s->ncounts; i++) {
+        const struct split_count *c = &s->counts[i];
+        MDB_val k = {strlen(c->name), (void *)c->name},
+                v = {(size_t)c->count * 4, c->crc};
+        rc = mdb_put(txn, dbi, &k, &v, 0);
+    }
+    uint8_t crc[4];
+    stk_put_le32(crc, stk_crc32(json, strlen(json)));
+    MDB_val k = {strlen(STK_META_CRC_KEY), STK_META_CRC_KEY}, v = {4, crc};
+    return rc ? rc : mdb_put(txn, meta_dbi, &k, &v, 0);
+}
+
 static int write_meta(stk_store *s, const stk_meta *meta, stk_err *err)
 {
     stk_meta m = *meta;
     m.complete = true;
+    m.checksums = true;
     char *json = stk_meta_to_json(&m);
     if (!json)
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->final_dir);
@@ -464,6 +508,8 @@ static int write_meta(stk_store *s, const stk_meta *meta, stk_err *err)
         rc = mdb_dbi_open(txn, META_DB, MDB_CREATE, &dbi);
         if (!rc)
             rc = mdb_put(txn, dbi, &k, &v, 0);
+        if (!rc)
+            rc = put_checksums(s, txn, dbi, json);
         if (rc)
             mdb_txn_abort(txn);
         else
@@ -736,8 +782,7 @@ static int decode_value(const char *split, uint64_t index, const void *data,
                         "shorter than its %d-byte header",
                         split, key, len, STK_RECORD_HEADER);
     const uint8_t *p = data;
-    uint32_t n = (uint32_t)p[4] | (uint32_t)p[5] << 8 |
-                 (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
+    uint32_t n = stk_get_le32(p + 4);
     if (n != expect)
         return stk_fail(err, STK_EFORMAT,
                         "split \"%s\": key %llu: the record's size field "

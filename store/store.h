@@ -45,6 +45,14 @@ void stk_record_encode(uint8_t *dst, int32_t label, const uint8_t *pixels,
 int stk_record_decode(const void *src, size_t len, uint32_t expect,
                       stk_record *out);
 
+/* Little-endian uint32 at p. */
+void stk_put_le32(uint8_t *p, uint32_t v);
+uint32_t stk_get_le32(const uint8_t *p);
+
+/* zlib's crc32 of len bytes (Python's zlib.crc32): the checksum of each
+ * record and of the metadata (docs/formats.md, "Checksums"). */
+uint32_t stk_crc32(const void *data, size_t len);
+
 /* Fills an 8-byte big-endian key for index i. */
 void stk_key_encode(uint8_t key[8], uint64_t i);
 uint64_t stk_key_decode(const uint8_t key[8]);
@@ -86,6 +94,8 @@ typedef struct stk_meta {
     char *skipped_json;        /* JSON object split -> [{file, error}], owned,
                                   may be NULL */
     bool complete;
+    bool checksums;            /* the "checksums" database is there (every
+                                  database this stoke writes) */
 } stk_meta;
 
 /* Frees everything a meta owns and zeroes it; NULL is a no-op. */

@@ -1,7 +1,10 @@
-/* check.h - private to store/: the structural check of data.mdb that
- * stk_store_open runs before liblmdb reads the file (check.c). */
-#ifndef STK_STORE_CHECK_H
-#define STK_STORE_CHECK_H
+/* store_impl.h - private to store/: the structural check of data.mdb that
+ * stk_store_open runs before liblmdb reads the file (check.c), and raw
+ * reads for the verification (verify.c). */
+#ifndef STK_STORE_IMPL_H
+#define STK_STORE_IMPL_H
+
+#include "store.h"
 
 #include "common/common.h"
 
@@ -30,5 +33,15 @@ int stk_lmdb_check_file(const char *dir, int fd, off_t size,
  * the pages it reads. */
 int stk_lmdb_check_env(MDB_env *env, const char *dir,
                        const stk_lmdb_facts *facts, stk_err *err);
+
+/* A copy (malloc'd, caller frees) of the value under key in the named
+ * database db of an opened store. STK_ENOENT when the database or the key
+ * is not there. */
+int stk_store_get_copy(stk_store *s, const char *db, const char *key,
+                       uint8_t **copy, size_t *len, stk_err *err);
+
+/* Key of the metadata's checksum in the meta database: crc32 of the
+ * "dataset" value, uint32 little-endian. */
+#define STK_META_CRC_KEY "dataset.crc32"
 
 #endif
