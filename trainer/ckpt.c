@@ -376,6 +376,7 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
     const cJSON *best = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
     const char *want = o->optim == STK_OPT_SGD ? "sgd" : "adamw";
     char why[96];
+    *v = (saved_state){.world = 1, .accum = 1};
     if (!cJSON_IsObject(s))
         return stk_fail(err, STK_EFORMAT, "%s: not a JSON object", path);
     if (!cJSON_IsString(opt) || strcmp(opt->valuestring, want))
@@ -400,7 +401,7 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
                        err);
     /* a position within the epoch, as that many ranks split it; a finished
      * run's is the start of the epoch after its last */
-    uint64_t batches = ((n + v->world - 1) / v->world + b - 1) / b;
+    uint64_t batches = rc ? 0 : ((n + v->world - 1) / v->world + b - 1) / b;
     bool done = v->epoch == (uint64_t)o->epochs;
     snprintf(why, sizeof why, " (%s)",
              done ? "all epochs are done" : "the batches of an epoch for loader.world ranks");
