@@ -466,6 +466,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
                                                              r->p.nbytes),
         .map_size_max = o->map_size_max,
         .force = o->force,
+        .verify = true, /* read it all back before publishing */
     };
     if (!(r->skipped = cJSON_CreateObject()))
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);

@@ -5,6 +5,7 @@
 
 #include <cjson/cJSON.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,9 +15,32 @@
 #define GAP 2
 
 static const char usage[] =
-    "usage: dbinfo DB_DIR [--split NAME] [--grid OUT.png]\n"
+    "usage: dbinfo DB_DIR [--split NAME] [--grid OUT.png] [--verify]\n"
     "Print what a stoke database holds; --grid writes a PNG contact sheet of\n"
-    "the first 64 samples of a split (default: the first split).\n";
+    "the first 64 samples of a split (default: the first split); --verify\n"
+    "reads every record and checks it against the metadata and checksums\n"
+    "(exit 1 when anything is wrong).\n";
+
+/* Prints a name from the database for a terminal: valid UTF-8 as is,
+ * control characters (C0, DEL, C1), bytes that are not UTF-8 and the
+ * backslash as \xHH escapes, so a file name cannot move the cursor or
+ * change colours. */
+static void put_name(const char *s)
+{
+    size_t n = strlen(s);
+    for (size_t i = 0, k; i < n; i += k) {
+        unsigned char b = (unsigned char)s[i];
+        k = stk_utf8_len(s + i, n - i);
+        bool c1 = k == 2 && b == 0xc2 && (unsigned char)s[i + 1] < 0xa0;
+        if (k && !c1 && (b >= 0x80 || (b >= 0x20 && b != 0x7f && b != '\\'))) {
+            fwrite(s + i, 1, k, stdout);
+            continue;
+        }
+        for (size_t j = 0; j < (k ? k : 1); j++)
+            printf("\\x%02x", (unsigned char)s[i + j]);
+        k = k ? k : 1;
+    }
+}
 
 static void print_header(const char *dir, const stk_meta *m)
 {
@@ -26,14 +50,23 @@ static void print_header(const char *dir, const stk_meta *m)
     double mib = stat(path, &st) == 0 ? st.st_size / 1048576.0 : 0;
     printf("database  %s (%s, %.1f MiB)\n", dir,
            m->complete ? "complete" : "INCOMPLETE", mib);
-    printf("source    %s (%s)\n", m->source_path, m->source_format);
-    printf("created   %s by %s\n", m->created, m->tool);
+    printf("source    ");
+    put_name(m->source_path);
+    printf(" (");
+    put_name(m->source_format);
+    printf(")\ncreated   ");
+    put_name(m->created);
+    printf(" by ");
+    put_name(m->tool);
+    printf("\n");
     printf("record    %d-byte header + uint8 %dx%dx%d (CHW) = %u bytes\n",
            STK_RECORD_HEADER, m->channels, m->height, m->width,
            STK_RECORD_HEADER + stk_meta_sample_bytes(m));
     printf("classes   %d:", m->nclasses);
-    for (int c = 0; c < m->nclasses; c++)
-        printf("%s %s", c ? "," : "", m->classes[c]);
+    for (int c = 0; c < m->nclasses; c++) {
+        printf("%s ", c ? "," : "");
+        put_name(m->classes[c]);
+    }
     printf("\n");
 }
 
@@ -55,8 +88,9 @@ static void print_split(const stk_meta *m, const stk_split_meta *sp)
         top = sp->label_counts[c] > top ? sp->label_counts[c] : top;
     for (int c = 0; c < m->nclasses; c++) {
         int bar = (int)(30 * sp->label_counts[c] / top);
-        printf("    %3d %-16.16s %8llu %.*s\n", c, m->classes[c],
-               (unsigned long long)sp->label_counts[c], bar,
+        printf("    %3d ", c);
+        put_name(m->classes[c]);
+        printf("  %llu %.*s\n", (unsigned long long)sp->label_counts[c], bar,
                "##############################");
     }
 }
@@ -68,13 +102,18 @@ static void print_skipped(const stk_meta *m)
     cJSON_ArrayForEach(split, sk)
     {
         const cJSON *f;
-        printf("\nskipped in %s:\n", split->string);
+        printf("\nskipped in ");
+        put_name(split->string ? split->string : "?");
+        printf(":\n");
         cJSON_ArrayForEach(f, split)
         {
-            const cJSON *file = cJSON_GetObjectItem(f, "file");
-            const cJSON *why = cJSON_GetObjectItem(f, "error");
-            printf("  %s: %s\n", cJSON_GetStringValue(file),
-                   cJSON_GetStringValue(why));
+            const char *file = cJSON_GetStringValue(cJSON_GetObjectItem(f, "file"));
+            const char *why = cJSON_GetStringValue(cJSON_GetObjectItem(f, "error"));
+            printf("  ");
+            put_name(file ? file : "?");
+            printf(": ");
+            put_name(why ? why : "?");
+            printf("\n");
         }
     }
     cJSON_Delete(sk);
@@ -115,13 +154,38 @@ static int write_grid(stk_store *s, const char *split, const char *out,
     return rc;
 }
 
+/* --verify: every record against the metadata and checksums; the first
+ * problems on stderr, exit 1 when there are any. */
+static int run_verify(stk_store *s, const char *dir)
+{
+    stk_verify_report rep;
+    stk_err err = {0};
+    int rc = stk_store_verify(s, &rep, &err);
+    if (rc && rc != STK_EFORMAT) {
+        fprintf(stderr, "dbinfo: error: %s: %s\n", dir, err.msg);
+        return rc;
+    }
+    for (uint64_t i = 0; i < rep.problems && i < STK_VERIFY_KEPT; i++)
+        fprintf(stderr, "dbinfo: error: %s: %s\n", dir, rep.first[i]);
+    if (rep.problems > STK_VERIFY_KEPT)
+        fprintf(stderr, "dbinfo: error: %s: ... %llu problems in all\n", dir,
+                (unsigned long long)rep.problems);
+    printf("\nverify    %llu records: %s%s\n",
+           (unsigned long long)rep.records,
+           rep.problems ? "DAMAGED" : "ok",
+           rep.checksums ? "" : " (no checksums: written by an older prep)");
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option longs[] = {{"split", required_argument, 0, 's'},
                                           {"grid", required_argument, 0, 'g'},
+                                          {"verify", no_argument, 0, 'v'},
                                           {"help", no_argument, 0, 'h'},
                                           {0, 0, 0, 0}};
     const char *split = NULL, *grid = NULL;
+    bool verify = false;
     int ch;
     opterr = 0;
     while ((ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
@@ -129,6 +193,8 @@ int main(int argc, char **argv)
             split = optarg;
         else if (ch == 'g')
             grid = optarg;
+        else if (ch == 'v')
+            verify = true;
         else if (ch == 'h') {
             fputs(usage, stdout);
             return 0;
@@ -170,6 +236,8 @@ int main(int argc, char **argv)
         else
             printf("\nwrote %s: first samples of split %s\n", grid, gs);
     }
+    if (!rc && verify)
+        rc = run_verify(s, dir);
     stk_store_close(s);
     return rc ? 1 : 0;
 }

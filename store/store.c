@@ -568,6 +568,25 @@ static int publish(stk_store *s, bool *old_left, stk_err *err)
     return stk_fsync_dir(dirname(parent), err);
 }
 
+/* Reads the finished partial database back the way every reader will
+ * (structural check, metadata, every record against its checksum) before
+ * it is published. */
+static int verify_written(stk_store *s, stk_err *err)
+{
+    stk_store *r;
+    stk_err e = {0};
+    stk_verify_report rep;
+    int rc = stk_store_open(s->partial_dir, 0, &r, &e);
+    if (!rc) {
+        rc = stk_store_verify(r, &rep, &e);
+        stk_store_close(r);
+    }
+    return rc ? stk_fail(err, rc,
+                         "%s: the database written does not verify: %s",
+                         s->final_dir, e.msg)
+              : 0;
+}
+
 int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
 {
     if (!s->writable || s->finished)
@@ -588,6 +607,8 @@ int stk_store_finish(stk_store *s, const stk_meta *meta, stk_err *err)
     if (fsync(s->lock_fd) != 0) /* the entries of data.mdb and lock.mdb */
         return stk_fail(err, stk_from_errno(errno), "%s: fsync failed: %s",
                         s->partial_dir, strerror(errno));
+    if (s->opts.verify && (rc = verify_written(s, err)))
+        return rc;
     bool old_left;
     rc = publish(s, &old_left, err);
     /* the new database is in place even if removing the old one fails */
@@ -743,6 +764,36 @@ void stk_store_close(stk_store *s)
         stk_remove_flat_dir(s->partial_dir, NULL);
     }
     free_store(s);
+}
+
+int stk_store_get_copy(stk_store *s, const char *db, const char *key,
+                       uint8_t **copy, size_t *len, stk_err *err)
+{
+    *copy = NULL;
+    *len = 0;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k = {strlen(key), (void *)key}, v;
+    int rc = mdb_txn_begin(s->env, NULL, MDB_RDONLY, &txn);
+    if (rc)
+        return stk_fail(err, STK_ESTORE, "read transaction: %s",
+                        mdb_strerror(rc));
+    if (!(rc = mdb_dbi_open(txn, db, 0, &dbi)))
+        rc = mdb_get(txn, dbi, &k, &v);
+    if (!rc && !(*copy = malloc(v.mv_size ? v.mv_size : 1)))
+        rc = ENOMEM;
+    if (!rc) {
+        memcpy(*copy, v.mv_data, v.mv_size);
+        *len = v.mv_size;
+    }
+    mdb_txn_abort(txn);
+    if (rc == MDB_NOTFOUND)
+        return stk_fail(err, STK_ENOENT, "no \"%s\" in database \"%s\"", key,
+                        db);
+    return rc ? stk_fail(err, rc == ENOMEM ? STK_ENOMEM : STK_ESTORE,
+                         "reading \"%s\" of database \"%s\": %s", key, db,
+                         mdb_strerror(rc))
+              : 0;
 }
 
 /* ---- record lookups, shared by readers and views ------------------------ */

@@ -152,6 +152,8 @@ typedef struct stk_store_opts {
     size_t txn_bytes;       /* commit after this many pending bytes;
                                0 = 64 MiB */
     bool force;             /* replace an existing complete database */
+    bool verify;            /* stk_store_finish reopens the database and
+                               runs stk_store_verify before publishing it */
 } stk_store_opts;
 
 /* Starts a new database that will appear at dir when finished. Refuses a dir
@@ -195,6 +197,28 @@ size_t stk_store_map_size(const stk_store *s);
 /* Closes the store. A created store that was not finished is discarded: its
  * partial directory is removed. NULL is a no-op. */
 void stk_store_close(stk_store *s);
+
+/* ---- verification (verify.c) ------------------------------------------- */
+
+#define STK_VERIFY_KEPT 8
+
+typedef struct stk_verify_report {
+    uint64_t records;   /* records read */
+    uint64_t problems;  /* problems found */
+    bool checksums;     /* checksums were compared (a database written
+                           before them has none) */
+    char first[STK_VERIFY_KEPT][320]; /* the first problems, each naming
+                                         split and key */
+} stk_verify_report;
+
+/* Reads every record of every split of an opened store and checks it: keys
+ * dense from 0, the record's size field and length against the shape, the
+ * label in 0..nclasses-1, its crc32 against the checksum list; then per
+ * split the count, label_counts, mean and std against the metadata, and the
+ * metadata against its own checksum. Returns 0 when all agree, STK_EFORMAT
+ * when something does not (err holds the first problem and rep all of
+ * them), another code when the database could not be read. */
+int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err);
 
 /* ---- views: a whole split, addressed by index, for many threads ------- */
 

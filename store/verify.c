@@ -1,0 +1,196 @@
+/* verify.c - stk_store_verify: every record read and checked against the
+ * metadata and the checksums, so damage is found by a command (dbinfo
+ * --verify, the end of prep) and not by a crash or a wrong label in the
+ * middle of training. The structural check of the file (check.c) has
+ * already passed when a store is open. */
+#include "store_impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void problem(stk_verify_report *rep, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void problem(stk_verify_report *rep, const char *fmt, ...)
+{
+    if (rep->problems < STK_VERIFY_KEPT) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(rep->first[rep->problems], sizeof rep->first[0], fmt, ap);
+        va_end(ap);
+    }
+    rep->problems++;
+}
+
+/* What one split's records add up to. */
+typedef struct tally {
+    uint64_t *labels;                   /* per class */
+    uint64_t sums[2 * STK_MAX_CHANNELS]; /* per channel: sum, sum of squares */
+} tally;
+
+/* The split's checksum list, or NULL (reported) when it is missing or does
+ * not have one entry per record. */
+static uint8_t *checksum_list(stk_store *s, const stk_split_meta *sp,
+                              stk_verify_report *rep, int *rc, stk_err *err)
+{
+    uint8_t *list;
+    size_t len;
+    *rc = stk_store_get_copy(s, STK_CHECKSUM_DB, sp->name, &list, &len, err);
+    if (*rc == STK_ENOENT) {
+        *rc = 0;
+        if (sp->count)
+            problem(rep, "split \"%s\": its checksum list is missing",
+                    sp->name);
+        return NULL;
+    }
+    if (!*rc && len != sp->count * 4) {
+        problem(rep, "split \"%s\": its checksum list holds %zu bytes, %llu "
+                "records need %llu", sp->name, len,
+                (unsigned long long)sp->count,
+                (unsigned long long)sp->count * 4);
+        free(list);
+        return NULL;
+    }
+    return list;
+}
+
+static void add_pixels(tally *t, const stk_record *r, int channels)
+{
+    size_t plane = r->nbytes / (size_t)channels;
+    for (int c = 0; c < channels; c++) {
+        const uint8_t *p = r->data + (size_t)c * plane;
+        uint64_t sum = 0, sq = 0;
+        for (size_t j = 0; j < plane; j++) {
+            sum += p[j];
+            sq += (uint64_t)p[j] * p[j];
+        }
+        t->sums[2 * c] += sum;
+        t->sums[2 * c + 1] += sq;
+    }
+}
+
+/* One record: size (through the view), label, checksum. */
+static void check_record(const stk_view *v, const stk_meta *m,
+                         const stk_split_meta *sp, uint64_t i,
+                         const uint8_t *crcs, tally *t,
+                         stk_verify_report *rep)
+{
+    stk_record r;
+    stk_err e;
+    rep->records++;
+    if (stk_view_get(v, i, &r, &e)) {
+        problem(rep, "%s", e.msg);
+        return;
+    }
+    unsigned long long key = (unsigned long long)i;
+    if (crcs) {
+        uint32_t want = stk_get_le32(crcs + 4 * i);
+        uint32_t have = stk_crc32(r.data - STK_RECORD_HEADER,
+                                  STK_RECORD_HEADER + (size_t)r.nbytes);
+        if (have != want)
+            problem(rep, "split \"%s\": key %llu: the record's crc32 is "
+                    "%08x, its checksum list says %08x (changed after prep "
+                    "wrote it)", sp->name, key, have, want);
+    }
+    if (r.label < 0 || r.label >= m->nclasses) {
+        problem(rep, "split \"%s\": key %llu: label %d is outside the %d "
+                "classes (0..%d)", sp->name, key, r.label, m->nclasses,
+                m->nclasses - 1);
+        return;
+    }
+    t->labels[r.label]++;
+    add_pixels(t, &r, m->channels);
+}
+
+/* The split's label counts, mean and std against its metadata (the mean
+ * and std computed as prep computes them, from integer sums). */
+static void check_totals(const stk_meta *m, const stk_split_meta *sp,
+                         const tally *t, stk_verify_report *rep)
+{
+    for (int c = 0; c < m->nclasses; c++)
+        if (t->labels[c] != sp->label_counts[c])
+            problem(rep, "split \"%s\": %llu records have label %d (%s), the "
+                    "metadata's label_counts say %llu", sp->name,
+                    (unsigned long long)t->labels[c], c, m->classes[c],
+                    (unsigned long long)sp->label_counts[c]);
+    double n = (double)sp->count * m->height * m->width;
+    for (int c = 0; c < m->channels && n > 0; c++) {
+        double mean = (double)t->sums[2 * c] / n;
+        double var = (double)t->sums[2 * c + 1] / n - mean * mean;
+        double std = (var > 0 ? sqrt(var) : 0.0) / 255.0;
+        mean /= 255.0;
+        if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9)
+            problem(rep, "split \"%s\": channel %d has mean %.6f and std "
+                    "%.6f, the metadata says %.6f and %.6f", sp->name, c,
+                    mean, std, sp->mean[c], sp->std[c]);
+    }
+}
+
+static int verify_split(stk_store *s, const stk_split_meta *sp,
+                        stk_verify_report *rep, stk_err *err)
+{
+    const stk_meta *m = stk_store_meta(s);
+    stk_view *v;
+    stk_err e;
+    int rc = stk_view_open(s, sp->name, &v, &e);
+    if (rc == STK_EFORMAT) { /* a missing or misplaced key */
+        problem(rep, "%s", e.msg);
+        return 0;
+    }
+    if (rc)
+        return stk_fail(err, rc, "%s", e.msg);
+    uint8_t *crcs = m->checksums ? checksum_list(s, sp, rep, &rc, err) : NULL;
+    tally t = {.labels = calloc((size_t)m->nclasses + 1, sizeof(uint64_t))};
+    if (!rc && !t.labels)
+        rc = stk_fail(err, STK_ENOMEM, "out of memory");
+    for (uint64_t i = 0; !rc && i < stk_view_count(v); i++)
+        check_record(v, m, sp, i, crcs, &t, rep);
+    if (!rc)
+        check_totals(m, sp, &t, rep);
+    free(t.labels);
+    free(crcs);
+    stk_view_close(v);
+    return rc;
+}
+
+/* The metadata's bytes against their checksum. */
+static int verify_meta(stk_store *s, stk_verify_report *rep, stk_err *err)
+{
+    uint8_t *json = NULL, *crc = NULL;
+    size_t jlen, clen;
+    int rc = stk_store_get_copy(s, STK_META_DB, "dataset", &json, &jlen, err);
+    if (!rc)
+        rc = stk_store_get_copy(s, STK_META_DB, STK_META_CRC_KEY, &crc, &clen,
+                                err);
+    if (rc == STK_ENOENT) {
+        rc = 0;
+        problem(rep, "metadata: its checksum (\"%s\") is missing",
+                STK_META_CRC_KEY);
+    } else if (!rc && (clen != 4 ||
+                       stk_get_le32(crc) != stk_crc32(json, jlen))) {
+        problem(rep, "metadata: the \"dataset\" value does not match its "
+                "checksum (changed after prep wrote it)");
+    }
+    free(json);
+    free(crc);
+    return rc;
+}
+
+int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err)
+{
+    memset(rep, 0, sizeof *rep);
+    const stk_meta *m = stk_store_meta(s);
+    rep->checksums = m->checksums;
+    int rc = m->checksums ? verify_meta(s, rep, err) : 0;
+    for (int k = 0; !rc && k < m->nsplits; k++)
+        rc = verify_split(s, &m->splits[k], rep, err);
+    if (rc)
+        return rc;
+    if (rep->problems)
+        return stk_fail(err, STK_EFORMAT, "%s%s", rep->first[0],
+                        rep->problems > 1 ? " (and more)" : "");
+    return 0;
+}
