@@ -18,7 +18,6 @@
 #include "dist.h"
 #include "store_wire.h"
 
-#include <ctype.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -103,7 +102,7 @@ static void printable(char *out, size_t size, const char *key, size_t klen)
             break;
         }
         unsigned char ch = (unsigned char)key[i];
-        out[n++] = isprint(ch) ? (char)ch : '?';
+        out[n++] = ch >= 0x20 && ch < 0x7f ? (char)ch : '?'; /* any locale */
     }
     out[n] = '\0';
 }
