@@ -23,7 +23,13 @@ typedef struct strvec {
 typedef struct item {
     char *path;
     int32_t label;
+    const char *not_regular; /* "a FIFO", ...: what the walk found instead */
 } item;
+
+typedef struct itemvec {
+    item *v;
+    size_t n, cap;
+} itemvec;
 
 typedef struct folder_data {
     item *items[SRC_MAX_SPLITS];
@@ -47,6 +53,37 @@ static int push(strvec *sv, char *s)
     return 0;
 }
 
+static int push_item(itemvec *iv, char *path, const char *not_regular)
+{
+    if (!path)
+        return STK_ENOMEM;
+    if (iv->n == iv->cap) {
+        size_t cap = iv->cap ? iv->cap * 2 : 64;
+        item *v = realloc(iv->v, cap * sizeof *v);
+        if (!v) {
+            free(path);
+            return STK_ENOMEM;
+        }
+        iv->v = v;
+        iv->cap = cap;
+    }
+    iv->v[iv->n++] = (item){path, -1, not_regular};
+    return 0;
+}
+
+static void itemvec_free(itemvec *iv)
+{
+    for (size_t i = 0; i < iv->n; i++)
+        free(iv->v[i].path);
+    free(iv->v);
+    memset(iv, 0, sizeof *iv);
+}
+
+static int cmp_item(const void *a, const void *b)
+{
+    return strcmp(((const item *)a)->path, ((const item *)b)->path);
+}
+
 static void strvec_free(strvec *sv)
 {
     for (size_t i = 0; i < sv->n; i++)
@@ -67,25 +104,43 @@ static int is_image(const char *name)
                    !strcasecmp(dot, ".jpeg"));
 }
 
-/* Whether entry de of directory path is a directory (following symbolic
- * links, as torchvision does). d_type saves a stat per entry on the file
- * systems that fill it in. */
-static int entry_is_dir(const char *path, const struct dirent *de)
+/* What entry de (at path) is, following symbolic links as torchvision
+ * does: a directory (*is_dir), a regular file, or something else, named in
+ * *other as stk_open_regular names it. d_type saves a stat per entry where
+ * the file system fills it in; nothing is opened, so nothing can block or
+ * wake a device. A dangling link counts as a file: loading it says why. */
+static void classify(const char *path, const struct dirent *de, int *is_dir,
+                     const char **other)
 {
-    if (de->d_type != DT_UNKNOWN && de->d_type != DT_LNK)
-        return de->d_type == DT_DIR;
+    *is_dir = 0;
+    *other = NULL;
+    mode_t m = de->d_type == DT_DIR    ? S_IFDIR
+               : de->d_type == DT_REG  ? S_IFREG
+               : de->d_type == DT_FIFO ? S_IFIFO
+               : de->d_type == DT_SOCK ? S_IFSOCK
+               : de->d_type == DT_CHR  ? S_IFCHR
+               : de->d_type == DT_BLK  ? S_IFBLK
+                                       : 0; /* DT_LNK, DT_UNKNOWN */
     struct stat st;
-    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+    if (!m)
+        m = stat(path, &st) == 0 ? st.st_mode & S_IFMT : S_IFREG;
+    *is_dir = S_ISDIR(m);
+    if (!S_ISDIR(m) && !S_ISREG(m))
+        *other = S_ISFIFO(m)   ? "a FIFO"
+                 : S_ISSOCK(m) ? "a socket"
+                 : S_ISCHR(m)  ? "a character device"
+                 : S_ISBLK(m)  ? "a block device"
+                               : "not a file";
 }
 
 /* Lists the entries of dir (no hidden ones): folders into dirs (names),
  * files with an image extension into files (full paths); either may be
- * NULL. Such a file that is not a regular file (a FIFO named x.png, a
- * device, a dangling link) is listed too: loading it fails with the reason
- * and the name ("x.png: not a regular file (a FIFO)"), and --skip-bad
- * records it; nothing is ever opened here, so nothing can block.
- * *others counts the entries that are neither (may be NULL). */
-static int list_dir(const char *dir, strvec *dirs, strvec *files,
+ * NULL. Such an entry that is not a regular file (a FIFO named x.png, a
+ * device) is listed too, with what it is: loading it fails naming it
+ * ("x.png: not a regular file (a FIFO)") without opening it, and
+ * --skip-bad records it. *others counts the entries that are neither (may
+ * be NULL). */
+static int list_dir(const char *dir, strvec *dirs, itemvec *files,
                     size_t *others, stk_err *err)
 {
     DIR *d = opendir(dir);
@@ -103,11 +158,14 @@ static int list_dir(const char *dir, strvec *dirs, strvec *files,
             rc = STK_ENOMEM;
             break;
         }
-        if (entry_is_dir(full, de)) {
+        int is_dir;
+        const char *other;
+        classify(full, de, &is_dir, &other);
+        if (is_dir) {
             rc = dirs ? push(dirs, strdup(de->d_name)) : 0;
             free(full);
         } else if (files && is_image(de->d_name)) {
-            rc = push(files, full);
+            rc = push_item(files, full, other);
         } else {
             free(full);
             if (others)
@@ -136,7 +194,7 @@ typedef struct walk_frame {
 } walk_frame;
 
 /* Collects every image below dir, recursively. */
-static int walk(const char *dir, const walk_frame *up, strvec *files,
+static int walk(const char *dir, const walk_frame *up, itemvec *files,
                 stk_err *err)
 {
     struct stat st;
@@ -172,47 +230,40 @@ static int class_index(const stk_source *s, const char *name)
     return -1;
 }
 
-/* Lists split folder root/<class>/... into the split's items. */
+/* Lists split folder root/<class>/... into the split's items: each class's
+ * images sorted by path, the classes in name order. */
 static int index_split(stk_source *s, folder_data *x, int k, const char *root,
                        stk_err *err)
 {
-    strvec classes = {0}, files = {0};
+    strvec classes = {0};
+    itemvec all = {0};
     int rc = list_dir(root, &classes, NULL, NULL, err);
-    size_t cap = 0, n = 0;
     for (size_t c = 0; !rc && c < classes.n; c++) {
         char *cdir;
         if (asprintf(&cdir, "%s/%s", root, classes.v[c]) < 0) {
             rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", root);
             break;
         }
-        files.n = 0;
-        rc = walk(cdir, NULL, &files, err);
+        size_t first = all.n;
+        rc = walk(cdir, NULL, &all, err);
         free(cdir);
-        if (files.n > 1) /* an empty class folder has no array to sort */
-            qsort(files.v, files.n, sizeof *files.v, cmp_str);
-        if (!rc && n + files.n > cap) {
-            cap = (n + files.n) * 2;
-            item *it = realloc(x->items[k], cap * sizeof *it);
-            if (!it)
-                rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", root);
-            else
-                x->items[k] = it;
-        }
-        for (size_t f = 0; !rc && f < files.n; f++) {
-            x->items[k][n].path = files.v[f];
-            x->items[k][n++].label = class_index(s, classes.v[c]);
-            files.v[f] = NULL;
-        }
-        for (size_t f = 0; f < files.n; f++)
-            free(files.v[f]);
+        if (all.n - first > 1) /* an empty class folder has nothing to sort */
+            qsort(all.v + first, all.n - first, sizeof *all.v, cmp_item);
+        int32_t label = class_index(s, classes.v[c]);
+        for (size_t i = first; i < all.n; i++)
+            all.v[i].label = label;
     }
-    free(files.v);
     strvec_free(&classes);
-    s->split_count[k] = n;
-    if (!rc && !n)
+    if (!rc && !all.n)
         rc = stk_fail(err, STK_ENOENT,
                       "%s: no .png/.jpg/.jpeg files in class folders", root);
-    return rc;
+    if (rc) {
+        itemvec_free(&all);
+        return rc;
+    }
+    x->items[k] = all.v; /* the source owns them now */
+    s->split_count[k] = all.n;
+    return 0;
 }
 
 /* The folder that holds split k's class folders (malloc'd). */
@@ -262,7 +313,7 @@ static int find_splits(stk_source *s, strvec *top, int *layout_split,
 /* For "no class folders": what dir holds instead. */
 static void describe(const char *dir, char *buf, size_t n)
 {
-    strvec files = {0};
+    itemvec files = {0};
     size_t others = 0;
     if (list_dir(dir, NULL, &files, &others, NULL) == 0)
         snprintf(buf, n,
@@ -272,7 +323,7 @@ static void describe(const char *dir, char *buf, size_t n)
                  files.n, others);
     else
         buf[0] = '\0';
-    strvec_free(&files);
+    itemvec_free(&files);
 }
 
 /* Union of class folder names over the splits, sorted by bytes (Python's
@@ -311,6 +362,9 @@ static int folder_load(const stk_source *s, stk_decoder *d, int split,
 {
     const folder_data *x = s->impl;
     const item *it = &x->items[split][i];
+    if (it->not_regular) /* as stk_read_file would say, without opening it */
+        return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)",
+                        it->path, it->not_regular);
     uint8_t *data;
     size_t len;
     int rc = stk_read_file(it->path, &data, &len, err);

@@ -232,8 +232,8 @@ done
 ok "SOURCE_DATE_EPOCH checked"
 
 # --- Ctrl-C and SIGTERM: exit 130 at any point, nothing left behind ------------
-# (as soon as prep catches them, while it reads the IDX files; and a second
-# later, while it writes records)
+# (as soon as prep catches them, while it reads the IDX files; and once its
+# partial database exists, while it writes records)
 caught() { # waits until process $1 has handlers for SIGINT and SIGTERM
   local m
   for _ in $(seq 1000); do
@@ -243,11 +243,16 @@ caught() { # waits until process $1 has handlers for SIGINT and SIGTERM
   done
   fail "prep never caught SIGINT and SIGTERM"
 }
+reading() { :; } # caught returns while prep reads the IDX files
+writing() { # waits until prep has created its partial database
+  for _ in $(seq 2000); do [ -d .sigdb.partial ] && return 0; sleep 0.005; done
+  fail "prep never started writing"
+}
 for sig in INT TERM; do
-  for at in 0 1.5; do
+  for at in reading writing; do
     "$P" --workers 1 --quiet --gray --size 40 "$FASHION" sigdb & pid=$!
-    caught $pid; sleep $at; kill -$sig $pid; rc=0; wait $pid || rc=$?
-    [ $rc -eq 130 ] || fail "SIG$sig after ${at}s: exit $rc, expected 130"
+    caught $pid; $at; kill -$sig $pid; rc=0; wait $pid || rc=$?
+    [ $rc -eq 130 ] || fail "SIG$sig once $at: exit $rc, expected 130"
     absent sigdb
   done
 done
