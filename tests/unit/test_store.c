@@ -308,6 +308,28 @@ static void incomplete_database_refused(void **state)
 
 /* ---- damaged files ----------------------------------------------------- */
 
+/* The mean and std of split k's n records of 3 planes (fill()), as prep
+ * computes them: from integer sums. */
+static void pixel_stats(stk_split_meta *sp, int k, uint64_t n, size_t plane)
+{
+    uint8_t *px = malloc(3 * plane);
+    uint64_t sum[3] = {0}, sq[3] = {0};
+    for (uint64_t i = 0; i < n; i++) {
+        fill(px, k, i, 3 * plane);
+        for (size_t j = 0; j < 3 * plane; j++) {
+            sum[j / plane] += px[j];
+            sq[j / plane] += (uint64_t)px[j] * px[j];
+        }
+    }
+    for (int c = 0; c < 3; c++) {
+        double cnt = (double)n * (double)plane;
+        double mean = sum[c] / cnt, var = sq[c] / cnt - mean * mean;
+        sp->mean[c] = mean / 255.0;
+        sp->std[c] = (var > 0 ? sqrt(var) : 0.0) / 255.0;
+    }
+    free(px);
+}
+
 /* Builds dir with splits "train" (ntrain records) and "test" (20) of shape
  * 3 x h x 5; pixels from fill(), label i % 3. */
 static void build_db(const char *dir, int h, uint64_t ntrain)
@@ -329,6 +351,8 @@ static void build_db(const char *dir, int h, uint64_t ntrain)
         }
     stk_meta m = sample_meta(ntrain, 20);
     m.height = h;
+    for (int k = 0; k < 2; k++)
+        pixel_stats(&m.splits[k], k, counts[k], (size_t)h * 5);
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
     free(rec);
@@ -356,30 +380,44 @@ static void write_all(const char *path, const uint8_t *d, size_t len)
     fclose(f);
 }
 
-/* Opens dir and reads every record of every split through a view and a
- * reader: with a damaged file, each step either fails with a message or
- * works; none may crash. Returns 0 when all of it worked. */
+/* Opens dir, verifies it, and reads every record of every split through a
+ * view and a reader: with a damaged file, each step either fails with a
+ * message or works, and none may crash; when all of it works, every record
+ * must be the one written (the damage was in bytes nobody reads). Returns
+ * 0 when all of it worked. */
 static int read_everything(const char *dir)
 {
     stk_store *s;
     stk_err err = {0};
+    stk_verify_report rep;
     int rc = stk_store_open(dir, 0, &s, &err);
     if (rc) {
         assert_true(rc < 0 && err.msg[0]);
         return rc;
     }
+    if ((rc = stk_store_verify(s, &rep, &err))) {
+        assert_true(rc < 0 && err.msg[0]);
+        stk_store_close(s);
+        return rc;
+    }
     const stk_meta *m = stk_store_meta(s);
+    uint8_t px[3 * 200 * 5];
     for (int k = 0; !rc && k < m->nsplits; k++) {
         stk_view *v;
         stk_reader *r;
         if ((rc = stk_view_open(s, m->splits[k].name, &v, &err)))
             break;
         rc = stk_reader_open(s, m->splits[k].name, &r, &err);
+        int kk = !strcmp(m->splits[k].name, "test");
         for (uint64_t i = 0; !rc && i < stk_view_count(v); i++) {
             stk_record a, b;
             if (!(rc = stk_view_get(v, i, &a, &err)) &&
-                !(rc = stk_reader_get(r, i, &b, &err)))
-                assert_memory_equal(a.data, b.data, a.nbytes);
+                !(rc = stk_reader_get(r, i, &b, &err))) {
+                fill(px, kk, i, a.nbytes);
+                assert_int_equal(a.label, (int32_t)(i % 3));
+                assert_memory_equal(a.data, px, a.nbytes);
+                assert_memory_equal(b.data, px, b.nbytes);
+            }
         }
         stk_reader_close(r);
         stk_view_close(v);
@@ -391,7 +429,8 @@ static int read_everything(const char *dir)
 /* Changes bytes where liblmdb 0.9 trusts the file (page headers, node
  * offsets, node headers, meta pages) and anywhere at random, one change at a
  * time, in a database of small inline records and one of large (overflow)
- * records: opening and reading must fail cleanly or work, never crash. */
+ * records: opening, verifying and reading must fail cleanly or work, never
+ * crash, and what works must read the records written. */
 static void damaged_file_never_crashes(void **state)
 {
     (void)state;
@@ -421,7 +460,7 @@ static void damaged_file_never_crashes(void **state)
                 for (int b = 24; b < 16 + 136 && ns < 40; b += 4)
                     spots[ns++] = b;
             /* meta pages: every spot; others: 6 spots drawn */
-            for (int j = 0; j < (pg < 2 ? ns : 6); j++) {
+            for (int j = 0; j < (pg < 2 ? ns : 4); j++) {
                 size_t at = spots[pg < 2 ? j : (int)(rand_r(&seed) % ns)];
                 const uint8_t vals[4] = {0x00, 0xff, p[at] ^ 0x01,
                                          p[at] ^ 0x80};
@@ -432,7 +471,7 @@ static void damaged_file_never_crashes(void **state)
                 trials++;
             }
         }
-        for (int t = 0; t < 500; t++) { /* anywhere, 1 to 4 bytes */
+        for (int t = 0; t < 300; t++) { /* anywhere, 1 to 4 bytes */
             memcpy(buf, orig, len);
             int nb = 1 + (int)(rand_r(&seed) % 4);
             for (int b = 0; b < nb; b++)
@@ -652,6 +691,103 @@ static void meta_names_keep_their_bytes(void **state)
     free(json);
 }
 
+
+/* Rewrites record key of split "train" through LMDB after byte at is set
+ * to val (a tampered record that LMDB itself finds nothing wrong with). */
+static void tamper(const char *dir, uint64_t key, size_t at, uint8_t val)
+{
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    assert_int_equal(mdb_env_create(&env), 0);
+    mdb_env_set_maxdbs(env, 12);
+    assert_int_equal(mdb_env_open(env, dir, 0, 0664), 0);
+    assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    assert_int_equal(mdb_dbi_open(txn, "train", 0, &dbi), 0);
+    uint8_t kb[8], rec[STK_RECORD_HEADER + 60];
+    stk_key_encode(kb, key);
+    MDB_val k = {8, kb}, v;
+    assert_int_equal(mdb_get(txn, dbi, &k, &v), 0);
+    assert_int_equal(v.mv_size, sizeof rec);
+    memcpy(rec, v.mv_data, sizeof rec);
+    rec[at] = val;
+    v = (MDB_val){sizeof rec, rec};
+    assert_int_equal(mdb_put(txn, dbi, &k, &v, 0), 0);
+    assert_int_equal(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+}
+
+/* dbinfo --verify's checks: a changed pixel (checksum), a label out of
+ * range, a size field that disagrees with the shape, each named with split
+ * and key; counts and mean that no longer agree with the metadata. */
+static void verify_names_each_problem(void **state)
+{
+    (void)state;
+    const char *dir = scratch("verify");
+    build_db(dir, 4, 200);
+    stk_store *s;
+    stk_err err = {0};
+    stk_verify_report rep;
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    assert_int_equal(stk_store_verify(s, &rep, &err), 0);
+    assert_int_equal(rep.records, 220);
+    assert_true(rep.checksums);
+    stk_store_close(s);
+    tamper(dir, 7, STK_RECORD_HEADER + 10, 0xee); /* a pixel */
+    tamper(dir, 9, 0, 5);                         /* label 5 of 3 classes */
+    tamper(dir, 11, 4, 61);                       /* size field 61, not 60 */
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    assert_int_equal(stk_store_verify(s, &rep, &err), STK_EFORMAT);
+    stk_store_close(s);
+    const char *want[] = {
+        "split \"train\": key 7: the record's crc32 is",
+        "split \"train\": key 9: the record's crc32 is",
+        "split \"train\": key 9: label 5 is outside the 3 classes (0..2)",
+        "split \"train\": key 11: the record's size field says 61 pixel "
+        "bytes, the metadata's shape needs 60",
+        "split \"train\": 66 records have label 0 (cat), the metadata's "
+        "label_counts say 67",
+        "split \"train\": 65 records have label 2 (emu), the metadata's "
+        "label_counts say 66",
+        "split \"train\": channel 0 has mean"};
+    assert_true(rep.problems >= 7);
+    for (int i = 0; i < 7; i++)
+        if (!strstr(rep.first[i], want[i]))
+            fail_msg("problem %d is \"%s\", expected \"%s...\"", i,
+                     rep.first[i], want[i]);
+    assert_non_null(strstr(err.msg, want[0]));
+}
+
+/* prep's end: with opts.verify a database whose records disagree with the
+ * metadata is not published. */
+static void finish_verifies_before_publishing(void **state)
+{
+    (void)state;
+    const char *dir = scratch("unverified");
+    rmdir(dir);
+    stk_store_opts o = {.verify = true};
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, &o, &s, &err), 0);
+    uint8_t rec[STK_RECORD_HEADER + 60] = {0};
+    for (int i = 0; i < 3; i++) {
+        stk_record_encode(rec, i == 2 ? 7 : i, rec + STK_RECORD_HEADER, 60);
+        assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err),
+                         0);
+    }
+    stk_meta m = sample_meta(3, 0);
+    m.nsplits = 1;
+    memset(m.splits[0].mean, 0, sizeof m.splits[0].mean);
+    memset(m.splits[0].std, 0, sizeof m.splits[0].std);
+    assert_int_equal(stk_store_finish(s, &m, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "the database written does not verify: "
+                                    "split \"train\": key 2: label 7 is "
+                                    "outside the 3 classes"));
+    stk_store_close(s);
+    struct stat st;
+    assert_int_not_equal(stat(dir, &st), 0);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(codec_round_trip),
     cmocka_unit_test(keys_sort_in_index_order),
@@ -663,6 +799,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(incomplete_database_refused),
     cmocka_unit_test(damaged_file_never_crashes),
     cmocka_unit_test(damage_is_named),
+    cmocka_unit_test(verify_names_each_problem),
+    cmocka_unit_test(finish_verifies_before_publishing),
     cmocka_unit_test(meta_bounds_refused),
     cmocka_unit_test(utf8_escape_round_trip),
     cmocka_unit_test(meta_names_keep_their_bytes),
