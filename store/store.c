@@ -152,15 +152,19 @@ static int check_target(const char *dir, bool force, stk_err *err)
     if (force)
         return 0;
     stk_store *old = NULL;
-    stk_err ignored;
-    if (stk_store_open_any(dir, &old, &ignored) == 0 && old->meta.complete) {
-        stk_store_close(old);
+    stk_err why;
+    if (stk_store_open_any(dir, &old, &why) != 0)
+        return stk_fail(err, STK_EEXIST,
+                        "%s: holds an LMDB database that stoke cannot open "
+                        "(%s); pass --force to replace it",
+                        dir, why.msg);
+    bool complete = old->meta.complete;
+    stk_store_close(old);
+    if (complete)
         return stk_fail(err, STK_EEXIST,
                         "%s: holds a complete stoke database; pass --force to "
                         "replace it",
                         dir);
-    }
-    stk_store_close(old);
     return stk_fail(err, STK_EEXIST,
                     "%s: holds an LMDB database that is not a complete stoke "
                     "database; pass --force to replace it",
