@@ -18,7 +18,10 @@ deviation beyond 1e-4 is then stoke's. The inits below were found that way
 checks with SGD at lr 0.01, and all 35 of 100-134 with AdamW at lr 1e-3
 (init 100, which this test used before, among them: PyTorch with two
 micro-batches parts from itself by 1.6e-4 and 7.8e-4); with AdamW at lr
-1e-4, 4 of the 11 inits 100-110 pass."""
+1e-4, 4 of the 11 inits 100-110 pass. On this project's 2-CPU VM (torch
+1.13.0a0) AdamW's init 100 then parted from float64 by 1.2e-4, and of
+100-106 only 102, 103 and 104 held (104: 1.1e-6 from float64, 1.7e-7 and
+1.2e-7 from the other two): the cnn with AdamW uses 104."""
 import copy, os, shutil, sys, time
 import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
@@ -38,7 +41,7 @@ def adamw(lr):
 
 
 # (model, optimizer, torch.manual_seed of the initial weights, settings)
-CASES = [("cnn", "sgd", 110, SGD), ("cnn", "adamw", 100, adamw(1e-4)),
+CASES = [("cnn", "sgd", 110, SGD), ("cnn", "adamw", 104, adamw(1e-4)),
          ("mlp", "sgd", 100, SGD), ("mlp", "adamw", 100, adamw(1e-3))]
 # The built-in cnn without its dropout layers, as a model file (docs/models.md):
 # used only to narrow down a cnn failure.
