@@ -77,11 +77,30 @@ int stk_from_errno(int e)
     }
 }
 
+static const char *file_kind(mode_t m)
+{
+    return S_ISDIR(m)    ? "a directory"
+           : S_ISFIFO(m) ? "a FIFO"
+           : S_ISSOCK(m) ? "a socket"
+           : S_ISCHR(m)  ? "a character device"
+           : S_ISBLK(m)  ? "a block device"
+                         : "not a file";
+}
+
 int stk_open_regular(const char *path, struct stat *st, stk_err *err)
 {
-    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
-     * writer for ever; on a regular file the flag changes nothing, and it
-     * is cleared below so that reads behave as usual. */
+    /* stat first: a device is refused without being opened (opening one
+     * can have effects of its own). The open that follows is O_NONBLOCK in
+     * case the path became a FIFO in between: opening a FIFO for reading
+     * would otherwise wait for a writer for ever. On a regular file the flag
+     * changes nothing, and it is cleared below. fstat checks what was
+     * really opened. */
+    if (stat(path, st) != 0)
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
+                        strerror(errno));
+    if (!S_ISREG(st->st_mode))
+        return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
+                        file_kind(st->st_mode));
     int fd;
     do
         fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -97,12 +116,7 @@ int stk_open_regular(const char *path, struct stat *st, stk_err *err)
     if (!S_ISREG(st->st_mode)) {
         close(fd);
         return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
-                        S_ISDIR(st->st_mode)    ? "a directory"
-                        : S_ISFIFO(st->st_mode) ? "a FIFO"
-                        : S_ISSOCK(st->st_mode) ? "a socket"
-                        : S_ISCHR(st->st_mode)  ? "a character device"
-                        : S_ISBLK(st->st_mode)  ? "a block device"
-                                                : "not a file");
+                        file_kind(st->st_mode));
     }
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
