@@ -34,7 +34,8 @@ int stk_cli_u64(const char *tool, const char *flag, const char *s,
 {
     char *end = NULL;
     errno = 0;
-    unsigned long long v = isdigit((unsigned char)*s) ? strtoull(s, &end, 10) : 0;
+    unsigned long long v =
+        isdigit((unsigned char)*s) ? strtoull(s, &end, 10) : 0;
     if (!end || errno || *end)
         return bad(tool, flag, "a whole number 0..18446744073709551615", s);
     *out = (uint64_t)v;

@@ -62,7 +62,7 @@ struct stk_loader {
     stk_sampler sampler;
     uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
     size_t sample_bytes;
-    int nclasses;       /* database labels are 0..nclasses-1 */
+    int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
     pthread_cond_t ready, freed;

@@ -75,9 +75,11 @@ static int write_small(const char *path, const char *text, stk_err *err)
     char tmp[4300];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     unlink(tmp);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    int fd =
+        open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     size_t len = strlen(text);
-    bool ok = fd >= 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
+    bool ok =
+        fd >= 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
     int e = errno;
     if (fd >= 0 && close(fd) != 0 && ok)
         ok = false, e = errno;
@@ -86,7 +88,8 @@ static int write_small(const char *path, const char *text, stk_err *err)
     if (ok)
         return 0;
     unlink(tmp);
-    return stk_fail(err, stk_from_errno(e), "%s: cannot write: %s", path, strerror(e));
+    return stk_fail(err, stk_from_errno(e), "%s: cannot write: %s", path,
+                    strerror(e));
 }
 
 static int write_state(run_state *r, const char *path, stk_err *err)
@@ -110,7 +113,8 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     if (r->epoch_steps_known) {
         cJSON *es = cJSON_AddArrayToObject(s, "epoch_steps");
         for (uint64_t e = 0; e < r->pos_epoch; e++)
-            cJSON_AddItemToArray(es, cJSON_CreateNumber((double)r->epoch_steps[e]));
+            cJSON_AddItemToArray(
+                es, cJSON_CreateNumber((double)r->epoch_steps[e]));
     }
     char *text = cJSON_Print(s);
     cJSON_Delete(s);
@@ -206,7 +210,8 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     if (!rc && is_best) {
         char best[4200], line[64];
         snprintf(best, sizeof best, "%s/best.safetensors", r->o->out);
-        rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best, err);
+        rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best,
+                         err);
         snprintf(best, sizeof best, "%s/checkpoints/BEST", r->o->out);
         snprintf(line, sizeof line, "%s\n", name);
         if (!rc)
@@ -308,13 +313,14 @@ static int state_num(const char *path, const cJSON *obj, const char *key,
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
     if (!cJSON_IsNumber(v))
-        return stk_fail(err, STK_EFORMAT, "%s: %s is missing or not a number", path,
-                        field);
+        return stk_fail(err, STK_EFORMAT, "%s: %s is missing or not a number",
+                        path, field);
     double d = v->valuedouble;
     if (!(d >= lo && d <= hi) || d != floor(d))
-        return stk_fail(err, STK_EFORMAT,
-                        "%s: %s is %.17g, expected a whole number %.0f..%.0f%s", path,
-                        field, d, lo, hi, why);
+        return stk_fail(
+            err, STK_EFORMAT,
+            "%s: %s is %.17g, expected a whole number %.0f..%.0f%s", path,
+            field, d, lo, hi, why);
     *out = (uint64_t)d;
     return 0;
 }
@@ -330,37 +336,42 @@ typedef struct saved_state {
  * finished epoch, each 1..most, adding up with the steps of the current
  * epoch to step. Copied to r->epoch_steps for the checkpoints to come. */
 static int check_epoch_steps(run_state *r, const char *path, const cJSON *s,
-                             const saved_state *v, uint64_t most, uint64_t in_epoch,
-                             stk_err *err)
+                             const saved_state *v, uint64_t most,
+                             uint64_t in_epoch, stk_err *err)
 {
     const cJSON *es = cJSON_GetObjectItemCaseSensitive(s, "epoch_steps");
     r->epoch_steps_known = es != NULL;
     if (!es)
         return 0;
     if (!cJSON_IsArray(es) || (uint64_t)cJSON_GetArraySize(es) != v->epoch)
-        return stk_fail(err, STK_EFORMAT,
-                        "%s: epoch_steps is not a list of %llu entries (one per "
-                        "finished epoch)",
-                        path, (unsigned long long)v->epoch);
+        return stk_fail(
+            err, STK_EFORMAT,
+            "%s: epoch_steps is not a list of %llu entries (one per "
+            "finished epoch)",
+            path, (unsigned long long)v->epoch);
     uint64_t sum = in_epoch;
     char field[48];
     for (uint64_t e = 0; e < v->epoch; e++) {
-        snprintf(field, sizeof field, "epoch_steps[%llu]", (unsigned long long)e);
+        snprintf(field, sizeof field, "epoch_steps[%llu]",
+                 (unsigned long long)e);
         const cJSON *item = cJSON_GetArrayItem(es, (int)e);
         if (!cJSON_IsNumber(item) || item->valuedouble < 1 ||
-            item->valuedouble > (double)most || item->valuedouble != floor(item->valuedouble))
-            return stk_fail(err, STK_EFORMAT,
-                            "%s: %s is not a whole number 1..%llu (the steps an epoch "
-                            "can take)",
-                            path, field, (unsigned long long)most);
+            item->valuedouble > (double)most ||
+            item->valuedouble != floor(item->valuedouble))
+            return stk_fail(
+                err, STK_EFORMAT,
+                "%s: %s is not a whole number 1..%llu (the steps an epoch "
+                "can take)",
+                path, field, (unsigned long long)most);
         r->epoch_steps[e] = (uint64_t)item->valuedouble;
         sum += r->epoch_steps[e];
     }
     if (sum != v->step)
-        return stk_fail(err, STK_EFORMAT,
-                        "%s: step is %llu, but epoch_steps and loader.batch add up to "
-                        "%llu",
-                        path, (unsigned long long)v->step, (unsigned long long)sum);
+        return stk_fail(
+            err, STK_EFORMAT,
+            "%s: step is %llu, but epoch_steps and loader.batch add up to "
+            "%llu",
+            path, (unsigned long long)v->step, (unsigned long long)sum);
     return 0;
 }
 
@@ -369,7 +380,8 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
 {
     const stk_train_opts *o = r->o;
     const stk_meta *m = stk_store_meta(r->store);
-    uint64_t n = m->splits[stk_meta_split(m, "train")].count, b = (uint64_t)o->batch;
+    uint64_t n = m->splits[stk_meta_split(m, "train")].count,
+             b = (uint64_t)o->batch;
     const cJSON *pos = cJSON_GetObjectItemCaseSensitive(s, "loader");
     const cJSON *opt = cJSON_GetObjectItemCaseSensitive(s, "optim");
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(s, "seed");
@@ -380,49 +392,60 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
     if (!cJSON_IsObject(s))
         return stk_fail(err, STK_EFORMAT, "%s: not a JSON object", path);
     if (!cJSON_IsString(opt) || strcmp(opt->valuestring, want))
-        return stk_fail(err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
-                        path, cJSON_IsString(opt) ? opt->valuestring : "(none)", want);
-    int rc = state_num(path, s, "batch", "batch", (double)b, (double)b,
-                       " (this run's --batch: the position counts its batches)",
-                       &v->size, err);
+        return stk_fail(
+            err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
+            path, cJSON_IsString(opt) ? opt->valuestring : "(none)", want);
+    int rc =
+        state_num(path, s, "batch", "batch", (double)b, (double)b,
+                  " (this run's --batch: the position counts its batches)",
+                  &v->size, err);
     if (!rc && !(cJSON_IsNumber(seed) && seed->valuedouble == (double)o->seed))
-        rc = stk_fail(err, STK_EINVAL,
-                      "%s: seed is not this run's --seed %llu (the data order and "
-                      "dropout derive from it: resume with the same --seed)",
-                      path, (unsigned long long)o->seed);
+        rc = stk_fail(
+            err, STK_EINVAL,
+            "%s: seed is not this run's --seed %llu (the data order and "
+            "dropout derive from it: resume with the same --seed)",
+            path, (unsigned long long)o->seed);
     snprintf(why, sizeof why, " (this run's --epochs %d)", o->epochs);
     if (!rc)
-        rc = state_num(path, s, "epoch", "epoch", 0, o->epochs, why, &v->epoch, err);
+        rc = state_num(path, s, "epoch", "epoch", 0, o->epochs, why, &v->epoch,
+                       err);
     if (!rc)
         rc = state_num(path, pos, "epoch", "loader.epoch", (double)v->epoch,
-                       (double)v->epoch, " (the same as epoch)", &v->loader_epoch, err);
+                       (double)v->epoch, " (the same as epoch)",
+                       &v->loader_epoch, err);
     if (!rc)
-        rc = state_num(path, pos, "world", "loader.world", 1, 1 << 20, "", &v->world,
-                       err);
+        rc = state_num(path, pos, "world", "loader.world", 1, 1 << 20, "",
+                       &v->world, err);
     /* a position within the epoch, as that many ranks split it; a finished
      * run's is the start of the epoch after its last */
     uint64_t batches = rc ? 0 : ((n + v->world - 1) / v->world + b - 1) / b;
     bool done = v->epoch == (uint64_t)o->epochs;
     snprintf(why, sizeof why, " (%s)",
-             done ? "all epochs are done" : "the batches of an epoch for loader.world ranks");
+             done ? "all epochs are done"
+                  : "the batches of an epoch for loader.world ranks");
     if (!rc)
         rc = state_num(path, pos, "batch", "loader.batch", 0,
                        done ? 0 : (double)batches - 1, why, &v->batch, err);
     v->accum = (uint64_t)o->accum; /* older checkpoints do not record it */
     if (!rc && cJSON_GetObjectItemCaseSensitive(s, "accum"))
-        rc = state_num(path, s, "accum", "accum", 1, 1 << 16, "", &v->accum, err);
+        rc = state_num(path, s, "accum", "accum", 1, 1 << 16, "", &v->accum,
+                       err);
     /* every finished epoch took at least one step and at most one per
      * batch of a single rank; this one as many as its position says */
-    uint64_t in_epoch = (v->batch + v->accum - 1) / v->accum, most = (n + b - 1) / b;
+    uint64_t in_epoch = (v->batch + v->accum - 1) / v->accum,
+             most = (n + b - 1) / b;
     if (!rc)
         rc = state_num(path, s, "step", "step", (double)(v->epoch + in_epoch),
                        (double)v->epoch * (double)most + (double)in_epoch,
-                       " (the steps that epoch and loader.batch allow)", &v->step, err);
+                       " (the steps that epoch and loader.batch allow)",
+                       &v->step, err);
     if (!rc)
         rc = check_epoch_steps(r, path, s, v, most, in_epoch, err);
     v->best_acc = cJSON_IsNumber(best) ? best->valuedouble : 0;
-    if (!rc && best && !(cJSON_IsNumber(best) && v->best_acc >= 0 && v->best_acc <= 1))
-        rc = stk_fail(err, STK_EFORMAT, "%s: best_acc is not an accuracy in [0, 1]", path);
+    if (!rc && best &&
+        !(cJSON_IsNumber(best) && v->best_acc >= 0 && v->best_acc <= 1))
+        rc = stk_fail(err, STK_EFORMAT,
+                      "%s: best_acc is not an accuracy in [0, 1]", path);
     return rc;
 }
 

@@ -105,10 +105,13 @@ int group_agree(run_state *r, int rc, stk_err *err)
     if (rc || sum)
         return rc ? rc : sum;
     if (v[1] > 0)
-        return stk_fail(err, STK_EPEER, "rank 0 could not start (its message says why)");
+        return stk_fail(err, STK_EPEER,
+                        "rank 0 could not start (its message says why)");
     if (v[0] > 0)
-        return stk_fail(err, STK_EPEER, "%.0f other rank(s) could not start (their "
-                        "messages say why)", v[0]);
+        return stk_fail(err, STK_EPEER,
+                        "%.0f other rank(s) could not start (their "
+                        "messages say why)",
+                        v[0]);
     return 0;
 }
 

@@ -78,8 +78,8 @@ static void add_param(stk_model *m, layer *l, const char *suffix, int ndim,
 /* A layer's name for messages: its parameter prefix, or its kind and place. */
 static const char *layer_label(const layer *l, int index, char *buf, size_t n)
 {
-    static const char *const kinds[] = {"conv", "pool", "relu", "dropout",
-                                        "dropout2d", "flatten", "linear"};
+    static const char *const kinds[] = {
+        "conv", "pool", "relu", "dropout", "dropout2d", "flatten", "linear"};
     if (*l->s.name)
         snprintf(buf, n, "%s", l->s.name);
     else
@@ -89,8 +89,8 @@ static const char *layer_label(const layer *l, int index, char *buf, size_t n)
 
 /* Stores an output shape computed in 64 bits, once it is known to fit:
  * per sample and over a batch of max_batch, at most MODEL_MAX_VALUES. */
-static int set_output(stk_model *m, layer *l, int index, int64_t oc, int64_t oh,
-                      int64_t ow, stk_err *err)
+static int set_output(stk_model *m, layer *l, int index, int64_t oc,
+                      int64_t oh, int64_t ow, stk_err *err)
 {
     char name[STK_NAME_MAX + 32];
     /* each factor first, so that their product cannot wrap */
@@ -98,12 +98,13 @@ static int set_output(stk_model *m, layer *l, int index, int64_t oc, int64_t oh,
                 ow <= MODEL_MAX_VALUES && oc <= MODEL_MAX_VALUES / oh / ow &&
                 oc * oh * ow <= MODEL_MAX_VALUES / m->max_batch;
     if (!fits)
-        return stk_fail(err, STK_ERANGE,
-                        "model: %s: its %lldx%lldx%lld output over a batch of %d is "
-                        "more than %lld values",
-                        layer_label(l, index, name, sizeof name), (long long)oc,
-                        (long long)oh, (long long)ow, m->max_batch,
-                        (long long)MODEL_MAX_VALUES);
+        return stk_fail(
+            err, STK_ERANGE,
+            "model: %s: its %lldx%lldx%lld output over a batch of %d is "
+            "more than %lld values",
+            layer_label(l, index, name, sizeof name), (long long)oc,
+            (long long)oh, (long long)ow, m->max_batch,
+            (long long)MODEL_MAX_VALUES);
     l->oc = (int)oc;
     l->oh = (int)oh;
     l->ow = (int)ow;
@@ -141,7 +142,8 @@ static int shape_layer(stk_model *m, layer *l, int index, int *auto_conv,
                        int *auto_fc, stk_err *err)
 {
     stk_layer_spec *s = &l->s;
-    int64_t c = l->c, h = l->h, w = l->w, k = s->k, stride = s->stride, pad = s->pad;
+    int64_t c = l->c, h = l->h, w = l->w, k = s->k, stride = s->stride,
+            pad = s->pad;
     l->pw = l->pb = -1;
     switch (s->kind) {
     case STK_L_CONV: {
@@ -153,10 +155,12 @@ static int shape_layer(stk_model *m, layer *l, int index, int *auto_conv,
                             "model: %s: a %dx%d kernel does not fit its "
                             "%dx%dx%d input",
                             s->name, s->k, s->k, l->c, l->h, l->w);
-        int rc = set_output(m, l, index, s->out, (h + 2 * pad - k) / stride + 1,
-                            (w + 2 * pad - k) / stride + 1, err);
+        int rc =
+            set_output(m, l, index, s->out, (h + 2 * pad - k) / stride + 1,
+                       (w + 2 * pad - k) / stride + 1, err);
         if (!rc)
-            rc = add_weights(m, l, index, 4, (int64_t[]){s->out, c, k, k}, err);
+            rc =
+                add_weights(m, l, index, 4, (int64_t[]){s->out, c, k, k}, err);
         if (rc)
             return rc;
         l->cs = (stk_conv_shape){l->c, l->h, l->w, s->k, s->k, s->stride,
@@ -170,8 +174,8 @@ static int shape_layer(stk_model *m, layer *l, int index, int *auto_conv,
                             "model: a %dx%d max-pool does not fit its %dx%dx%d "
                             "input",
                             s->k, s->k, l->c, l->h, l->w);
-        return set_output(m, l, index, c, (h - k) / stride + 1, (w - k) / stride + 1,
-                          err);
+        return set_output(m, l, index, c, (h - k) / stride + 1,
+                          (w - k) / stride + 1, err);
     case STK_L_FLATTEN:
         return set_output(m, l, index, c * h * w, 1, 1, err);
     case STK_L_LINEAR: {
@@ -180,7 +184,9 @@ static int shape_layer(stk_model *m, layer *l, int index, int *auto_conv,
             snprintf(s->name, sizeof s->name, "fc%d", *auto_fc);
         int64_t out = s->out ? s->out : m->classes;
         int rc = set_output(m, l, index, out, 1, 1, err);
-        return rc ? rc : add_weights(m, l, index, 2, (int64_t[]){out, c * h * w}, err);
+        return rc ? rc
+                  : add_weights(m, l, index, 2, (int64_t[]){out, c * h * w},
+                                err);
     }
     default:
         return set_output(m, l, index, c, h, w, err);
@@ -318,10 +324,11 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         return stk_fail(err, STK_EINVAL, "model: empty model or batch");
     if (c < 1 || h < 1 || w < 1 || (int64_t)c * h > MODEL_MAX_VALUES ||
         (int64_t)c * h * w > MODEL_MAX_VALUES / max_batch)
-        return stk_fail(err, STK_ERANGE,
-                        "model: a %dx%dx%d input over a batch of %d is more than "
-                        "%lld values",
-                        c, h, w, max_batch, (long long)MODEL_MAX_VALUES);
+        return stk_fail(
+            err, STK_ERANGE,
+            "model: a %dx%dx%d input over a batch of %d is more than "
+            "%lld values",
+            c, h, w, max_batch, (long long)MODEL_MAX_VALUES);
     stk_model *m = calloc(1, sizeof *m);
     if (!m)
         return stk_fail(err, STK_ENOMEM, "model: out of memory");
@@ -357,11 +364,12 @@ int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
         if (l->s.kind == STK_L_CONV &&
             (int64_t)l->cs.c * l->cs.kh * l->cs.kw >
                 MODEL_MAX_VALUES / ((int64_t)l->oh * l->ow * max_batch))
-            rc = stk_fail(err, STK_ERANGE,
-                          "model: %s: its im2col columns over a batch of %d are more "
-                          "than %lld values",
-                          layer_label(l, i, name, sizeof name), max_batch,
-                          (long long)MODEL_MAX_VALUES);
+            rc = stk_fail(
+                err, STK_ERANGE,
+                "model: %s: its im2col columns over a batch of %d are more "
+                "than %lld values",
+                layer_label(l, i, name, sizeof name), max_batch,
+                (long long)MODEL_MAX_VALUES);
     }
     const layer *last = &m->l[m->nl - 1];
     if (!rc && out_size(last) != (size_t)nclasses)

@@ -62,7 +62,8 @@ int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
     /* created anew: whatever was left under that name (a FIFO would
      * block the open) is never written through */
     unlink(tmp);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    int fd =
+        open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     int rc = fd < 0 ? -1 : 0;
     uint8_t len[8];
     for (int b = 0; b < 8; b++)
@@ -142,7 +143,8 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
             return stk_fail(err, STK_ERANGE,
                             "%s: \"%s\" holds %s at element %zu (weights and "
                             "optimizer state must be finite)",
-                            path, t->name, isnan(t->data[i]) ? "NaN" : "an infinity", i);
+                            path, t->name,
+                            isnan(t->data[i]) ? "NaN" : "an infinity", i);
     return 0;
 }
 

@@ -91,7 +91,8 @@ static int whole(const char *field, const char *tok, const char *val, long lo,
     long v = strtol(val, &end, 10);
     if (end == val || *end || errno || v < lo || v > hi) {
         snprintf(why, n, "'%s' is %s: %s takes a whole number %ld..%ld", tok,
-                 end == val || *end ? "not a number" : "out of range", field, lo, hi);
+                 end == val || *end ? "not a number" : "out of range", field,
+                 lo, hi);
         return -1;
     }
     *out = (int)v;
@@ -114,7 +115,8 @@ static int parse_arg(stk_layer_spec *s, const char *tok, int pos, char *why,
         return -1;
     }
     if (!strncmp(tok, "stride=", 7))
-        return whole("stride", tok, val, 1, SPEC_MAX_KERNEL, &s->stride, why, n);
+        return whole("stride", tok, val, 1, SPEC_MAX_KERNEL, &s->stride, why,
+                     n);
     if (!strncmp(tok, "pad=", 4))
         return whole("pad", tok, val, 0, SPEC_MAX_PAD, &s->pad, why, n);
     if ((s->kind == STK_L_DROPOUT || s->kind == STK_L_DROPOUT2D) && pos == 0) {
@@ -122,22 +124,26 @@ static int parse_arg(stk_layer_spec *s, const char *tok, int pos, char *why,
         s->p = strtof(val, &end);
         if (end != val && !*end && s->p >= 0 && s->p < 1)
             return 0;
-        snprintf(why, n, "'%s' is %s: dropout probability takes a number in [0, 1)",
+        snprintf(why, n,
+                 "'%s' is %s: dropout probability takes a number in [0, 1)",
                  tok, end == val || *end ? "not a number" : "out of range");
         return -1;
     }
     if (pool && pos == 0) {
-        int rc = whole("pool size", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why, n);
+        int rc =
+            whole("pool size", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why, n);
         s->stride = s->k;
         return rc;
     }
     if (s->kind == STK_L_LINEAR && pos == 0 && !strcmp(val, "classes"))
         return (s->out = 0), 0;
-    snprintf(field, sizeof field, "%s %s", kind, conv ? "channels" : "features");
+    snprintf(field, sizeof field, "%s %s", kind,
+             conv ? "channels" : "features");
     if (pos == 0 && (conv || s->kind == STK_L_LINEAR))
         return whole(field, tok, val, 1, SPEC_MAX_WIDTH, &s->out, why, n);
     if (pos == 1 && conv)
-        return whole("conv kernel", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why, n);
+        return whole("conv kernel", tok, val, 1, SPEC_MAX_KERNEL, &s->k, why,
+                     n);
     snprintf(why, n, "unexpected '%s'", tok);
     return -1;
 }
@@ -166,7 +172,8 @@ static int parse_line(char *line, stk_layer_spec *s, char *why, size_t n)
         if (parse_arg(s, tok, pos++, why, n))
             return -1;
     if (s->kind == STK_L_CONV && (s->out < 1 || s->k < 1)) {
-        snprintf(why, n, "conv needs a channel count and a kernel size (conv C K)");
+        snprintf(why, n,
+                 "conv needs a channel count and a kernel size (conv C K)");
         return -1;
     }
     if (s->kind == STK_L_POOL && s->k < 1) {

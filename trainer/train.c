@@ -644,7 +644,8 @@ static int open_regular_rw(const char *path, int flags, stk_err *err)
     struct stat st;
     int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0644);
     if (fd < 0 && errno != ENXIO)
-        return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+        return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
+                        strerror(errno));
     int fl = fd < 0 ? -1 : fcntl(fd, F_GETFL);
     if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && fl >= 0 &&
         fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0)
@@ -677,12 +678,13 @@ static int lock_run_dir(run_state *r, const char *dir, stk_err *err)
         pid[n > 0 ? n : 0] = '\0';
         pid[strspn(pid, "0123456789")] = '\0';
         if (e != EWOULDBLOCK)
-            return stk_fail(err, stk_from_errno(e), "%s: cannot lock: %s", path,
-                            strerror(e));
-        return stk_fail(err, STK_EEXIST,
-                        "--out %s is in use by another train (pid %s); two runs never "
-                        "share a RUN_DIR: wait for it to end or choose another --out",
-                        dir, *pid ? pid : "unknown");
+            return stk_fail(err, stk_from_errno(e), "%s: cannot lock: %s",
+                            path, strerror(e));
+        return stk_fail(
+            err, STK_EEXIST,
+            "--out %s is in use by another train (pid %s); two runs never "
+            "share a RUN_DIR: wait for it to end or choose another --out",
+            dir, *pid ? pid : "unknown");
     }
     char line[32];
     int len = snprintf(line, sizeof line, "%ld\n", (long)getpid());
@@ -743,8 +745,9 @@ static int setup(run_state *r, stk_err *err)
     if (!rc) {
         const stk_meta *m = stk_store_meta(r->store);
         r->host = (stk_host_alloc){pinned_alloc, pinned_free, r->be};
-        rc = stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
-                              m->nclasses, o->batch, o->seed, &r->model, err);
+        rc =
+            stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
+                             m->nclasses, o->batch, o->seed, &r->model, err);
     }
     if (!rc)
         rc = setup_buffers(r, err);

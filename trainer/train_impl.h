@@ -32,7 +32,7 @@ typedef struct run_state {
     float lr;
     double train_loss, train_acc, best_acc;
     FILE *metrics;
-    int lock_fd;             /* rank 0: the flock on RUN_DIR/.lock, or -1 */
+    int lock_fd; /* rank 0: the flock on RUN_DIR/.lock, or -1 */
     int tty;
     /* data parallelism (group.c) */
     stk_rank_info rank;

@@ -33,13 +33,21 @@ static const char *make_db(const char *name, uint64_t n, uint64_t bad_key,
         memset(px, (int)i, sizeof px);
         int32_t label = i == bad_key ? bad : (int32_t)(i % 10);
         stk_record_encode(rec, label, px, SB);
-        assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err), 0);
+        assert_int_equal(stk_store_append(s, "train", rec, sizeof rec, &err),
+                         0);
         lc[i % 10]++;
     }
     char *classes[10] = {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
-    stk_meta m = {.channels = 1, .height = 4, .width = 4, .nclasses = 10,
-                  .classes = classes, .nsplits = 1, .source_path = "x",
-                  .source_format = "test", .tool = "t", .created = ""};
+    stk_meta m = {.channels = 1,
+                  .height = 4,
+                  .width = 4,
+                  .nclasses = 10,
+                  .classes = classes,
+                  .nsplits = 1,
+                  .source_path = "x",
+                  .source_format = "test",
+                  .tool = "t",
+                  .created = ""};
     snprintf(m.splits[0].name, 32, "train");
     m.splits[0].count = n;
     m.splits[0].label_counts = lc;
@@ -48,7 +56,8 @@ static const char *make_db(const char *name, uint64_t n, uint64_t bad_key,
     return dir;
 }
 
-/* ---- model files ----------------------------------------------------------- */
+/* ---- model files ---------------------------------------------------------
+ */
 
 static void expect_parse_error(const char *text, const char *want)
 {
@@ -63,23 +72,29 @@ static void model_file_numbers_are_range_checked(void **state)
 {
     (void)state;
     /* (int)strtol made this `linear 1` */
-    expect_parse_error("flatten\nlinear 4294967297\n",
-                       "m.txt:2: '4294967297' is out of range: linear features "
-                       "takes a whole number 1..1048576");
-    expect_parse_error("conv 8 3 pad=2147483647\n",
-                       "m.txt:1: 'pad=2147483647' is out of range: pad takes a "
-                       "whole number 0..1024");
-    expect_parse_error("conv 8 3 stride=0\n", "m.txt:1: 'stride=0' is out of range: "
-                                              "stride takes a whole number 1..1024");
-    expect_parse_error("conv 8 -3\n", "m.txt:1: '-3' is out of range: conv kernel "
-                                      "takes a whole number 1..1024");
+    expect_parse_error(
+        "flatten\nlinear 4294967297\n",
+        "m.txt:2: '4294967297' is out of range: linear features "
+        "takes a whole number 1..1048576");
+    expect_parse_error(
+        "conv 8 3 pad=2147483647\n",
+        "m.txt:1: 'pad=2147483647' is out of range: pad takes a "
+        "whole number 0..1024");
+    expect_parse_error("conv 8 3 stride=0\n",
+                       "m.txt:1: 'stride=0' is out of range: "
+                       "stride takes a whole number 1..1024");
+    expect_parse_error("conv 8 -3\n",
+                       "m.txt:1: '-3' is out of range: conv kernel "
+                       "takes a whole number 1..1024");
     expect_parse_error("\n\nconv 99999999999999999999 3\n",
                        "m.txt:3: '99999999999999999999' is out of range: conv "
                        "channels takes a whole number 1..1048576");
-    expect_parse_error("pool 0x10\n", "m.txt:1: '0x10' is not a number: pool size "
-                                      "takes a whole number 1..1024");
-    expect_parse_error("dropout nan\n", "m.txt:1: 'nan' is out of range: dropout "
-                                        "probability takes a number in [0, 1)");
+    expect_parse_error("pool 0x10\n",
+                       "m.txt:1: '0x10' is not a number: pool size "
+                       "takes a whole number 1..1024");
+    expect_parse_error("dropout nan\n",
+                       "m.txt:1: 'nan' is out of range: dropout "
+                       "probability takes a number in [0, 1)");
     expect_parse_error("dropout 0.5x\n", "m.txt:1: '0.5x' is not a number");
     expect_parse_error("conv 8\n", "m.txt:1: conv needs a channel count and a "
                                    "kernel size");
@@ -102,8 +117,9 @@ static void expect_model_error(const char *text, int c, int hw, int batch,
     stk_err err = {0};
     assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err), 0);
     assert_int_equal(stk_model_parse(text, "m.txt", &spec, &err), 0);
-    assert_int_equal(stk_model_create(be, &spec, c, hw, hw, 10, batch, 1, &m, &err),
-                     STK_ERANGE);
+    assert_int_equal(
+        stk_model_create(be, &spec, c, hw, hw, 10, batch, 1, &m, &err),
+        STK_ERANGE);
     assert_null(m);
     if (!strstr(err.msg, want))
         fail_msg("got \"%s\", want \"%s\"", err.msg, want);
@@ -115,22 +131,28 @@ static void expect_model_error(const char *text, int c, int hw, int batch,
 static void layer_sizes_are_bounded_in_64_bits(void **state)
 {
     (void)state;
-    expect_model_error("conv 1048576 3\nflatten\nlinear classes\n", 1, 28, 64,
-                       "model: conv1: its 1048576x26x26 output over a batch of 64 "
-                       "is more than 2147483647 values");
+    expect_model_error(
+        "conv 1048576 3\nflatten\nlinear classes\n", 1, 28, 64,
+        "model: conv1: its 1048576x26x26 output over a batch of 64 "
+        "is more than 2147483647 values");
     /* 2^20 x 2^20 weights: 2^40 values */
-    expect_model_error("flatten\nbig: linear 1048576\nlinear 1048576\nlinear classes\n",
-                       1, 28, 1, "model: fc2: its weight has more than 2147483647 values");
+    expect_model_error(
+        "flatten\nbig: linear 1048576\nlinear 1048576\nlinear classes\n", 1,
+        28, 1, "model: fc2: its weight has more than 2147483647 values");
     /* an output of 3 * 2049 * 2049 per sample, times 1024 samples */
-    expect_model_error("conv 3 1 pad=1024\nflatten\nlinear classes\n", 1, 1, 1024,
-                       "model: conv1: its 3x2049x2049 output over a batch of 1024");
+    expect_model_error(
+        "conv 3 1 pad=1024\nflatten\nlinear classes\n", 1, 1, 1024,
+        "model: conv1: its 3x2049x2049 output over a batch of 1024");
     /* flatten of 1024 x 1025 x 1025 in int wrapped; per sample it is fine */
-    expect_model_error("conv 1024 1 pad=512\nflatten\nlinear classes\n", 1, 1, 2,
-                       "model: conv1: its 1024x1025x1025 output over a batch of 2");
-    expect_model_error("relu\n", 65536, 65536, 1, "model: a 65536x65536x65536 input");
+    expect_model_error(
+        "conv 1024 1 pad=512\nflatten\nlinear classes\n", 1, 1, 2,
+        "model: conv1: its 1024x1025x1025 output over a batch of 2");
+    expect_model_error("relu\n", 65536, 65536, 1,
+                       "model: a 65536x65536x65536 input");
 }
 
-/* ---- checkpoints ------------------------------------------------------------ */
+/* ---- checkpoints ---------------------------------------------------------
+ */
 
 static void non_finite_tensors_are_refused_on_load(void **state)
 {
@@ -142,20 +164,25 @@ static void non_finite_tensors_are_refused_on_load(void **state)
     for (int k = 0; k < 2; k++) {
         float data[4] = {1, 2, 3, 4}, back[4] = {0};
         data[2] = bad[k];
-        stk_tensor t = {.name = "fc1.weight", .ndim = 2, .shape = {2, 2}, .count = 4,
+        stk_tensor t = {.name = "fc1.weight",
+                        .ndim = 2,
+                        .shape = {2, 2},
+                        .count = 4,
                         .data = data};
         stk_err err = {0};
         assert_int_equal(stk_safetensors_write(path, &t, 1, NULL, &err), 0);
         t.data = back;
-        assert_int_equal(stk_safetensors_read(path, &t, 1, NULL, &err), STK_ERANGE);
+        assert_int_equal(stk_safetensors_read(path, &t, 1, NULL, &err),
+                         STK_ERANGE);
         char want[1400];
-        snprintf(want, sizeof want, "%s: \"fc1.weight\" holds %s at element 2", path,
-                 k ? "an infinity" : "NaN");
+        snprintf(want, sizeof want, "%s: \"fc1.weight\" holds %s at element 2",
+                 path, k ? "an infinity" : "NaN");
         if (!strstr(err.msg, want))
             fail_msg("got \"%s\", want \"%s\"", err.msg, want);
     }
     float ok[4] = {1, -2, 3e38f, -0.0f}, back[4] = {0};
-    stk_tensor t = {.name = "b", .ndim = 1, .shape = {4}, .count = 4, .data = ok};
+    stk_tensor t = {
+        .name = "b", .ndim = 1, .shape = {4}, .count = 4, .data = ok};
     stk_err err = {0};
     assert_int_equal(stk_safetensors_write(path, &t, 1, NULL, &err), 0);
     t.data = back;
@@ -163,7 +190,8 @@ static void non_finite_tensors_are_refused_on_load(void **state)
     assert_memory_equal(back, ok, sizeof ok);
 }
 
-/* ---- the loader ------------------------------------------------------------- */
+/* ---- the loader ----------------------------------------------------------
+ */
 
 /* A label beyond the classes is named by split and key where the record
  * is read, for any worker count. */
@@ -186,8 +214,9 @@ static void out_of_range_label_names_split_and_key(void **state)
         }
         assert_int_equal(good, 3); /* the batches before key 27 */
         assert_int_equal(rc, STK_EFORMAT);
-        const char *want = "split \"train\": key 27: label 12 is not one of the "
-                           "database's 10 classes (0..9)";
+        const char *want =
+            "split \"train\": key 27: label 12 is not one of the "
+            "database's 10 classes (0..9)";
         if (!strstr(err.msg, want))
             fail_msg("got \"%s\", want \"%s\"", err.msg, want);
         stk_loader_close(l);
@@ -208,8 +237,11 @@ static void uneven_shards_may_be_empty(void **state)
     for (int w = 0; w <= 2; w += 2) {
         int seen[2] = {0, 0};
         for (int rank = 0; rank < 3; rank++) {
-            stk_loader_opts o = {.batch_size = 64, .workers = w, .uneven = true,
-                                 .rank = rank, .world = 3};
+            stk_loader_opts o = {.batch_size = 64,
+                                 .workers = w,
+                                 .uneven = true,
+                                 .rank = rank,
+                                 .world = 3};
             stk_loader *l;
             assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
             assert_int_equal(stk_loader_batches(l), rank < 2 ? 1 : 0);
@@ -239,20 +271,22 @@ static void uneven_shards_may_be_empty(void **state)
     stk_store_close(s);
 }
 
-/* ---- flags ------------------------------------------------------------------ */
+/* ---- flags ---------------------------------------------------------------
+ */
 
 static void seeds_are_whole_unsigned_64_bit_numbers(void **state)
 {
     (void)state;
     uint64_t v = 7;
-    const char *bad[] = {"abc", "-1", " 1", "+1", "1x", "", "18446744073709551616",
-                         "1e3"};
+    const char *bad[] = {
+        "abc", "-1", " 1", "+1", "1x", "", "18446744073709551616", "1e3"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         if (stk_cli_u64("test", "--seed", bad[i], &v) != -1)
             fail_msg("'%s' was accepted", bad[i]);
         assert_int_equal(v, 7);
     }
-    assert_int_equal(stk_cli_u64("test", "--seed", "18446744073709551615", &v), 0);
+    assert_int_equal(stk_cli_u64("test", "--seed", "18446744073709551615", &v),
+                     0);
     assert_true(v == UINT64_MAX);
     assert_int_equal(stk_cli_u64("test", "--seed", "0", &v), 0);
     assert_true(v == 0);
