@@ -124,6 +124,17 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     return rc;
 }
 
+/* Whether name in the checkpoints directory d is a checkpoint: a real
+ * directory named step-N (lstat: a FIFO or a symbolic link by that name is
+ * neither read by --resume auto nor emptied by pruning). */
+static bool is_step_dir(DIR *d, const char *name)
+{
+    struct stat st;
+    return !strncmp(name, "step-", 5) &&
+           fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+           S_ISDIR(st.st_mode);
+}
+
 /* Removes step directories beyond the newest `keep`, sparing the best. */
 static void prune(const char *dir, int keep, const char *best,
                   const char *just_written)
@@ -135,7 +146,7 @@ static void prune(const char *dir, int keep, const char *best,
     int n = 0;
     struct dirent *de;
     while ((de = readdir(d)) && n < 4096)
-        if (!strncmp(de->d_name, "step-", 5))
+        if (is_step_dir(d, de->d_name)) /* never through a link or FIFO */
             names[n++] = strdup(de->d_name);
     closedir(d);
     for (int i = 0; i < n; i++) /* names sort by step: zero-padded */
@@ -243,7 +254,7 @@ static int load_params(run_state *r, float *dev, const char *path,
     size_t n = stk_model_param_count(r->model);
     float *host = malloc(n * sizeof *host);
     if (!host)
-        return stk_fail(err, STK_ENOMEM, "out of memory");
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory for %zu floats", path, n);
     stk_tensor t[MAX_TENSORS];
     int nt = tensors(r, host, suffix, t);
     int rc = stk_safetensors_read(path, t, nt, NULL, err);
@@ -268,11 +279,8 @@ static void newest(const char *run, char *out, size_t n)
     DIR *d = opendir(dir);
     char best[300] = "";
     struct dirent *de;
-    struct stat st; /* lstat: a FIFO or link named step-N is no checkpoint */
     while (d && (de = readdir(d)))
-        if (!strncmp(de->d_name, "step-", 5) && strcmp(de->d_name, best) > 0 &&
-            fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-            S_ISDIR(st.st_mode))
+        if (strcmp(de->d_name, best) > 0 && is_step_dir(d, de->d_name))
             snprintf(best, sizeof best, "%s", de->d_name);
     if (d)
         closedir(d);

@@ -51,6 +51,11 @@ t "$T" --db db --model mlp --optim sgd --batch 64 --workers 1 --epochs 2 --out r
   { cat r.err; fail "a FIFO among the checkpoints"; }
 grep -q "resumed from r/$ck (epoch 2, step 8)" r.err || fail "resume: $(cat r.err)"
 [ -f r/checkpoints/step-00000016/model.safetensors ] || fail "no checkpoint after the resume"
+# pruning (--keep 1) never empties a directory through a link named like a checkpoint
+run r && mkdir keepme && touch keepme/precious && ln -s ../../keepme r/checkpoints/step-00000001
+t "$T" "${c[@]}" --epochs 3 --keep 1 --out r --resume auto >/dev/null || fail "a link among the checkpoints"
+[ -f keepme/precious ] && [ -L r/checkpoints/step-00000001 ] || fail "pruning followed a link"
+[ ! -e r/checkpoints/step-00000008 ] || fail "pruning kept step 8 (neither newest nor best) with --keep 1"
 # files train writes anew are created afresh, never opened through a FIFO left there
 run r && mkfifo r/best.safetensors.tmp r/checkpoints/BEST.tmp
 t "$T" "${c[@]}" --epochs 2 --out r --resume auto >/dev/null || fail "FIFOs at the temporary names"
