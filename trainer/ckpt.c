@@ -254,7 +254,8 @@ static int load_params(run_state *r, float *dev, const char *path,
     size_t n = stk_model_param_count(r->model);
     float *host = malloc(n * sizeof *host);
     if (!host)
-        return stk_fail(err, STK_ENOMEM, "%s: out of memory for %zu floats", path, n);
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory for %zu floats",
+                        path, n);
     stk_tensor t[MAX_TENSORS];
     int nt = tensors(r, host, suffix, t);
     int rc = stk_safetensors_read(path, t, nt, NULL, err);
