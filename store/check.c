@@ -30,8 +30,8 @@
 
 #include <errno.h>
 #include <stdarg.h>
-#include <stdio.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -39,11 +39,16 @@
 
 _Static_assert(sizeof(size_t) == 8, "LMDB's page numbers are 64-bit here");
 
-#define PAGEHDRSZ 16u   /* pgno u64, pad u16, flags u16, lower u16, upper u16 */
-#define NODESIZE 8u     /* lo u16, hi u16, flags u16, ksize u16 */
-#define DBSIZE 48u      /* MDB_db */
-#define META_BYTES 136u /* MDB_meta: magic, version, address, mapsize,
-                           dbs[2], last_pg, txnid */
+/* MDB_page header: pgno u64, pad u16, flags u16, lower u16, upper u16 */
+#define PAGEHDRSZ 16u
+/* MDB_node header: lo u16, hi u16, flags u16, ksize u16 */
+#define NODESIZE 8u
+/* MDB_db: pad u32, flags u16, depth u16, branch, leaf, overflow, entries,
+ * root u64 */
+#define DBSIZE 48u
+/* MDB_meta: magic u32, version u32, address, mapsize, dbs[2], last_pg,
+ * txnid */
+#define META_BYTES 136u
 #define MDB_MAGIC 0xBEEFC0DEu
 #define MDB_DATA_VERSION 1u
 #define P_BRANCH 0x01u
@@ -124,18 +129,21 @@ static int read_meta(const char *dir, int fd, off_t size, int i, off_t off,
         got = pread(fd, buf, sizeof buf, off);
     while (got < 0 && errno == EINTR);
     if (got != (ssize_t)sizeof buf)
-        return stk_fail(err, STK_EIO, "%s: data.mdb: cannot read meta page "
-                        "%d: %s", dir, i, got < 0 ? strerror(errno)
-                                                  : "short read");
+        return stk_fail(err, STK_EIO,
+                        "%s: data.mdb: cannot read meta page "
+                        "%d: %s",
+                        dir, i, got < 0 ? strerror(errno) : "short read");
     const uint8_t *mm = buf + PAGEHDRSZ;
     if (!(rd16(buf + 10) & P_META) || rd32(mm) != MDB_MAGIC)
         return stk_fail(err, STK_EFORMAT,
                         "%s: data.mdb is not an LMDB file (meta page %d has "
-                        "no LMDB magic)", dir, i);
+                        "no LMDB magic)",
+                        dir, i);
     if (rd32(mm + 4) != MDB_DATA_VERSION)
         return stk_fail(err, STK_EFORMAT,
                         "%s: data.mdb: meta page %d has LMDB data format %u, "
-                        "expected %u", dir, i, rd32(mm + 4), MDB_DATA_VERSION);
+                        "expected %u",
+                        dir, i, rd32(mm + 4), MDB_DATA_VERSION);
     m->psize = rd32(mm + 24); /* mm_dbs[FREE_DBI].md_pad */
     m->main = read_db(mm + 24 + DBSIZE);
     m->last_pgno = rd64(mm + 24 + 2 * DBSIZE);
@@ -256,7 +264,8 @@ static int leaf_node(walker *w, tree *t, uint64_t pgno, const uint8_t *node,
         return damaged(w, t, pgno, "a node with flags 0x%x", flags);
     uint64_t stored = big ? 8 : dsize;
     if (NODESIZE + ksize + stored > room)
-        return damaged(w, t, pgno, "a node of %llu bytes overruns the page "
+        return damaged(w, t, pgno,
+                       "a node of %llu bytes overruns the page "
                        "(%zu left)",
                        (unsigned long long)(NODESIZE + ksize + stored), room);
     const uint8_t *data = node + NODESIZE + ksize;
@@ -282,8 +291,10 @@ static int walk_nodes(walker *w, tree *t, uint64_t pgno, const uint8_t *p,
     for (unsigned i = 0; i < n; i++) {
         unsigned off = rd16(p + PAGEHDRSZ + 2 * i);
         if (off < upper || off % 2 || off + NODESIZE > w->psize)
-            return damaged(w, t, pgno, "node %u at offset %u is outside the "
-                           "page's node area", i, off);
+            return damaged(w, t, pgno,
+                           "node %u at offset %u is outside the "
+                           "page's node area",
+                           i, off);
         const uint8_t *node = p + off;
         size_t room = w->psize - off;
         int rc;
@@ -292,8 +303,10 @@ static int walk_nodes(walker *w, tree *t, uint64_t pgno, const uint8_t *p,
         } else {
             uint16_t ksize = rd16(node + 6);
             if (ksize > MAX_KEY || NODESIZE + ksize > room)
-                return damaged(w, t, pgno, "node %u's key of %u bytes overruns "
-                               "the page", i, ksize);
+                return damaged(w, t, pgno,
+                               "node %u's key of %u bytes overruns "
+                               "the page",
+                               i, ksize);
             uint64_t child = rd16(node) | (uint64_t)rd16(node + 2) << 16 |
                              (uint64_t)rd16(node + 4) << 32; /* NODEPGNO */
             rc = walk_page(w, t, pgno, child, level + 1);
@@ -323,8 +336,10 @@ static int walk_page(walker *w, tree *t, uint64_t from, uint64_t pgno,
                        flags, leaf ? "leaf" : "branch");
     if (lower < PAGEHDRSZ + 2 || lower > upper || upper > w->psize ||
         (lower - PAGEHDRSZ) % 2)
-        return damaged(w, t, pgno, "free-space bounds %u..%u are not inside "
-                       "the page", lower, upper);
+        return damaged(w, t, pgno,
+                       "free-space bounds %u..%u are not inside "
+                       "the page",
+                       lower, upper);
     if (leaf)
         t->leaf++;
     else
@@ -350,8 +365,10 @@ static int walk_tree(walker *w, const char *name, size_t name_len,
         snprintf(t.name, sizeof t.name, "database \"%s\"", clean);
     }
     if (!t.main && db->flags != 0)
-        return damaged(w, &t, db->root, "database flags 0x%x (stoke writes "
-                       "none)", db->flags);
+        return damaged(w, &t, db->root,
+                       "database flags 0x%x (stoke writes "
+                       "none)",
+                       db->flags);
     int rc = 0;
     if (db->root == P_INVALID) {
         if (db->depth || db->entries)
@@ -364,12 +381,14 @@ static int walk_tree(walker *w, const char *name, size_t name_len,
     }
     if (!rc && (t.entries != db->entries || t.leaf != db->leaf ||
                 t.branch != db->branch || t.overflow != db->overflow))
-        rc = damaged(w, &t, db->root, "its record counts %llu entries and %llu "
-                     "pages, the tree holds %llu and %llu",
-                     (unsigned long long)db->entries,
-                     (unsigned long long)(db->leaf + db->branch + db->overflow),
-                     (unsigned long long)t.entries,
-                     (unsigned long long)(t.leaf + t.branch + t.overflow));
+        rc =
+            damaged(w, &t, db->root,
+                    "its record counts %llu entries and %llu "
+                    "pages, the tree holds %llu and %llu",
+                    (unsigned long long)db->entries,
+                    (unsigned long long)(db->leaf + db->branch + db->overflow),
+                    (unsigned long long)t.entries,
+                    (unsigned long long)(t.leaf + t.branch + t.overflow));
     return rc;
 }
 
@@ -381,17 +400,16 @@ int stk_lmdb_check_file(const char *dir, int fd, off_t size,
     if (rc)
         return rc;
     *facts = (stk_lmdb_facts){m.psize, m.last_pgno, m.txnid};
-    walker w = {.psize = m.psize, .npages = m.last_pgno + 1, .dir = dir,
-                .err = err};
+    walker w = {
+        .psize = m.psize, .npages = m.last_pgno + 1, .dir = dir, .err = err};
     size_t map_len = (size_t)(w.npages * w.psize);
     void *map = mmap(NULL, map_len, PROT_READ, MAP_SHARED, fd, 0);
     w.seen = calloc(w.npages / 8 + 1, 1);
     if (map == MAP_FAILED || !w.seen)
-        rc = stk_fail(err, map == MAP_FAILED ? stk_from_errno(errno)
-                                             : STK_ENOMEM,
-                      "%s: data.mdb: cannot map %zu bytes to check it: %s",
-                      dir, map_len,
-                      map == MAP_FAILED ? strerror(errno) : "out of memory");
+        rc = stk_fail(
+            err, map == MAP_FAILED ? stk_from_errno(errno) : STK_ENOMEM,
+            "%s: data.mdb: cannot map %zu bytes to check it: %s", dir, map_len,
+            map == MAP_FAILED ? strerror(errno) : "out of memory");
     else {
         w.map = map;
         rc = walk_tree(&w, NULL, 0, &m.main);

@@ -32,7 +32,8 @@ static void put_name(const char *s)
         unsigned char b = (unsigned char)s[i];
         k = stk_utf8_len(s + i, n - i);
         bool c1 = k == 2 && b == 0xc2 && (unsigned char)s[i + 1] < 0xa0;
-        if (k && !c1 && (b >= 0x80 || (b >= 0x20 && b != 0x7f && b != '\\'))) {
+        bool plain = b >= 0x80 || (b >= 0x20 && b != 0x7f && b != '\\');
+        if (k && !c1 && plain) {
             fwrite(s + i, 1, k, stdout);
             continue;
         }
@@ -107,8 +108,10 @@ static void print_skipped(const stk_meta *m)
         printf(":\n");
         cJSON_ArrayForEach(f, split)
         {
-            const char *file = cJSON_GetStringValue(cJSON_GetObjectItem(f, "file"));
-            const char *why = cJSON_GetStringValue(cJSON_GetObjectItem(f, "error"));
+            const char *file =
+                cJSON_GetStringValue(cJSON_GetObjectItem(f, "file"));
+            const char *why =
+                cJSON_GetStringValue(cJSON_GetObjectItem(f, "error"));
             printf("  ");
             put_name(file ? file : "?");
             printf(": ");

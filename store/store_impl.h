@@ -14,9 +14,9 @@
 
 /* What the check read from the meta page that liblmdb will use. */
 typedef struct stk_lmdb_facts {
-    uint64_t psize;      /* page size */
-    uint64_t last_pgno;  /* last page in use */
-    uint64_t txnid;      /* the newer meta page's transaction id */
+    uint64_t psize;     /* page size */
+    uint64_t last_pgno; /* last page in use */
+    uint64_t txnid;     /* the newer meta page's transaction id */
 } stk_lmdb_facts;
 
 /* Checks data.mdb (open as fd, size bytes) of database dir before

@@ -27,7 +27,7 @@ static void problem(stk_verify_report *rep, const char *fmt, ...)
 
 /* What one split's records add up to. */
 typedef struct tally {
-    uint64_t *labels;                   /* per class */
+    uint64_t *labels;                    /* per class */
     uint64_t sums[2 * STK_MAX_CHANNELS]; /* per channel: sum, sum of squares */
 } tally;
 
@@ -47,9 +47,10 @@ static uint8_t *checksum_list(stk_store *s, const stk_split_meta *sp,
         return NULL;
     }
     if (!*rc && len != sp->count * 4) {
-        problem(rep, "split \"%s\": its checksum list holds %zu bytes, %llu "
-                "records need %llu", sp->name, len,
-                (unsigned long long)sp->count,
+        problem(rep,
+                "split \"%s\": its checksum list holds %zu bytes, %llu "
+                "records need %llu",
+                sp->name, len, (unsigned long long)sp->count,
                 (unsigned long long)sp->count * 4);
         free(list);
         return NULL;
@@ -75,8 +76,7 @@ static void add_pixels(tally *t, const stk_record *r, int channels)
 /* One record: size (through the view), label, checksum. */
 static void check_record(const stk_view *v, const stk_meta *m,
                          const stk_split_meta *sp, uint64_t i,
-                         const uint8_t *crcs, tally *t,
-                         stk_verify_report *rep)
+                         const uint8_t *crcs, tally *t, stk_verify_report *rep)
 {
     stk_record r;
     stk_err e;
@@ -91,14 +91,17 @@ static void check_record(const stk_view *v, const stk_meta *m,
         uint32_t have = stk_crc32(r.data - STK_RECORD_HEADER,
                                   STK_RECORD_HEADER + (size_t)r.nbytes);
         if (have != want)
-            problem(rep, "split \"%s\": key %llu: the record's crc32 is "
+            problem(rep,
+                    "split \"%s\": key %llu: the record's crc32 is "
                     "%08x, its checksum list says %08x (changed after prep "
-                    "wrote it)", sp->name, key, have, want);
+                    "wrote it)",
+                    sp->name, key, have, want);
     }
     if (r.label < 0 || r.label >= m->nclasses) {
-        problem(rep, "split \"%s\": key %llu: label %d is outside the %d "
-                "classes (0..%d)", sp->name, key, r.label, m->nclasses,
-                m->nclasses - 1);
+        problem(rep,
+                "split \"%s\": key %llu: label %d is outside the %d "
+                "classes (0..%d)",
+                sp->name, key, r.label, m->nclasses, m->nclasses - 1);
         return;
     }
     t->labels[r.label]++;
@@ -112,10 +115,11 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
 {
     for (int c = 0; c < m->nclasses; c++)
         if (t->labels[c] != sp->label_counts[c])
-            problem(rep, "split \"%s\": %llu records have label %d (%s), the "
-                    "metadata's label_counts say %llu", sp->name,
-                    (unsigned long long)t->labels[c], c, m->classes[c],
-                    (unsigned long long)sp->label_counts[c]);
+            problem(rep,
+                    "split \"%s\": %llu records have label %d (%s), the "
+                    "metadata's label_counts say %llu",
+                    sp->name, (unsigned long long)t->labels[c], c,
+                    m->classes[c], (unsigned long long)sp->label_counts[c]);
     double n = (double)sp->count * m->height * m->width;
     for (int c = 0; c < m->channels && n > 0; c++) {
         double mean = (double)t->sums[2 * c] / n;
@@ -123,9 +127,10 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
         double std = (var > 0 ? sqrt(var) : 0.0) / 255.0;
         mean /= 255.0;
         if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9)
-            problem(rep, "split \"%s\": channel %d has mean %.6f and std "
-                    "%.6f, the metadata says %.6f and %.6f", sp->name, c,
-                    mean, std, sp->mean[c], sp->std[c]);
+            problem(rep,
+                    "split \"%s\": channel %d has mean %.6f and std "
+                    "%.6f, the metadata says %.6f and %.6f",
+                    sp->name, c, mean, std, sp->mean[c], sp->std[c]);
     }
 }
 
@@ -169,10 +174,10 @@ static int verify_meta(stk_store *s, stk_verify_report *rep, stk_err *err)
         rc = 0;
         problem(rep, "metadata: its checksum (\"%s\") is missing",
                 STK_META_CRC_KEY);
-    } else if (!rc && (clen != 4 ||
-                       stk_get_le32(crc) != stk_crc32(json, jlen))) {
+    } else if (!rc &&
+               (clen != 4 || stk_get_le32(crc) != stk_crc32(json, jlen))) {
         problem(rep, "metadata: the \"dataset\" value does not match its "
-                "checksum (changed after prep wrote it)");
+                     "checksum (changed after prep wrote it)");
     }
     free(json);
     free(crc);
