@@ -18,10 +18,12 @@ deviation beyond 1e-4 is then stoke's. The inits below were found that way
 checks with SGD at lr 0.01, and all 35 of 100-134 with AdamW at lr 1e-3
 (init 100, which this test used before, among them: PyTorch with two
 micro-batches parts from itself by 1.6e-4 and 7.8e-4); with AdamW at lr
-1e-4, 4 of the 11 inits 100-110 pass. On this project's 2-CPU VM (torch
-1.13.0a0) AdamW's init 100 then parted from float64 by 1.2e-4, and of
-100-106 only 102, 103 and 104 held (104: 1.1e-6 from float64, 1.7e-7 and
-1.2e-7 from the other two): the cnn with AdamW uses 104."""
+1e-4, 4 of the 11 inits 100-110 pass. Which ones depends on the CPU (its
+BLAS kernels round differently): on this project's 2-CPU VM (torch
+1.13.0a0) AdamW's init 100 parted from float64 by 1.2e-4, and of 100-106
+only 102, 103 and 104 held. So each case lists candidate inits and uses the
+first that passes PyTorch's own checks on the machine at hand; the check of
+stoke against PyTorch is the same whichever it is."""
 import copy, os, shutil, sys, time
 import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
@@ -41,8 +43,10 @@ def adamw(lr):
 
 
 # (model, optimizer, torch.manual_seed of the initial weights, settings)
-CASES = [("cnn", "sgd", 110, SGD), ("cnn", "adamw", 104, adamw(1e-4)),
-         ("mlp", "sgd", 100, SGD), ("mlp", "adamw", 100, adamw(1e-3))]
+CASES = [("cnn", "sgd", (110, 104, 116), SGD),
+         ("cnn", "adamw", (104, 102, 103, 100), adamw(1e-4)),
+         ("mlp", "sgd", (100, 101, 102), SGD),
+         ("mlp", "adamw", (100, 101, 102), adamw(1e-3))]
 # The built-in cnn without its dropout layers, as a model file (docs/models.md):
 # used only to narrow down a cnn failure.
 CNN_NO_DROPOUT = """conv1: conv 32 3
@@ -105,8 +109,10 @@ def stoke_losses(model_arg, init, flags, out):
     return np.array([l["loss"] for l in steps])
 
 
-failed = []
-for name, oname, seed, (flags, make_opt) in CASES:
+def well_conditioned(name, oname, seed, make_opt):
+    """PyTorch's float32 losses from init seed, the init file, and how far
+    PyTorch parts from itself under other roundings; None when that is
+    beyond REF_TOL (a chaotic start: no comparison can be made from it)."""
     torch.manual_seed(seed)
     model = ref.MODELS[name](classes=len(meta["classes"]), dropout=False)
     init = f"init_{name}_{seed}.safetensors"
@@ -118,11 +124,25 @@ for name, oname, seed, (flags, make_opt) in CASES:
                      ("no oneDNN", {"mkldnn": False})):
         other = torch_losses(model, make_opt, **{"dtype": torch.float32, **kw})
         dev = np.abs(want - other) / np.abs(other)
-        assert dev.max() <= REF_TOL, (
-            f"test setup: {name}/{oname} from init {seed} is chaotic: PyTorch "
-            f"float32 and {what} differ by {dev.max():.1e} (step {dev.argmax() + 1}); "
-            "pick another init")
+        if dev.max() > REF_TOL:
+            print(f"note: {name}/{oname} from init {seed} is chaotic here: PyTorch "
+                  f"float32 and {what} differ by {dev.max():.1e} (step "
+                  f"{dev.argmax() + 1}); trying the next init")
+            return None
         spread = max(spread, dev.max())
+    return want, init, spread
+
+
+failed = []
+for name, oname, seeds, (flags, make_opt) in CASES:
+    found = None
+    for seed in seeds:
+        found = well_conditioned(name, oname, seed, make_opt)
+        if found:
+            break
+    assert found, (f"test setup: {name}/{oname} is chaotic from every init of "
+                   f"{seeds} on this machine; add candidates")
+    want, init, spread = found
     got = stoke_losses(name, init, flags, f"run_{name}_{oname}")
     rel = np.abs(got - want) / np.abs(want)
     w = int(rel.argmax())
