@@ -10,16 +10,21 @@ export SOURCE_DATE_EPOCH=1700000000
 # upscaled to 40x40 on one worker.
 slow=(--workers 1 --quiet --gray --size 40 "$FASHION")
 
-wait_partial() { # wait until the run has committed records to .$1.partial
-  for _ in $(seq 400); do
+# wait_partial NAME PID: waits until the run has committed records to
+# .NAME.partial. No fixed deadline (under the sanitizers on a loaded machine
+# the first commit can take half a minute): it waits as long as the run
+# lives, and fails if the run ended before it was seen writing.
+wait_partial() {
+  for _ in $(seq 30000); do
     [ -s ".$1.partial/data.mdb" ] && [ "$(stat -c %s ".$1.partial/data.mdb")" -gt 2000000 ] && return 0
+    kill -0 "$2" 2>/dev/null || fail "prep ended before it was seen writing .$1.partial"
     sleep 0.02
   done
   fail "prep never started writing"
 }
 
 "$STK_BIN/prep" "${slow[@]}" db & pid=$!
-wait_partial db
+wait_partial db $pid
 kill -9 $pid; wait $pid 2>/dev/null || true
 [ ! -e db ] || fail "db exists after kill -9"
 [ -d .db.partial ] || fail "expected the stale partial directory"
@@ -36,7 +41,7 @@ ok "rerun after kill -9 equals an uninterrupted run"
 
 rm -rf db
 "$STK_BIN/prep" "${slow[@]}" db & pid=$!
-wait_partial db
+wait_partial db $pid
 kill -INT $pid; rc=0; wait $pid || rc=$?
 [ $rc -eq 130 ] || fail "SIGINT: exit $rc, expected 130"
 [ ! -e db ] && [ ! -e .db.partial ] || fail "SIGINT left files behind"
@@ -45,7 +50,7 @@ ok "SIGINT: exit 130, nothing left"
 "$STK_BIN/prep" --quiet "$FASHION" old
 before=$(md5sum old/data.mdb)
 "$STK_BIN/prep" --force "${slow[@]}" old & pid=$!
-wait_partial old
+wait_partial old $pid
 kill -9 $pid; wait $pid 2>/dev/null || true
 [ "$(md5sum old/data.mdb)" = "$before" ] || fail "killed --force run damaged the old database"
 is_complete old || fail "old database no longer complete"
