@@ -467,6 +467,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
         .map_size_max = o->map_size_max,
         .force = o->force,
         .verify = true, /* read it all back before publishing */
+        .cancel = o->cancel,
     };
     if (!(r->skipped = cJSON_CreateObject()))
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
@@ -474,8 +475,9 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
         (rc = pool_init(r, err)) || (rc = write_all(r, err)))
         return rc;
     pool_stop(r);
-    /* the last moment a stop request is honoured: after this, DB_DIR
-     * appears complete and the run has succeeded */
+    /* stop requests are honoured up to here and during the read-back
+     * verify in stk_store_finish; after that, DB_DIR appears complete and
+     * the run has succeeded */
     if (canceled(o))
         return stk_fail(err, STK_ECANCELED, "interrupted");
     stk_meta m;

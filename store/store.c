@@ -582,9 +582,11 @@ static int verify_written(stk_store *s, stk_err *err)
     stk_verify_report rep;
     int rc = stk_store_open(s->partial_dir, 0, &r, &e);
     if (!rc) {
-        rc = stk_store_verify(r, &rep, &e);
+        rc = stk_store_verify_until(r, s->opts.cancel, &rep, &e);
         stk_store_close(r);
     }
+    if (rc == STK_ECANCELED)
+        return stk_fail(err, rc, "interrupted");
     return rc ? stk_fail(err, rc,
                          "%s: the database written does not verify: %s",
                          s->final_dir, e.msg)

@@ -16,6 +16,7 @@
 
 #include "common/common.h"
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -154,6 +155,8 @@ typedef struct stk_store_opts {
     bool force;             /* replace an existing complete database */
     bool verify;            /* stk_store_finish reopens the database and
                                runs stk_store_verify before publishing it */
+    const volatile sig_atomic_t *cancel; /* non-zero stops that verify
+                                            (STK_ECANCELED); may be NULL */
 } stk_store_opts;
 
 /* Starts a new database that will appear at dir when finished. Refuses a dir
@@ -219,6 +222,12 @@ typedef struct stk_verify_report {
  * when something does not (err holds the first problem and rep all of
  * them), another code when the database could not be read. */
 int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err);
+
+/* The same, stopping with STK_ECANCELED soon after *cancel becomes non-zero
+ * (reading a large database takes a while; a Ctrl-C must not wait for it).
+ * cancel may be NULL. */
+int stk_store_verify_until(stk_store *s, const volatile sig_atomic_t *cancel,
+                           stk_verify_report *rep, stk_err *err);
 
 /* ---- views: a whole split, addressed by index, for many threads ------- */
 

@@ -135,6 +135,7 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
 }
 
 static int verify_split(stk_store *s, const stk_split_meta *sp,
+                        const volatile sig_atomic_t *cancel,
                         stk_verify_report *rep, stk_err *err)
 {
     const stk_meta *m = stk_store_meta(s);
@@ -151,8 +152,12 @@ static int verify_split(stk_store *s, const stk_split_meta *sp,
     tally t = {.labels = calloc((size_t)m->nclasses + 1, sizeof(uint64_t))};
     if (!rc && !t.labels)
         rc = stk_fail(err, STK_ENOMEM, "out of memory");
-    for (uint64_t i = 0; !rc && i < stk_view_count(v); i++)
-        check_record(v, m, sp, i, crcs, &t, rep);
+    for (uint64_t i = 0; !rc && i < stk_view_count(v); i++) {
+        if (cancel && *cancel && i % 1024 == 0)
+            rc = stk_fail(err, STK_ECANCELED, "interrupted");
+        else
+            check_record(v, m, sp, i, crcs, &t, rep);
+    }
     if (!rc)
         check_totals(m, sp, &t, rep);
     free(t.labels);
@@ -186,12 +191,18 @@ static int verify_meta(stk_store *s, stk_verify_report *rep, stk_err *err)
 
 int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err)
 {
+    return stk_store_verify_until(s, NULL, rep, err);
+}
+
+int stk_store_verify_until(stk_store *s, const volatile sig_atomic_t *cancel,
+                           stk_verify_report *rep, stk_err *err)
+{
     memset(rep, 0, sizeof *rep);
     const stk_meta *m = stk_store_meta(s);
     rep->checksums = m->checksums;
     int rc = m->checksums ? verify_meta(s, rep, err) : 0;
     for (int k = 0; !rc && k < m->nsplits; k++)
-        rc = verify_split(s, &m->splits[k], rep, err);
+        rc = verify_split(s, &m->splits[k], cancel, rep, err);
     if (rc)
         return rc;
     if (rep->problems)

@@ -758,6 +758,27 @@ static void verify_names_each_problem(void **state)
     assert_non_null(strstr(err.msg, want[0]));
 }
 
+/* A stop request ends a verify (prep's Ctrl-C during its end-of-run read
+ * back), and only a set one does. */
+static void verify_stops_when_asked(void **state)
+{
+    (void)state;
+    const char *dir = scratch("verify_stop");
+    build_db(dir, 4, 200);
+    stk_store *s;
+    stk_err err = {0};
+    stk_verify_report rep;
+    volatile sig_atomic_t stop = 0;
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    assert_int_equal(stk_store_verify_until(s, &stop, &rep, &err), 0);
+    assert_int_equal(rep.records, 220);
+    stop = 1;
+    assert_int_equal(stk_store_verify_until(s, &stop, &rep, &err),
+                     STK_ECANCELED);
+    assert_int_equal(rep.records, 0);
+    stk_store_close(s);
+}
+
 /* prep's end: with opts.verify a database whose records disagree with the
  * metadata is not published. */
 static void finish_verifies_before_publishing(void **state)
@@ -800,6 +821,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(damaged_file_never_crashes),
     cmocka_unit_test(damage_is_named),
     cmocka_unit_test(verify_names_each_problem),
+        cmocka_unit_test(verify_stops_when_asked),
     cmocka_unit_test(finish_verifies_before_publishing),
     cmocka_unit_test(meta_bounds_refused),
     cmocka_unit_test(utf8_escape_round_trip),
