@@ -159,6 +159,57 @@ bash -c "$vlimit exec '$P' --help" >/dev/null 2>&1 || vlimit=""
 expect_fail 1 "bomb/train-images-idx3-ubyte.gz: header promises 7840 data bytes but the gzip data holds more \(trailing data; reading stopped at 7841 bytes\)" \
   timeout -k 5 20 bash -c "$vlimit exec '$P' --quiet --workers 2 bomb db"; absent db
 
+# Lying headers, under the same 1 GB limit. A header promising 1 GiB over
+# 1 MB of gzip that inflates to 1 GiB and 1 MiB (within deflate's 1032:1):
+# the content is counted before memory is allocated for it, so the lie is
+# refused without the GiB (it once took it).
+mkdir lie && $PY - <<'PY'
+import gzip, struct, zlib
+mib, n = bytes(1 << 20), 1025
+head = struct.pack(">IIII", 0x803, 1024, 1024, 1024)
+c = zlib.compressobj(9, zlib.DEFLATED, 31)
+with open("lie/train-images-idx3-ubyte.gz", "wb") as f:
+    f.write(c.compress(head) + c.flush(zlib.Z_FULL_FLUSH))
+    f.write((c.compress(mib) + c.flush(zlib.Z_FULL_FLUSH)) * n)
+    crc = zlib.crc32(head)
+    for _ in range(n):
+        crc = zlib.crc32(mib, crc)
+    end = c.flush()
+    f.write(end[:-8] + struct.pack("<II", crc, (16 + n * len(mib)) & 0xffffffff))
+open("lie/train-labels-idx1-ubyte.gz", "wb").write(gzip.compress(struct.pack(">II", 0x801, 1024) + bytes(1024)))
+PY
+expect_fail 1 "lie/train-images-idx3-ubyte.gz: header promises 1073741824 data bytes but the gzip data holds more \(trailing data; reading stopped at 1073741825 bytes\)" \
+  timeout -k 5 300 bash -c "$vlimit exec '$P' --quiet lie db"; absent db
+# the same header over a few bytes of gzip: more than deflate can inflate
+# them to, refused before inflating
+mkdir ratio && $PY - <<'PY'
+import gzip, struct
+open("ratio/train-images-idx3-ubyte.gz", "wb").write(gzip.compress(struct.pack(">IIII", 0x803, 1024, 1024, 1024)))
+open("ratio/train-labels-idx1-ubyte.gz", "wb").write(gzip.compress(struct.pack(">II", 0x801, 1024) + bytes(1024)))
+PY
+gzsize=$(stat -c %s ratio/train-images-idx3-ubyte.gz)
+expect_fail 1 "ratio/train-images-idx3-ubyte.gz: header promises 1073741824 data bytes but $gzsize bytes of gzip inflate to at most $((gzsize * 1032)) \(deflate's limit is 1032:1\)" \
+  timeout -k 5 300 bash -c "$vlimit exec '$P' --quiet ratio db"; absent db
+# 5 GiB of images (a sparse file that holds them all): over the 4 GiB limit
+# of an IDX file, refused before anything is allocated; and as gzip
+mkdir cap && $PY - <<'PY'
+import gzip, os, struct
+head = struct.pack(">IIII", 0x803, 1280, 2048, 2048)
+with open("cap/train-images-idx3-ubyte", "wb") as f:
+    f.write(head)
+    f.truncate(16 + 1280 * 2048 * 2048)
+open("cap/train-labels-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, 1280) + bytes(1280))
+os.mkdir("capgz")
+open("capgz/train-images-idx3-ubyte.gz", "wb").write(gzip.compress(head))
+open("capgz/train-labels-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, 1280) + bytes(1280))
+PY
+for d in cap capgz; do
+  f=$(ls $d/train-images-*)
+  expect_fail 1 "$f: header promises 5368709120 data bytes, over the limit of 4294967296 \(4 GiB\) for an IDX file" \
+    timeout -k 5 300 bash -c "$vlimit exec '$P' --quiet $d db"; absent db
+done
+rm -rf lie ratio cap capgz
+
 # --- CIFAR -------------------------------------------------------------------
 mkdir cifar && head -c $((3073 * 10 + 5)) /dev/urandom > cifar/data_batch_1.bin
 expect_fail 1 "cifar/data_batch_1.bin: 30735 bytes is not a whole number of 3073-byte CIFAR records" "$P" --quiet cifar db; absent db

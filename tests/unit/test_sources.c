@@ -328,6 +328,126 @@ static void idx_gzip_bomb_costs_no_memory(void **state)
         fail_msg("the peak resident size grew by %ld KiB", grown);
 }
 
+/* train-images-idx3-ubyte.gz in dir: a gzip member with a header promising
+ * n images of side x side, then mib members of 1 MiB of zeros each; and n
+ * labels 0 beside it. */
+static void write_zero_idx(const char *dir, uint32_t n, uint32_t side, int mib)
+{
+    uint8_t head[16], *lb = calloc(1, 8 + (size_t)n);
+    assert_non_null(lb);
+    put_be32(head, 0x803);
+    put_be32(head + 4, n);
+    put_be32(head + 8, side);
+    put_be32(head + 12, side);
+    write_file(dir, "train-images-idx3-ubyte.gz", head, sizeof head, 1);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", dir);
+    append_zero_members(p, mib);
+    put_be32(lb, 0x801);
+    put_be32(lb + 4, n);
+    write_file(dir, "train-labels-idx1-ubyte.gz", lb, 8 + (size_t)n, 1);
+    free(lb);
+}
+
+/* A header promising 100 MiB over gzip that holds a MiB more, or a MiB
+ * less: the content is counted before memory is allocated for it, so the
+ * lie costs nothing (it once cost what the header promised). Over exactly
+ * 100 MiB the same file loads. */
+static void idx_gzip_lying_header_costs_no_memory(void **state)
+{
+    (void)state;
+    const char *d = scratch("idx_lie_more");
+    write_zero_idx(d, 100, 1024, 101);
+    long before = max_rss_kib();
+    expect_open_error(d, "train-images-idx3-ubyte.gz: header promises "
+                         "104857600 data bytes but the gzip data holds more "
+                         "(trailing data; reading stopped at 104857601 "
+                         "bytes)");
+    d = scratch("idx_lie_less");
+    write_zero_idx(d, 100, 1024, 99);
+    expect_open_error(d, "train-images-idx3-ubyte.gz: header promises "
+                         "104857600 data bytes but the file holds 103809024 "
+                         "(truncated)");
+    long grown = max_rss_kib() - before;
+    if (grown > 32 * 1024)
+        fail_msg("the peak resident size grew by %ld KiB", grown);
+    d = scratch("idx_big_zeros");
+    write_zero_idx(d, 100, 1024, 100);
+    stk_source *s;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(d, NULL, &s, &err), 0);
+    assert_int_equal(stk_source_split_count(s, 0), 100);
+    uint8_t *px = malloc(1 << 20), zero[1024] = {0};
+    int32_t label = -1;
+    assert_int_equal(stk_source_load(s, NULL, 0, 99, &label, px, &err), 0);
+    assert_int_equal(label, 0);
+    for (int r = 0; r < 1024; r++)
+        assert_memory_equal(px + r * 1024, zero, sizeof zero);
+    free(px);
+    stk_source_close(s);
+}
+
+/* An images file in dir that holds only head (the labels beside it are
+ * never reached: the images are read first). */
+static void write_header_only(const char *dir, const char *name,
+                              const uint8_t *head, int gz)
+{
+    write_file(dir, name, head, 16, gz);
+    write_file(dir, "train-labels-idx1-ubyte", head, 8, 0);
+}
+
+/* An IDX header's limits hold before anything is allocated: at most
+ * 2^30-1 records, at most 4 GiB of data bytes (plain or gzip), and for
+ * gzip at most 1032 times the file's size. */
+static void idx_header_limits(void **state)
+{
+    (void)state;
+    uint8_t head[16];
+    put_be32(head, 0x803);
+    put_be32(head + 4, 1280); /* 1280 x 2048 x 2048: 5 GiB */
+    put_be32(head + 8, 2048);
+    put_be32(head + 12, 2048);
+    const char *d = scratch("idx_cap_plain");
+    write_header_only(d, "train-images-idx3-ubyte", head, 0);
+    expect_open_error(d, "train-images-idx3-ubyte: header promises "
+                         "5368709120 data bytes, over the limit of "
+                         "4294967296 (4 GiB) for an IDX file");
+    d = scratch("idx_cap_gzip");
+    write_header_only(d, "train-images-idx3-ubyte.gz", head, 1);
+    expect_open_error(d, "train-images-idx3-ubyte.gz: header promises "
+                         "5368709120 data bytes, over the limit of "
+                         "4294967296 (4 GiB) for an IDX file");
+    put_be32(head + 4, 1024); /* exactly 4 GiB: within the limit */
+    d = scratch("idx_cap_exact");
+    write_header_only(d, "train-images-idx3-ubyte", head, 0);
+    expect_open_error(d, "train-images-idx3-ubyte: header promises "
+                         "4294967296 data bytes but the file holds 0 "
+                         "(truncated)");
+    put_be32(head + 4, 1u << 30); /* 2^30 images of 1x1 */
+    put_be32(head + 8, 1);
+    put_be32(head + 12, 1);
+    d = scratch("idx_records");
+    write_header_only(d, "train-images-idx3-ubyte", head, 0);
+    expect_open_error(d, "train-images-idx3-ubyte: header promises "
+                         "1073741824 images, more than the 1073741823 "
+                         "records a split can hold");
+    put_be32(head + 4, 64); /* 64 MiB from a few bytes of gzip */
+    put_be32(head + 8, 1024);
+    put_be32(head + 12, 1024);
+    d = scratch("idx_ratio");
+    write_header_only(d, "train-images-idx3-ubyte.gz", head, 1);
+    char p[1200], want[400];
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", d);
+    struct stat st;
+    assert_int_equal(stat(p, &st), 0);
+    snprintf(want, sizeof want,
+             "train-images-idx3-ubyte.gz: header promises 67108864 data "
+             "bytes but %lld bytes of gzip inflate to at most %lld "
+             "(deflate's limit is 1032:1)",
+             (long long)st.st_size, (long long)st.st_size * 1032);
+    expect_open_error(d, want);
+}
+
 /* A plain IDX file's size is compared with its header before it is read. */
 static void idx_sizes_named(void **state)
 {
@@ -602,6 +722,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(folder_split_layout),
     cmocka_unit_test(idx_gzip_bomb_costs_no_memory),
     cmocka_unit_test(idx_sizes_named),
+    cmocka_unit_test(idx_gzip_lying_header_costs_no_memory),
+    cmocka_unit_test(idx_header_limits),
     cmocka_unit_test(idx_test_split_only),
     cmocka_unit_test(zfile_reads_and_refuses),
     cmocka_unit_test(folder_fifo_and_odd_names),
