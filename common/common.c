@@ -87,6 +87,32 @@ static const char *file_kind(mode_t m)
                          : "not a file";
 }
 
+static int not_regular(const char *path, mode_t m, stk_err *err)
+{
+    return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
+                    file_kind(m));
+}
+
+/* Keeps fd, opened O_NONBLOCK, only when fstat finds a regular file, and
+ * then clears O_NONBLOCK; else closes it. Returns fd or a negative code. */
+static int keep_regular(int fd, const char *path, struct stat *st,
+                        stk_err *err)
+{
+    int rc = 0, fl;
+    if (fstat(fd, st) != 0)
+        rc = stk_fail(err, stk_from_errno(errno), "%s: %s", path,
+                      strerror(errno));
+    else if (!S_ISREG(st->st_mode))
+        rc = not_regular(path, st->st_mode, err);
+    else if ((fl = fcntl(fd, F_GETFL)) < 0 ||
+             fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        rc = stk_fail(err, stk_from_errno(errno), "%s: %s", path,
+                      strerror(errno));
+    if (rc)
+        close(fd);
+    return rc ? rc : fd;
+}
+
 int stk_open_regular(const char *path, struct stat *st, stk_err *err)
 {
     /* stat first: a device is refused without being opened (opening one
@@ -99,8 +125,7 @@ int stk_open_regular(const char *path, struct stat *st, stk_err *err)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
                         strerror(errno));
     if (!S_ISREG(st->st_mode))
-        return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
-                        file_kind(st->st_mode));
+        return not_regular(path, st->st_mode, err);
     int fd;
     do
         fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -108,23 +133,51 @@ int stk_open_regular(const char *path, struct stat *st, stk_err *err)
     if (fd < 0)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
                         strerror(errno));
-    if (fstat(fd, st) != 0) {
+    return keep_regular(fd, path, st, err);
+}
+
+int stk_open_output(const char *path, int flags, stk_err *err)
+{
+    /* As stk_open_regular: an existing path that is not a regular file is
+     * refused without being opened, and the open is O_NONBLOCK for a FIFO
+     * swapped in meanwhile (a write-only open of a FIFO without a reader
+     * fails with ENXIO; with one it opens, and fstat refuses it). O_TRUNC is
+     * held back until fstat has seen a regular file. */
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        return not_regular(path, st.st_mode, err);
+    int fd;
+    do
+        fd = open(path, (flags & ~O_TRUNC) | O_CLOEXEC | O_NOCTTY | O_NONBLOCK,
+                  0666);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
         int e = errno;
-        close(fd);
+        if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+            return not_regular(path, st.st_mode, err); /* ENXIO, EISDIR */
         return stk_fail(err, stk_from_errno(e), "%s: %s", path, strerror(e));
     }
-    if (!S_ISREG(st->st_mode)) {
-        close(fd);
-        return stk_fail(err, STK_EFORMAT, "%s: not a regular file (%s)", path,
-                        file_kind(st->st_mode));
-    }
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    if ((fd = keep_regular(fd, path, &st, err)) < 0)
+        return fd;
+    if ((flags & O_TRUNC) && ftruncate(fd, 0) != 0) {
         int e = errno;
         close(fd);
         return stk_fail(err, stk_from_errno(e), "%s: %s", path, strerror(e));
     }
     return fd;
+}
+
+FILE *stk_fopen_output(const char *path, stk_err *err)
+{
+    int fd = stk_open_output(path, O_WRONLY | O_CREAT | O_TRUNC, err);
+    if (fd < 0)
+        return NULL;
+    FILE *f = fdopen(fd, "w");
+    if (!f) {
+        stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
+        close(fd);
+    }
+    return f;
 }
 
 FILE *stk_fopen_regular(const char *path, stk_err *err)

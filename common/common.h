@@ -70,6 +70,20 @@ int stk_open_regular(const char *path, struct stat *st, stk_err *err);
 /* The same as a stdio stream opened for reading ("r"); NULL on failure. */
 FILE *stk_fopen_regular(const char *path, stk_err *err);
 
+/* Opens path for writing with open(2)'s flags (O_WRONLY or O_RDWR, with
+ * O_CREAT, O_APPEND, O_TRUNC as wanted; created 0666 less the umask) and
+ * returns the descriptor (close-on-exec), never blocking: an existing path
+ * that is not a regular file (a FIFO, a device, a socket, a directory) is
+ * refused with "PATH: not a regular file (a FIFO)" before anything is
+ * written to it, so no tool waits for ever on a FIFO named as its output
+ * (and a regular file is truncated only once it is known to be one).
+ * Returns a negative STK_E* code on failure. */
+int stk_open_output(const char *path, int flags, stk_err *err);
+
+/* The same as a stdio stream opened with "w" (created or truncated); NULL
+ * on failure. */
+FILE *stk_fopen_output(const char *path, stk_err *err);
+
 /* Reads a whole regular file into a malloc'd buffer (caller frees). */
 int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err);
 

@@ -215,13 +215,19 @@ static int write_json(const config *c, const stk_meta *m, const result *rs,
                             pick >= 0 ? rs[pick].workers : -1);
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
-    FILE *f = fopen(c->json, "w");
-    int ok = f && text && fputs(text, f) >= 0;
-    if (f && fclose(f))
-        ok = 0;
+    if (!text)
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", c->json);
+    FILE *f = stk_fopen_output(c->json, err); /* a FIFO is refused */
+    if (!f) {
+        free(text);
+        return err->code;
+    }
+    int ok = fputs(text, f) >= 0;
+    ok = fclose(f) == 0 && ok;
+    int e = errno;
     free(text);
     return ok ? 0 : stk_fail(err, STK_EIO, "%s: cannot write: %s", c->json,
-                             strerror(errno));
+                             strerror(e));
 }
 
 /* An SVG line chart of samples/s against workers, one line per source. */
@@ -235,10 +241,9 @@ static int write_svg(const config *c, const result *rs, int n, stk_err *err)
         xmax = rs[i].workers > xmax ? rs[i].workers : xmax;
     }
     ymax *= 1.1;
-    FILE *f = fopen(c->plot, "w");
+    FILE *f = stk_fopen_output(c->plot, err); /* a FIFO is refused */
     if (!f)
-        return stk_fail(err, STK_EIO, "%s: cannot write: %s", c->plot,
-                        strerror(errno));
+        return err->code;
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' "
                "font-family='sans-serif' font-size='12'>\n"
                "<rect width='100%%' height='100%%' fill='white'/>\n"
@@ -278,7 +283,8 @@ static int write_svg(const config *c, const result *rs, int n, stk_err *err)
                     s ? "raw files (decode each epoch)" : "stoke LMDB");
     }
     fprintf(f, "</svg>\n");
-    if (fclose(f))
+    int failed = ferror(f); /* a write that failed before the last flush */
+    if (fclose(f) || failed)
         return stk_fail(err, STK_EIO, "%s: write failed", c->plot);
     return 0;
 }

@@ -2,7 +2,6 @@
  * RGB, colour conversions that match PIL, and PNG writing. */
 #include "preprocess.h"
 
-#include <errno.h>
 #include <spng.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -197,10 +196,10 @@ int stk_image_decode(stk_decoder *d, const uint8_t *data, size_t len,
 int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
                   stk_err *err)
 {
-    FILE *f = fopen(path, "wb");
+    stk_err own = {0}; /* for the code when the caller passes no err */
+    FILE *f = stk_fopen_output(path, err ? err : &own); /* FIFO refused */
     if (!f)
-        return stk_fail(err, stk_from_errno(errno), "%s: cannot write: %s",
-                        path, strerror(errno));
+        return err ? err->code : own.code;
     spng_ctx *ctx = spng_ctx_new(SPNG_CTX_ENCODER);
     struct spng_ihdr ihdr = {
         .width = (uint32_t)w,

@@ -635,30 +635,6 @@ static int check_fresh(const char *ckdir, const char *out, stk_err *err)
                 : 0;
 }
 
-/* Opens path for writing with flags, O_NONBLOCK added so that a FIFO
- * planted there cannot block the open (for a write-only open of a FIFO
- * without a reader it fails with ENXIO), and keeps it only when it is a
- * regular file; stk_open_regular phrases the refusal of anything else. */
-static int open_regular_rw(const char *path, int flags, stk_err *err)
-{
-    struct stat st;
-    int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0644);
-    if (fd < 0 && errno != ENXIO)
-        return stk_fail(err, stk_from_errno(errno), "%s: %s", path,
-                        strerror(errno));
-    int fl = fd < 0 ? -1 : fcntl(fd, F_GETFL);
-    if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && fl >= 0 &&
-        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0)
-        return fd;
-    if (fd >= 0)
-        close(fd);
-    int again = stk_open_regular(path, &st, err); /* names what path is */
-    if (again < 0)
-        return again;
-    close(again); /* replaced by a regular file meanwhile: still refused */
-    return stk_fail(err, STK_EIO, "%s: changed while it was opened", path);
-}
-
 /* One run at a time in RUN_DIR: an exclusive flock on RUN_DIR/.lock, held
  * for the life of the run (the kernel drops it when the process ends, even
  * by kill -9, so a crash never blocks the next run). The holder writes its
@@ -667,7 +643,7 @@ static int lock_run_dir(run_state *r, const char *dir, stk_err *err)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/.lock", dir);
-    int fd = open_regular_rw(path, O_RDWR | O_CREAT, err);
+    int fd = stk_open_output(path, O_RDWR | O_CREAT, err);
     if (fd < 0)
         return fd;
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -714,7 +690,7 @@ static int open_run_dir(run_state *r, stk_err *err)
     if ((rc = stk_checkpoint_check_dir(r, err)))
         return rc;
     snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
-    int fd = open_regular_rw(path, O_WRONLY | O_APPEND | O_CREAT, err);
+    int fd = stk_open_output(path, O_WRONLY | O_APPEND | O_CREAT, err);
     if (fd < 0)
         return fd;
     if (!(r->metrics = fdopen(fd, "a"))) {

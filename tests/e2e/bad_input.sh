@@ -270,6 +270,19 @@ expect_fail 2 "unknown option '--bogus'" "$STK_BIN/dbinfo" --bogus grown
 expect_fail 2 "--split: no split \"val\"" "$STK_BIN/dbinfo" --split val grown
 absent db
 
+# --- outputs: a regular file or nothing there; a FIFO is refused, never
+# waited on (timeout: if opening it blocks again, this fails instead of
+# hanging the suite); a regular file is replaced
+mkfifo sheet.fifo && mkdir sheet.dir
+expect_fail 1 "dbinfo: error: sheet.fifo: not a regular file \(a FIFO\)" timeout -k 5 300 "$STK_BIN/dbinfo" grown --grid sheet.fifo
+expect_fail 1 "dbinfo: error: sheet.dir: not a regular file \(a directory\)" timeout -k 5 300 "$STK_BIN/dbinfo" grown --grid sheet.dir
+[ -p sheet.fifo ] && [ -d sheet.dir ] || fail "a refused --grid replaced its target"
+head -c 100000 /dev/urandom > sheet.png
+"$STK_BIN/dbinfo" grown --grid sheet.png >/dev/null
+$PY -c "from PIL import Image; im = Image.open('sheet.png'); im.load(); assert im.size[0] > 100, im.size" || fail "--grid over a regular file"
+ok "--grid refuses a FIFO and a directory, replaces a regular file"
+rm -rf sheet.fifo sheet.dir sheet.png
+
 # --- SOURCE_DATE_EPOCH: whole seconds since 1970, or refused ------------------
 for v in abc 1.5 -1 " 12" 12abc 0x10 253402300800 99999999999999999999; do
   expect_fail 2 "prep: SOURCE_DATE_EPOCH: expected whole seconds since 1970 \(0\.\.253402300799\), got '$v'" \

@@ -45,3 +45,15 @@ with env.begin(write=True, db=meta) as txn:
     txn.put(b"dataset", json.dumps(j).encode())
 PY
 expect_fail 1 "half: database is incomplete" "$S" --db half
+
+# Outputs must be regular files: a FIFO as --json or --plot is refused by
+# name, never waited on (timeout: if opening it blocks again, this fails
+# instead of hanging the suite), and a regular file is replaced.
+mkfifo out.fifo
+expect_fail 1 "sweep: error: out.fifo: not a regular file \(a FIFO\)" timeout -k 5 300 "$S" --db db --workers 1 --epochs 1 --json out.fifo
+expect_fail 1 "sweep: error: out.fifo: not a regular file \(a FIFO\)" timeout -k 5 300 "$S" --db db --workers 1 --epochs 1 --plot out.fifo
+[ -p out.fifo ] || fail "a refused sweep replaced its FIFO"
+head -c 100000 /dev/urandom > out.json
+"$S" --db db --workers 1 --epochs 1 --json out.json >/dev/null
+$PY -c "import json; j = json.load(open('out.json')); assert [r['workers'] for r in j['results']] == [1], j" || fail "--json over a regular file"
+ok "--json and --plot refuse a FIFO and replace a regular file"

@@ -4,6 +4,7 @@
 
 #include "preprocess/preprocess.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <zlib.h>
@@ -714,6 +715,44 @@ static void cifar_fifo_and_names(void **state)
     alarm(0);
 }
 
+/* The PNG writer (dbinfo --grid) writes only to a regular file: a FIFO is
+ * refused by name, never waited on, whether or not a reader holds it open
+ * (with one, a write-only open would succeed), nothing is written into it,
+ * and an existing regular file is replaced. */
+static void png_write_refuses_fifo(void **state)
+{
+    (void)state;
+    fail_instead_of_hanging();
+    const char *d = scratch("png_out");
+    char p[1200];
+    snprintf(p, sizeof p, "%s/sheet.png", d);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    uint8_t px[4 * 4 * 3] = {0};
+    stk_err err = {0};
+    assert_int_equal(stk_png_write(p, px, 4, 4, 3, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "sheet.png: not a regular file (a FIFO)"));
+    int rd = open(p, O_RDONLY | O_NONBLOCK);
+    assert_true(rd >= 0);
+    memset(&err, 0, sizeof err);
+    assert_int_equal(stk_png_write(p, px, 4, 4, 3, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "sheet.png: not a regular file (a FIFO)"));
+    uint8_t b;
+    assert_int_equal(read(rd, &b, 1), 0); /* no writer ever: end of file */
+    close(rd);
+    assert_int_equal(stk_png_write(p, px, 4, 4, 3, NULL), STK_EFORMAT);
+    assert_int_equal(unlink(p), 0);
+    FILE *f = fopen(p, "wb");
+    assert_non_null(f);
+    for (int i = 0; i < 100000; i++)
+        fputc('x', f);
+    fclose(f);
+    assert_int_equal(stk_png_write(p, px, 4, 4, 3, &err), 0);
+    struct stat st;
+    assert_int_equal(stat(p, &st), 0);
+    assert_true(S_ISREG(st.st_mode) && st.st_size > 8 && st.st_size < 1000);
+    alarm(0);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(idx_raw_and_gzip),
     cmocka_unit_test(idx_errors_name_the_file),
@@ -731,5 +770,6 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(folder_link_loop),
     cmocka_unit_test(folder_non_utf8_names),
     cmocka_unit_test(cifar_fifo_and_names),
+    cmocka_unit_test(png_write_refuses_fifo),
 };
 UNIT_MAIN(tests)
