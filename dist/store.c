@@ -153,7 +153,8 @@ static int io_all(stk_kv *kv, void *buf, size_t n, bool out, double deadline,
         if (r <= 0)
             continue;
         ssize_t k = out ? send(kv->fd, p, n, MSG_NOSIGNAL) : recv(kv->fd, p, n, 0);
-        if (k == 0)
+        /* a reset is how the store disconnects a client over a limit */
+        if (k == 0 || (k < 0 && (errno == ECONNRESET || errno == EPIPE)))
             return lost(kv, "connection closed", err);
         if (k < 0) {
             if (errno == EAGAIN || errno == EINTR)

@@ -57,6 +57,7 @@ struct conn {
     size_t len, cap;
     size_t pending; /* bytes charged to this connection */
     char peer[64];  /* address:port, for the log */
+    bool reset;     /* dropped: closed with a reset (see close_conn) */
     conn *prev, *next;
 };
 
@@ -125,6 +126,7 @@ static void drop(conn *c, const char *fmt, ...)
         s->log(s->log_arg, line);
     }
     put(&s->dropped, get(&s->dropped) + 1);
+    c->reset = true;
     close_conn(c);
 }
 
@@ -383,7 +385,11 @@ static void close_conn(conn *c)
         s->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    uv_close((uv_handle_t *)&c->tcp, on_closed);
+    /* a dropped client is reset: the kernel discards what it still held
+     * for it at once, instead of trickling out megabytes (beyond the
+     * store's own limits) to a client that reads a few bytes at a time */
+    if (!c->reset || uv_tcp_close_reset(&c->tcp, on_closed))
+        uv_close((uv_handle_t *)&c->tcp, on_closed);
 }
 
 /* ---- requests --------------------------------------------------------------------- */
