@@ -88,10 +88,10 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
     freeaddrinfo(ai);
     if (fd < 0)
         return stk_fail(err, STK_ETIMEDOUT,
-                        "cannot reach the rendezvous store at %s:%d within %d s "
+                        "cannot reach the rendezvous store at %s:%d within %g s "
                         "(%s); is node 0's launcher (or rank 0) running, and are "
                         "MASTER_ADDR and MASTER_PORT the same on every node?",
-                        host, port, timeout_ms / 1000, strerror(e));
+                        host, port, timeout_ms / 1000.0, strerror(e));
     stk_kv *kv = calloc(1, sizeof *kv);
     if (!kv) {
         close(fd);
@@ -222,9 +222,9 @@ static int no_reply(stk_kv *kv, const char *key, stk_err *err)
 {
     retire(kv);
     return stk_fail(err, STK_ETIMEDOUT,
-                    "the rendezvous store at %s did not answer within %d s "
+                    "the rendezvous store at %s did not answer within %g s "
                     "(request on key '%s'); its machine may be gone",
-                    kv->where, kv->timeout_ms / 1000, key);
+                    kv->where, kv->timeout_ms / 1000.0, key);
 }
 
 int stk_kv_set(stk_kv *kv, const char *key, const void *val, size_t n,
@@ -261,7 +261,7 @@ int stk_kv_get(stk_kv *kv, const char *key, int timeout_ms, void **val,
         retire(kv); /* the late reply would desynchronise the stream */
         free(buf);
         return stk_fail(err, STK_ETIMEDOUT,
-                        "timed out after %.0f s waiting for key '%s' in the "
+                        "timed out after %g s waiting for key '%s' in the "
                         "rendezvous store at %s",
                         timeout_ms / 1000.0, key, kv->where);
     }
@@ -293,17 +293,18 @@ int stk_kv_barrier(stk_kv *kv, const char *name, int world, int timeout_ms,
     char count[STORE_MAX_KEY / 2], done[STORE_MAX_KEY / 2];
     snprintf(count, sizeof count, "%s/count", name);
     snprintf(done, sizeof done, "%s/done", name);
-    int64_t arrived;
+    int64_t arrived = 0;
     int rc = stk_kv_add(kv, count, 1, &arrived, err);
     if (!rc && arrived == world)
         rc = stk_kv_set(kv, done, "1", 1, err);
+    if (rc) /* the store itself failed or went silent: err says how */
+        return rc;
     void *v;
     size_t n;
-    if (!rc)
-        rc = stk_kv_get(kv, done, timeout_ms, &v, &n, err);
-    if (rc == STK_ETIMEDOUT)
+    rc = stk_kv_get(kv, done, timeout_ms, &v, &n, err);
+    if (rc == STK_ETIMEDOUT) /* the store answers; the other ranks did not come */
         return stk_fail(err, STK_ETIMEDOUT,
-                        "timed out after %.0f s at '%s': %lld of %d ranks "
+                        "timed out after %g s at '%s': %lld of %d ranks "
                         "arrived when this one did; the others never came "
                         "(check that every node started, with the same "
                         "--nnodes and --nproc)",

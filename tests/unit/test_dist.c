@@ -1,6 +1,7 @@
 /* test_dist - the rendezvous store (set, get that waits, add, barrier,
- * timeouts, a taken port, a hostile client over each of its limits
- * dropped while a good one goes on), the shared-memory collectives between forked
+ * timeouts, a taken port, a barrier on a silent store, a hostile client
+ * over each of its limits dropped while a good one goes on), the
+ * shared-memory collectives between forked
  * rank processes (all-reduce bitwise equal to the rank-order sum on every
  * rank, average, broadcast, a peer that dies, a resident buffer summed in
  * place), the DDP bucket plan, and
@@ -142,6 +143,31 @@ static void store_timeouts_and_taken_port(void **state)
     t0 = stk_now();
     assert_int_equal(stk_kv_connect("127.0.0.1", port, 300, &kv, &err), STK_ETIMEDOUT);
     assert_non_null(strstr(err.msg, "cannot reach the rendezvous store"));
+}
+
+/* A barrier whose ADD gets no answer (a socket that listens, and never
+ * reads or replies) says so, as any request does; "N of M ranks arrived"
+ * is only for a store that answers while the other ranks never come. */
+static void store_barrier_on_a_silent_store(void **state)
+{
+    (void)state;
+    int mute = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(mute, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(mute, 1), 0); /* the kernel completes the connect */
+    assert_int_equal(getsockname(mute, (struct sockaddr *)&a, &len), 0);
+    stk_kv *kv;
+    stk_err err;
+    assert_int_equal(stk_kv_connect("127.0.0.1", ntohs(a.sin_port), 300, &kv, &err), 0);
+    assert_int_equal(stk_kv_barrier(kv, "quiet", 2, 300, &err), STK_ETIMEDOUT);
+    print_message("barrier: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "did not answer within 0.3 s"));
+    assert_non_null(strstr(err.msg, "'quiet/count'"));
+    assert_null(strstr(err.msg, "ranks arrived"));
+    stk_kv_close(kv);
+    close(mute);
 }
 
 /* ---- hostile clients: each limit, and the store goes on ----------------- */
@@ -862,6 +888,7 @@ static void cpu_ranks_bound_to_disjoint_cpus(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(store_set_get_add),
     cmocka_unit_test(store_timeouts_and_taken_port),
+    cmocka_unit_test(store_barrier_on_a_silent_store),
     cmocka_unit_test(store_drops_huge_keys_and_prefixes),
     cmocka_unit_test(store_drops_huge_values),
     cmocka_unit_test(store_drops_too_many_keys_and_bytes),
