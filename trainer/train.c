@@ -777,12 +777,25 @@ static stk_train_opts resolve(const stk_train_opts *in)
     return o;
 }
 
+int stk_train_check_opts(const stk_train_opts *o, stk_err *err)
+{
+    if (o->epochs < 1 || o->batch < 1 || o->log_every < 1 || o->accum < 1)
+        return stk_fail(err, STK_EINVAL,
+                        "epochs, batch, accum and log interval must be >= 1");
+    /* as PyTorch's SGD: Nesterov's look-ahead is along the momentum */
+    if (o->nesterov && o->optim == STK_OPT_SGD && !(o->momentum > 0))
+        return stk_fail(err, STK_EINVAL,
+                        "--nesterov needs --momentum above 0 (Nesterov momentum "
+                        "requires a momentum and zero dampening)");
+    return 0;
+}
+
 int stk_train_run(const stk_train_opts *in, stk_train_result *res,
                   stk_err *err)
 {
-    if (in->epochs < 1 || in->batch < 1 || in->log_every < 1 || in->accum < 1)
-        return stk_fail(err, STK_EINVAL,
-                        "epochs, batch, accum and log interval must be >= 1");
+    int rc = stk_train_check_opts(in, err);
+    if (rc)
+        return rc;
     stk_train_opts o_resolved = resolve(in);
     const stk_train_opts *o = &o_resolved;
     run_state r;
@@ -800,7 +813,7 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
     if (r.rank.rank != 0)
         o_resolved.quiet = true; /* rank 0 alone prints */
     r.tty = isatty(2);
-    int rc = setup(&r, err);
+    rc = setup(&r, err);
     if (!rc && speak && r.rank.world > 1) /* which device each rank took */
         fprintf(stderr, "train: rank %d of %d on %s, %d thread(s) (%s)\n", r.rank.rank,
                 r.rank.world, stk_backend_name(r.be), stk_backend_threads(r.be),

@@ -202,10 +202,9 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         fprintf(stderr, "train: --db DB_DIR is required and takes no other arguments (see train --help)\n");
         return -1;
     }
-    /* as PyTorch's SGD: Nesterov's look-ahead is along the momentum */
-    if (!rc && o->nesterov && o->optim == STK_OPT_SGD && o->momentum == 0) {
-        fprintf(stderr, "train: --nesterov needs --momentum above 0 (Nesterov momentum "
-                        "requires a momentum and zero dampening)\n");
+    stk_err err;
+    if (!rc && stk_train_check_opts(o, &err)) { /* flags that disagree */
+        fprintf(stderr, "train: %s\n", err.msg);
         return -1;
     }
     return rc;

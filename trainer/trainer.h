@@ -162,9 +162,16 @@ typedef struct stk_train_result {
     double best_acc;
 } stk_train_result;
 
+/* Whether the options agree with themselves (--nesterov needs SGD's
+ * momentum above 0, as in PyTorch; counts are >= 1), before anything is
+ * opened: STK_EINVAL naming the flag. stk_train_run checks them first; a
+ * CLI calls this too, to tell bad usage from a run that failed. */
+int stk_train_check_opts(const stk_train_opts *o, stk_err *err);
+
 /* Trains and evaluates every epoch; writes RUN_DIR/metrics.jsonl and
- * checkpoints. Errors (a model that does not fit the data, a checkpoint
- * that does not fit the model, a NaN loss) name the cause. */
+ * checkpoints. Errors (options as stk_train_check_opts, a model that does
+ * not fit the data, a checkpoint that does not fit the model, a NaN loss)
+ * name the cause. */
 int stk_train_run(const stk_train_opts *o, stk_train_result *res,
                   stk_err *err);
 

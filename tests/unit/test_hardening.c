@@ -2,7 +2,8 @@
  * input, at the library level (tests/e2e/train_hostile.sh drives the
  * tools): model-file numbers range-checked and layer sizes bounded in 64
  * bits, non-finite tensors refused on load, an out-of-range label named by
- * split and key, an empty evaluation shard, and seeds parsed strictly. */
+ * split and key, an empty evaluation shard, seeds parsed strictly, and
+ * Nesterov without momentum refused by the library. */
 #include "unit.h"
 
 #include "common/cli.h"
@@ -292,6 +293,36 @@ static void seeds_are_whole_unsigned_64_bit_numbers(void **state)
     assert_true(v == 0);
 }
 
+/* Nesterov without momentum is refused by the library itself (not only by
+ * train's flags), naming the flag, before anything is opened or created. */
+static void nesterov_needs_momentum(void **state)
+{
+    (void)state;
+    char db[1100], out[1100];
+    const char *dir = scratch("nesterov"); /* empty */
+    snprintf(db, sizeof db, "%s/no-db", dir);
+    snprintf(out, sizeof out, "%s/run", dir);
+    stk_train_opts o;
+    stk_train_defaults(&o);
+    o.db = db;
+    o.out = out;
+    o.quiet = true;
+    o.optim = STK_OPT_SGD;
+    o.nesterov = true;
+    o.momentum = 0;
+    stk_err err = {0};
+    stk_train_result res;
+    assert_int_equal(stk_train_run(&o, &res, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "--nesterov needs --momentum above 0"));
+    assert_int_equal(access(out, F_OK), -1); /* no RUN_DIR made */
+    assert_int_equal(stk_train_check_opts(&o, &err), STK_EINVAL);
+    o.momentum = 0.5f; /* with momentum, or with AdamW, it is fine */
+    assert_int_equal(stk_train_check_opts(&o, &err), 0);
+    o.momentum = 0;
+    o.optim = STK_OPT_ADAMW;
+    assert_int_equal(stk_train_check_opts(&o, &err), 0);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(model_file_numbers_are_range_checked),
     cmocka_unit_test(layer_sizes_are_bounded_in_64_bits),
@@ -299,6 +330,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(out_of_range_label_names_split_and_key),
     cmocka_unit_test(uneven_shards_may_be_empty),
     cmocka_unit_test(seeds_are_whole_unsigned_64_bit_numbers),
+    cmocka_unit_test(nesterov_needs_momentum),
 };
 
 UNIT_MAIN(tests)
