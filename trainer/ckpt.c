@@ -92,9 +92,16 @@ static int write_small(const char *path, const char *text, stk_err *err)
                     strerror(e));
 }
 
+/* state.json's numbers are JSON numbers, read as doubles, exact to 2^53:
+ * every count in it stays far below (a step is taken, not counted: 2^53
+ * steps are centuries; a position is below STK_MAX_RECORDS, an epoch within
+ * --epochs, a world within 2^20). The seed is any 64-bit number, so it is
+ * written as a string of its decimal digits. */
 static int write_state(run_state *r, const char *path, stk_err *err)
 {
     const stk_train_opts *o = r->o;
+    char seed[24];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)o->seed);
     cJSON *s = cJSON_CreateObject();
     cJSON_AddNumberToObject(s, "epoch", (double)r->pos_epoch);
     cJSON_AddNumberToObject(s, "step", (double)r->step);
@@ -102,7 +109,7 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     cJSON_AddNumberToObject(pos, "epoch", (double)r->pos_epoch);
     cJSON_AddNumberToObject(pos, "batch", (double)r->pos_batch);
     cJSON_AddNumberToObject(pos, "world", (double)r->rank.world);
-    cJSON_AddNumberToObject(s, "seed", (double)o->seed);
+    cJSON_AddStringToObject(s, "seed", seed);
     cJSON_AddNumberToObject(s, "best_acc", r->best_acc);
     cJSON_AddStringToObject(s, "optim", o->optim == STK_OPT_SGD ? "sgd" : "adamw");
     cJSON_AddStringToObject(s, "model", o->model);
@@ -334,6 +341,28 @@ static int state_num(const char *path, const cJSON *obj, const char *key,
     return 0;
 }
 
+/* Whether state.json's seed is this run's: the decimal string written
+ * now, or the number older checkpoints hold where it is exact (to 2^53:
+ * a number above cannot tell neighbouring seeds apart). `found` says what
+ * the file holds, for the message. */
+static bool same_seed(const cJSON *v, uint64_t want, char *found, size_t size)
+{
+    char digits[24];
+    snprintf(digits, sizeof digits, "%llu", (unsigned long long)want);
+    if (cJSON_IsString(v)) {
+        snprintf(found, size, "'%.40s'", v->valuestring);
+        return !strcmp(v->valuestring, digits);
+    }
+    if (!cJSON_IsNumber(v)) {
+        snprintf(found, size, "no seed");
+        return false;
+    }
+    bool exact = v->valuedouble >= 0 && v->valuedouble <= 0x1p53;
+    snprintf(found, size, "%.17g%s", v->valuedouble,
+             exact ? "" : ", a number exact only to 2^53");
+    return exact && v->valuedouble == (double)want;
+}
+
 /* What state.json says about the run so far, each field checked against
  * this run (its --batch, --seed, --optim, --epochs and the train split). */
 typedef struct saved_state {
@@ -396,7 +425,7 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(s, "seed");
     const cJSON *best = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
     const char *want = o->optim == STK_OPT_SGD ? "sgd" : "adamw";
-    char why[96];
+    char why[96], found[96];
     *v = (saved_state){.world = 1, .accum = 1};
     if (!cJSON_IsObject(s))
         return stk_fail(err, STK_EFORMAT, "%s: not a JSON object", path);
@@ -408,12 +437,12 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
         state_num(path, s, "batch", "batch", (double)b, (double)b,
                   " (this run's --batch: the position counts its batches)",
                   &v->size, err);
-    if (!rc && !(cJSON_IsNumber(seed) && seed->valuedouble == (double)o->seed))
+    if (!rc && !same_seed(seed, o->seed, found, sizeof found))
         rc = stk_fail(
             err, STK_EINVAL,
-            "%s: seed is not this run's --seed %llu (the data order and "
-            "dropout derive from it: resume with the same --seed)",
-            path, (unsigned long long)o->seed);
+            "%s: seed is not this run's --seed %llu (it holds %s; the data "
+            "order and dropout derive from it: resume with the same --seed)",
+            path, (unsigned long long)o->seed, found);
     snprintf(why, sizeof why, " (this run's --epochs %d)", o->epochs);
     if (!rc)
         rc = state_num(path, s, "epoch", "epoch", 0, o->epochs, why, &v->epoch,

@@ -133,13 +133,16 @@ untouched inf
 ok "non-finite tensors refused by file and name"
 
 # ---- state.json: every field checked against the run -----------------------
-bad_state() { # PYTHON-EDIT PATTERN [FLAGS...]
-  local edit=$1 pat=$2; shift 2
-  run st && $PY - "$edit" <<'PY'
+edit_state() { # PYTHON-EDIT: a fresh copy st of base, its state.json edited
+  run st && $PY - "$1" <<'PY'
 import json, sys
 p = "st/checkpoints/step-00000008/state.json"
 s = json.load(open(p)); exec(sys.argv[1]); json.dump(s, open(p, "w"))
 PY
+}
+bad_state() { # PYTHON-EDIT PATTERN [FLAGS...]
+  local edit=$1 pat=$2; shift 2
+  edit_state "$edit"
   expect_fail 1 "st/$ck/state.json: $pat" t "$T" "${c[@]}" --epochs 2 --out st --resume auto "$@"
   untouched st
 }
@@ -157,7 +160,17 @@ bad_state 's["epoch_steps"] = [0]' "epoch_steps\[0\] is not a whole number 1..8"
 bad_state 's["epoch_steps"] = [4, 4]' "epoch_steps is not a list of 1 entries"
 bad_state 'del s["step"]' "step is missing or not a number"
 bad_state 's["best_acc"] = 7' "best_acc is not an accuracy in \[0, 1\]"
-bad_state 'pass' "seed is not this run's --seed 2" --seed 2
+bad_state 'pass' "seed is not this run's --seed 2 \(it holds '1'" --seed 2
+bad_state 's["seed"] = 2' "seed is not this run's --seed 1 \(it holds 2;"
+bad_state 'del s["seed"]' "seed is not this run's --seed 1 \(it holds no seed;"
+# an older checkpoint's seed is a JSON number: taken where it is exact (to
+# 2^53), refused above, where it cannot tell neighbouring seeds apart
+bad_state 's["seed"] = 18446744073709551615' \
+  "seed is not this run's --seed 18446744073709551615 \(it holds 1.8446744073709552e\+19, a number exact only to 2\^53" \
+  --seed 18446744073709551615
+edit_state 's["seed"] = 1'
+t "$T" "${c[@]}" --epochs 2 --out st --resume auto >/dev/null || fail "an older checkpoint's seed 1 (a number)"
+[ -f st/checkpoints/step-00000016/model.safetensors ] || fail "no checkpoint after resuming an older checkpoint"
 bad_state 'pass' "batch is 64, expected a whole number 32..32 \(this run's --batch" --batch 32
 bad_state 'pass' "written with --optim sgd, this run uses adamw" --optim adamw
 ok "state.json checked field by field"
@@ -173,8 +186,18 @@ expect_fail 2 "train: --nesterov needs --momentum above 0 \(Nesterov momentum re
   "$T" --db db --optim sgd --momentum 0 --nesterov
 [ ! -e runs ] || fail "a refused flag created the default --out"
 t "$T" "${c[@]}" --epochs 1 --seed 18446744073709551615 --out bigseed >/dev/null || fail "seed 2^64-1"
+# a seed above 2^53 is recorded exactly: its neighbour (the same double) is
+# refused, the seed itself resumes
+grep -q '"seed":[[:space:]]*"18446744073709551615"' bigseed/$ck/state.json ||
+  fail "seed 2^64-1 not recorded exactly: $(cat bigseed/$ck/state.json)"
+expect_fail 1 "bigseed/$ck/state.json: seed is not this run's --seed 18446744073709551614 \(it holds '18446744073709551615'" \
+  t "$T" "${c[@]}" --epochs 2 --seed 18446744073709551614 --out bigseed --resume auto
+[ ! -e bigseed/checkpoints/step-00000016 ] || fail "a refused seed wrote a checkpoint"
+t "$T" "${c[@]}" --epochs 2 --seed 18446744073709551615 --out bigseed --resume auto >/dev/null ||
+  fail "resuming seed 2^64-1"
+[ -f bigseed/checkpoints/step-00000016/model.safetensors ] || fail "no checkpoint after resuming seed 2^64-1"
 t "$T" "${c[@]}" --epochs 1 --nesterov --momentum 0.5 --max-steps 2 --out nest >/dev/null || fail "Nesterov"
-ok "--seed and --nesterov refused as usage errors (exit 2); their good values run"
+ok "--seed and --nesterov refused as usage errors (exit 2); their good values run; a seed above 2^53 resumes only with itself"
 
 # ---- more ranks than test samples: an empty share, every sample once ---------
 # 2 test samples on 3 ranks; then one process evaluates the same weights
