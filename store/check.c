@@ -364,7 +364,10 @@ static int walk_tree(walker *w, const char *name, size_t name_len,
         clean[n] = '\0';
         snprintf(t.name, sizeof t.name, "database \"%s\"", clean);
     }
-    if (!t.main && db->flags != 0)
+    /* stoke opens every database, the main one too, without flags; flags
+     * (DUPSORT, INTEGERKEY, ...) would make liblmdb read the pages in
+     * another layout than this walk checked */
+    if (db->flags != 0)
         return damaged(w, &t, db->root,
                        "database flags 0x%x (stoke writes "
                        "none)",

@@ -27,20 +27,10 @@ static const char usage[] =
  * change colours. */
 static void put_name(const char *s)
 {
-    size_t n = strlen(s);
-    for (size_t i = 0, k; i < n; i += k) {
-        unsigned char b = (unsigned char)s[i];
-        k = stk_utf8_len(s + i, n - i);
-        bool c1 = k == 2 && b == 0xc2 && (unsigned char)s[i + 1] < 0xa0;
-        bool plain = b >= 0x80 || (b >= 0x20 && b != 0x7f && b != '\\');
-        if (k && !c1 && plain) {
-            fwrite(s + i, 1, k, stdout);
-            continue;
-        }
-        for (size_t j = 0; j < (k ? k : 1); j++)
-            printf("\\x%02x", (unsigned char)s[i + j]);
-        k = k ? k : 1;
-    }
+    size_t cap = 4 * strlen(s) + 1;
+    char *clean = malloc(cap);
+    fputs(clean ? stk_text_printable(clean, cap, s) : "?", stdout);
+    free(clean);
 }
 
 static void print_header(const char *dir, const stk_meta *m)
@@ -133,9 +123,9 @@ static int write_grid(stk_store *s, const char *split, const char *out,
     stk_reader *r = NULL;
     int rc = sheet ? stk_reader_open(s, split, &r, err)
                    : stk_fail(err, STK_ENOMEM, "out of memory");
-    const stk_split_meta *sp = &m->splits[stk_meta_split(m, split) < 0
-                                              ? 0
-                                              : stk_meta_split(m, split)];
+    const stk_split_meta *sp =
+        &m->splits[stk_meta_split(m, split) < 0 ? 0
+                                                : stk_meta_split(m, split)];
     uint64_t n = sp->count < GRID * GRID ? sp->count : GRID * GRID;
     size_t plane = (size_t)h * w;
     for (uint64_t i = 0; !rc && i < n; i++) {
@@ -173,8 +163,7 @@ static int run_verify(stk_store *s, const char *dir)
     if (rep.problems > STK_VERIFY_KEPT)
         fprintf(stderr, "dbinfo: error: %s: ... %llu problems in all\n", dir,
                 (unsigned long long)rep.problems);
-    printf("\nverify    %llu records: %s%s\n",
-           (unsigned long long)rep.records,
+    printf("\nverify    %llu records: %s%s\n", (unsigned long long)rep.records,
            rep.problems ? "DAMAGED" : "ok",
            rep.checksums ? "" : " (no checksums: written by an older prep)");
     return rc;

@@ -737,7 +737,8 @@ int stk_store_open(const char *dir, int max_readers, stk_store **out,
     /* A published database is never written again (a --force rebuild
      * writes new files), so readers need no lock table: MDB_NOLOCK lifts
      * the reader-slot limit shared with other processes, leaves no stale
-     * slots when a rank dies and opens where lock.mdb is not writable. */
+     * slots when a rank dies and opens where lock.mdb is not writable.
+     * (stk_lmdb_check_env relies on MDB_NOLOCK: see store_impl.h.) */
     rc = open_env(s, dir, MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK,
                   max_readers > 0 ? max_readers : 512, err);
     if (!rc)

@@ -130,6 +130,13 @@ int stk_meta_split(const stk_meta *m, const char *name);
  * decoder: no overlong forms, no surrogates, nothing above U+10FFFF). */
 size_t stk_utf8_len(const char *s, size_t n);
 
+/* Copies the name s into out (cap bytes, always NUL-terminated; a name that
+ * does not fit is cut at a whole character or escape) with control
+ * characters, C1 codes, bytes that are not UTF-8 and '\' written as \xHH,
+ * so that printing a name from the file system cannot drive a terminal.
+ * 4 * strlen(s) + 1 bytes always suffice. Returns out. */
+char *stk_text_printable(char *out, size_t cap, const char *s);
+
 /* A copy of JSON text (malloc'd; NULL when out of memory) in which every
  * byte that is not part of a valid UTF-8 sequence is written as the escape
  * \udcXX (PEP 383 surrogateescape, as Python's json.dumps(os.fsdecode(b))

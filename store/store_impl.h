@@ -30,7 +30,10 @@ int stk_lmdb_check_file(const char *dir, int fd, off_t size,
 
 /* After mdb_env_open: checks that liblmdb chose the meta page the check
  * read (same page size, last page and transaction), so the pages checked are
- * the pages it reads. */
+ * the pages it reads. This holds for an environment opened with MDB_NOLOCK,
+ * as stk_store_open does: every read transaction then takes the newer meta
+ * page. With a lock file a reader takes the meta page of the last committed
+ * transaction id (txnid & 1), which this comparison would not see. */
 int stk_lmdb_check_env(MDB_env *env, const char *dir,
                        const stk_lmdb_facts *facts, stk_err *err);
 

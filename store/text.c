@@ -10,6 +10,8 @@
  * surrogates) parses the text. */
 #include "store.h"
 
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,6 +44,32 @@ size_t stk_utf8_len(const char *s, size_t n)
         if (p[i] < 0x80 || p[i] > 0xbf)
             return 0;
     return len;
+}
+
+char *stk_text_printable(char *out, size_t cap, const char *s)
+{
+    size_t n = strlen(s), w = 0;
+    for (size_t i = 0, k; i < n; i += k) {
+        unsigned char b = (unsigned char)s[i];
+        k = stk_utf8_len(s + i, n - i);
+        bool c1 = k == 2 && b == 0xc2 && (unsigned char)s[i + 1] < 0xa0;
+        bool plain = b >= 0x80 || (b >= 0x20 && b != 0x7f && b != '\\');
+        if (k && !c1 && plain) {
+            if (w + k >= cap)
+                break;
+            memcpy(out + w, s + i, k);
+            w += k;
+            continue;
+        }
+        k = k ? k : 1;
+        if (w + 4 * k >= cap)
+            break;
+        for (size_t j = 0; j < k; j++, w += 4)
+            snprintf(out + w, 5, "\\x%02x", (unsigned char)s[i + j]);
+    }
+    if (cap)
+        out[w < cap ? w : cap - 1] = '\0';
+    return out;
 }
 
 char *stk_json_escape_bytes(const char *text)

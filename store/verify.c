@@ -113,13 +113,15 @@ static void check_record(const stk_view *v, const stk_meta *m,
 static void check_totals(const stk_meta *m, const stk_split_meta *sp,
                          const tally *t, stk_verify_report *rep)
 {
+    char name[96]; /* a class name from the file system, made printable */
     for (int c = 0; c < m->nclasses; c++)
         if (t->labels[c] != sp->label_counts[c])
             problem(rep,
                     "split \"%s\": %llu records have label %d (%s), the "
                     "metadata's label_counts say %llu",
                     sp->name, (unsigned long long)t->labels[c], c,
-                    m->classes[c], (unsigned long long)sp->label_counts[c]);
+                    stk_text_printable(name, sizeof name, m->classes[c]),
+                    (unsigned long long)sp->label_counts[c]);
     double n = (double)sp->count * m->height * m->width;
     for (int c = 0; c < m->channels && n > 0; c++) {
         double mean = (double)t->sums[2 * c] / n;

@@ -305,7 +305,6 @@ static void incomplete_database_refused(void **state)
     assert_non_null(strstr(err.msg, "--force"));
 }
 
-
 /* ---- damaged files ----------------------------------------------------- */
 
 /* The mean and std of split k's n records of 3 planes (fill()), as prep
@@ -446,20 +445,31 @@ static void damaged_file_never_crashes(void **state)
         uint8_t *orig = read_all(path, &len), *buf = malloc(len);
         size_t ps = 4096, npages = len / ps;
         for (size_t pg = 0; pg < npages; pg++) {
-            /* the header, the first node offsets, and the first node */
+            /* the header, the first node offsets, the first node, and
+             * when that node's value is on overflow pages, their number */
             const uint8_t *p = orig + pg * ps;
-            uint16_t first = 0;
+            uint16_t first = 0, pflags = 0, nflags = 0, ksize = 0;
             memcpy(&first, p + 16, 2);
-            size_t spots[40];
+            memcpy(&pflags, p + 10, 2);
+            size_t spots[48];
             int ns = 0;
             for (int b = 0; b < 24; b++)
                 spots[ns++] = b;
             for (size_t b = 0; b < 12 && first >= 16 && first + b < ps; b++)
                 spots[ns++] = first + b;
+            if (first >= 16 && first + 8u <= ps) {
+                memcpy(&nflags, p + first + 4, 2);
+                memcpy(&ksize, p + first + 6, 2);
+            }
+            bool big =
+                (pflags & 0x02) && (nflags & 0x01); /* P_LEAF, F_BIGDATA */
+            for (size_t b = 0; big && b < 8 && first + 8u + ksize + b < ps;
+                 b++)
+                spots[ns++] = first + 8u + ksize + b;
             if (pg < 2) /* meta pages: every field */
-                for (int b = 24; b < 16 + 136 && ns < 40; b += 4)
+                for (int b = 24; b < 16 + 136 && ns < 48; b += 4)
                     spots[ns++] = b;
-            /* meta pages: every spot; others: 6 spots drawn */
+            /* meta pages: every spot; others: 4 spots drawn */
             for (int j = 0; j < (pg < 2 ? ns : 4); j++) {
                 size_t at = spots[pg < 2 ? j : (int)(rand_r(&seed) % ns)];
                 const uint8_t vals[4] = {0x00, 0xff, p[at] ^ 0x01,
@@ -525,8 +535,8 @@ static void damage_is_named(void **state)
         write_all(path, orig, len);
         p[10] = 0x02;
         assert_int_equal(stk_store_open(dir, 0, &s, &err), STK_EFORMAT);
-        snprintf(want, sizeof want,
-                 "%s: data.mdb is damaged (database \"", dir);
+        snprintf(want, sizeof want, "%s: data.mdb is damaged (database \"",
+                 dir);
         assert_non_null(strstr(err.msg, want));
         assert_non_null(strstr(err.msg, "page flags 0x0 where a leaf page "
                                         "is due"));
@@ -535,7 +545,6 @@ static void damage_is_named(void **state)
     assert_true(hits > 10);
     free(orig);
 }
-
 
 /* ---- metadata bounds and names ----------------------------------------- */
 
@@ -586,8 +595,8 @@ static void meta_bounds_refused(void **state)
 {
     (void)state;
     stk_err err = {0};
-    refused_naming(parse_with("record", "shape", 1, "70000", &err),
-                   &err, "record.shape[1] (height)", "0..65536");
+    refused_naming(parse_with("record", "shape", 1, "70000", &err), &err,
+                   "record.shape[1] (height)", "0..65536");
     refused_naming(parse_with("record", "shape", 2, "1e20", &err), &err,
                    "record.shape[2] (width)", "is 1e+20");
     refused_naming(parse_with("record", "shape", 0, "2.5", &err), &err,
@@ -691,7 +700,6 @@ static void meta_names_keep_their_bytes(void **state)
     free(json);
 }
 
-
 /* Rewrites record key of split "train" through LMDB after byte at is set
  * to val (a tampered record that LMDB itself finds nothing wrong with). */
 static void tamper(const char *dir, uint64_t key, size_t at, uint8_t val)
@@ -758,6 +766,26 @@ static void verify_names_each_problem(void **state)
     assert_non_null(strstr(err.msg, want[0]));
 }
 
+/* Names made printable for a terminal: UTF-8 kept, control characters, C1
+ * codes, stray bytes and the backslash as \xHH; cut short only at a whole
+ * character or escape. */
+static void names_made_printable(void **state)
+{
+    (void)state;
+    char b[64];
+    assert_string_equal(stk_text_printable(b, sizeof b, "ok \xc3\xa9"),
+                        "ok \xc3\xa9");
+    assert_string_equal(stk_text_printable(b, sizeof b, "a\x1b[31m"),
+                        "a\\x1b[31m");
+    assert_string_equal(stk_text_printable(b, sizeof b, "\xff\\\x7f"),
+                        "\\xff\\x5c\\x7f");
+    assert_string_equal(stk_text_printable(b, sizeof b, "\xc2\x85"),
+                        "\\xc2\\x85");
+    assert_string_equal(stk_text_printable(b, 6, "abc\x1b"), "abc");
+    assert_string_equal(stk_text_printable(b, 3, "a\xc3\xa9"), "a");
+    assert_string_equal(stk_text_printable(b, 1, "abc"), "");
+}
+
 /* A stop request ends a verify (prep's Ctrl-C during its end-of-run read
  * back), and only a set one does. */
 static void verify_stops_when_asked(void **state)
@@ -821,10 +849,11 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(damaged_file_never_crashes),
     cmocka_unit_test(damage_is_named),
     cmocka_unit_test(verify_names_each_problem),
-        cmocka_unit_test(verify_stops_when_asked),
+    cmocka_unit_test(verify_stops_when_asked),
     cmocka_unit_test(finish_verifies_before_publishing),
     cmocka_unit_test(meta_bounds_refused),
     cmocka_unit_test(utf8_escape_round_trip),
+    cmocka_unit_test(names_made_printable),
     cmocka_unit_test(meta_names_keep_their_bytes),
 };
 UNIT_MAIN(tests)
