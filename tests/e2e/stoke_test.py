@@ -1,8 +1,10 @@
 """Helpers for the end-to-end tests: the Python reader of docs/formats.md
 (executed from the document itself, so the documented code is what we test),
-an independent IDX reader, and image generators; need() for the Python
-modules the tests use."""
-import gzip, importlib, os, re, struct, sys
+an independent IDX reader, image generators, the training order of
+docs/loader.md and an F32 safetensors reader/writer (numpy only, so that
+tests without PyTorch use them too); need() for the Python modules the
+tests use."""
+import gzip, importlib, json, os, re, struct, sys
 
 # The Debian package of each module the tests import (scripts/deps.sh test
 # installs them all).
@@ -23,6 +25,69 @@ def need(module):
 np = need("numpy")
 
 SRC = os.environ.get("STK_SRC", os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(state):
+    """One SplitMix64 step: (new state, output)."""
+    state = (state + 0x9E3779B97F4A7C15) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+def permutation(n, seed, epoch):
+    """The training order of docs/loader.md for (seed, epoch) (world 1)."""
+    _, s = splitmix64(seed & MASK64)
+    state = s ^ ((epoch * 0xD1B54A32D192ED03) & MASK64)
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        bound = i + 1
+        state, r = splitmix64(state)
+        m = r * bound
+        low = m & MASK64
+        if low < bound:
+            threshold = (-bound & MASK64) % bound
+            while low < threshold:
+                state, r = splitmix64(state)
+                m = r * bound
+                low = m & MASK64
+        j = m >> 64
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def save_safetensors(path, arrays, metadata=None):
+    """arrays: {name: numpy array}, written as F32 in the given order, the
+    header padded to 8 bytes."""
+    header, blobs, off = {"__metadata__": metadata or {"format": "pt"}}, [], 0
+    for name, v in arrays.items():
+        a = np.ascontiguousarray(v, dtype="<f4")
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    js = json.dumps(header, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(js)) + js + b"".join(blobs))
+
+
+def load_safetensors(path):
+    """({name: float32 numpy array (read-only view)}, the metadata dict)."""
+    data = open(path, "rb").read()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, e in header.items():
+        assert e["dtype"] == "F32", (path, name, e["dtype"])
+        b, en = e["data_offsets"]
+        out[name] = np.frombuffer(data, "<f4", (en - b) // 4, 8 + n + b).reshape(e["shape"])
+    return out, meta
 
 
 def formats_reader():

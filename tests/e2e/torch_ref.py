@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import stoke_test as t
 
 FASHION = "/usr/share/datasets/fashion-mnist"
-MASK64 = (1 << 64) - 1
 
 
 # ---- the models (trainer/spec.c's built-ins) -------------------------------
@@ -60,67 +59,20 @@ MODELS = {"cnn": CNN, "mlp": MLP}
 # ---- safetensors (F32 only) --------------------------------------------------
 
 def save_safetensors(path, tensors, metadata=None):
-    """tensors: {name: torch or numpy array}; written as F32 in the given
-    order, the header padded to 8 bytes."""
-    header, blobs, off = {"__metadata__": metadata or {"format": "pt"}}, [], 0
-    for name, v in tensors.items():
-        a = np.ascontiguousarray(
-            v.detach().cpu().numpy() if torch.is_tensor(v) else v, dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape),
-                        "data_offsets": [off, off + a.nbytes]}
-        blobs.append(a.tobytes())
-        off += a.nbytes
-    js = json.dumps(header, separators=(",", ":")).encode()
-    js += b" " * (-len(js) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(js)) + js + b"".join(blobs))
+    """tensors: {name: torch or numpy array}; stoke_test.save_safetensors."""
+    t.save_safetensors(path, {k: v.detach().cpu().numpy() if torch.is_tensor(v) else v
+                              for k, v in tensors.items()}, metadata)
 
 
 def load_safetensors(path):
     """{name: torch.float32 tensor} and the metadata dict."""
-    data = open(path, "rb").read()
-    (n,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(data[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    out = {}
-    for name, e in header.items():
-        assert e["dtype"] == "F32", (path, name, e["dtype"])
-        b, en = e["data_offsets"]
-        a = np.frombuffer(data, "<f4", (en - b) // 4, 8 + n + b)
-        out[name] = torch.from_numpy(a.reshape(e["shape"]).copy())
-    return out, meta
+    arrays, meta = t.load_safetensors(path)
+    return {k: torch.from_numpy(a.copy()) for k, a in arrays.items()}, meta
 
 
 # ---- data -----------------------------------------------------------------------
 
-def splitmix64(state):
-    """One SplitMix64 step: (new state, output)."""
-    state = (state + 0x9E3779B97F4A7C15) & MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return state, z ^ (z >> 31)
-
-
-def permutation(n, seed, epoch):
-    """The training order of docs/loader.md for (seed, epoch) (world 1)."""
-    _, s = splitmix64(seed & MASK64)
-    state = s ^ ((epoch * 0xD1B54A32D192ED03) & MASK64)
-    perm = list(range(n))
-    for i in range(n - 1, 0, -1):
-        bound = i + 1
-        state, r = splitmix64(state)
-        m = r * bound
-        low = m & MASK64
-        if low < bound:
-            threshold = (-bound & MASK64) % bound
-            while low < threshold:
-                state, r = splitmix64(state)
-                m = r * bound
-                low = m & MASK64
-        j = m >> 64
-        perm[i], perm[j] = perm[j], perm[i]
-    return perm
+permutation = t.permutation  # the training order of docs/loader.md
 
 
 def make_db(path):

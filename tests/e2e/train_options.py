@@ -5,7 +5,8 @@ docs/cli.md says: on a tiny IDX dataset (24 training samples of 4x4 pixels,
 weights written here (--init-from) is trained through the command line,
 and its last checkpoint (weights and optimizer state) and the lr of every
 metrics line must match a reference computed here in float64 from the
-documented rules: the sampler of docs/loader.md, warm-up and the step and
+documented rules: the sampler of docs/loader.md (stoke_test.permutation,
+shared with the PyTorch peer tests), warm-up and the step and
 cosine schedules, --clip (global L2 norm, applied at every step of the SGD
 run and never in the AdamW run), SGD with --momentum, --nesterov and
 --weight-decay, AdamW. A run stopped by --max-steps and resumed with
@@ -18,7 +19,6 @@ import numpy as np
 BIN = os.environ["STK_BIN"]
 TR, TE, HW, CLS, BATCH, SEED = 24, 6, 4, 3, 8, 3
 STEPS = TR // BATCH
-M64 = (1 << 64) - 1
 
 
 def fail(msg):
@@ -61,56 +61,7 @@ def make_db():
     return xf.astype(np.float64), y
 
 
-# ---- safetensors -------------------------------------------------------------
-
-def save_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
-    for name, a in tensors.items():
-        a = np.ascontiguousarray(a, "<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape),
-                        "data_offsets": [off, off + a.nbytes]}
-        blobs.append(a.tobytes())
-        off += a.nbytes
-    js = json.dumps(header).encode()
-    js += b" " * (-len(js) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(js)) + js + b"".join(blobs))
-
-
-def load_safetensors(path):
-    data = open(path, "rb").read()
-    (n,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    return {k: np.frombuffer(data, "<f4", (e["data_offsets"][1] - e["data_offsets"][0]) // 4,
-                             8 + n + e["data_offsets"][0]).reshape(e["shape"]).astype(np.float64)
-            for k, e in header.items()}
-
-
 # ---- the reference -----------------------------------------------------------
-
-def splitmix64(state):
-    state = (state + 0x9E3779B97F4A7C15) & M64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return state, z ^ (z >> 31)
-
-
-def order(n, seed, epoch):
-    """docs/loader.md's shuffled order of one rank in a world of one."""
-    perm = list(range(n))
-    state = splitmix64(seed)[1] ^ ((epoch * 0xD1B54A32D192ED03) & M64)
-    for i in range(n - 1, 0, -1):
-        while True:
-            state, r = splitmix64(state)
-            m = r * (i + 1)
-            if (m & M64) >= ((1 << 64) - (i + 1)) % (i + 1):
-                break
-        j = m >> 64
-        perm[i], perm[j] = perm[j], perm[i]
-    return perm
-
 
 def lr_at(o, step, total, epoch):
     if step < o["warmup"]:
@@ -129,7 +80,7 @@ def reference(o, x, y, w, b):
     s1, s2 = np.zeros_like(p), np.zeros_like(p)
     total, step, lrs, norms = STEPS * o["epochs"], 0, [], []
     for epoch in range(o["epochs"]):
-        idx = order(TR, SEED, epoch)
+        idx = t.permutation(TR, SEED, epoch)
         for k in range(STEPS):
             rows = idx[k * BATCH:(k + 1) * BATCH]
             xb, yb = x[rows], y[rows]
@@ -188,8 +139,10 @@ def close(name, got, want):
 def check(out, o, x, y, w, b):
     p, s1, s2, lrs, norms = reference(o, x, y, w, b)
     ck = f"{out}/checkpoints/step-{STEPS * o['epochs']:08d}"
-    model = load_safetensors(f"{ck}/model.safetensors")
-    optim = load_safetensors(f"{ck}/optim.safetensors")
+    model = {k: v.astype(np.float64) for k, v in
+             t.load_safetensors(f"{ck}/model.safetensors")[0].items()}
+    optim = {k: v.astype(np.float64) for k, v in
+             t.load_safetensors(f"{ck}/optim.safetensors")[0].items()}
     close("weights", np.concatenate([model["head.weight"].ravel(), model["head.bias"]]), p)
     names = ["momentum_buffer"] if o["optim"] == "sgd" else ["exp_avg", "exp_avg_sq"]
     for name, want in zip(names, (s1, s2)):
@@ -213,7 +166,7 @@ def main():
     rng = np.random.default_rng(5)
     w = rng.uniform(-0.3, 0.3, (CLS, HW * HW))
     b = rng.uniform(-0.3, 0.3, CLS)
-    save_safetensors("init.safetensors", {"head.weight": w, "head.bias": b})
+    t.save_safetensors("init.safetensors", {"head.weight": w, "head.bias": b})
     w, b = w.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
 
     sgd = {"optim": "sgd", "lr": 0.2, "momentum": 0.8, "nesterov": True, "weight_decay": 0.05,
