@@ -167,12 +167,13 @@ int stk_open_output(const char *path, int flags, stk_err *err)
     return fd;
 }
 
-FILE *stk_fopen_output(const char *path, stk_err *err)
+/* A stdio stream over fd (mode "r" or "w"), or NULL with fd closed; a
+ * negative fd is a failure already reported. */
+static FILE *stream(int fd, const char *mode, const char *path, stk_err *err)
 {
-    int fd = stk_open_output(path, O_WRONLY | O_CREAT | O_TRUNC, err);
     if (fd < 0)
         return NULL;
-    FILE *f = fdopen(fd, "w");
+    FILE *f = fdopen(fd, mode);
     if (!f) {
         stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
         close(fd);
@@ -180,18 +181,16 @@ FILE *stk_fopen_output(const char *path, stk_err *err)
     return f;
 }
 
+FILE *stk_fopen_output(const char *path, stk_err *err)
+{
+    return stream(stk_open_output(path, O_WRONLY | O_CREAT | O_TRUNC, err),
+                  "w", path, err);
+}
+
 FILE *stk_fopen_regular(const char *path, stk_err *err)
 {
     struct stat st;
-    int fd = stk_open_regular(path, &st, err);
-    if (fd < 0)
-        return NULL;
-    FILE *f = fdopen(fd, "r");
-    if (!f) {
-        stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
-        close(fd);
-    }
-    return f;
+    return stream(stk_open_regular(path, &st, err), "r", path, err);
 }
 
 int stk_read_file(const char *path, uint8_t **data, size_t *len, stk_err *err)
