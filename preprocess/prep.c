@@ -12,7 +12,6 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -390,12 +389,9 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
         sp->nskipped = st->skipped;
         sp->label_counts = st->labels; /* borrowed; see release_meta */
         for (int ch = 0; ch < m->channels; ch++) {
-            double n = (double)st->written * (double)plane;
-            double mean = n ? (double)st->sums[2 * ch] / n : 0.0;
-            double sq = n ? (double)st->sums[2 * ch + 1] / n : 0.0;
-            double var = sq - mean * mean;
-            sp->mean[ch] = mean / 255.0;
-            sp->std[ch] = (var > 0 ? sqrt(var) : 0.0) / 255.0;
+            stk_channel_stats(st->sums[2 * ch], st->sums[2 * ch + 1],
+                              (double)st->written * (double)plane,
+                              &sp->mean[ch], &sp->std[ch]);
         }
     }
     m->source_path = realpath(raw_dir, NULL);

@@ -54,6 +54,15 @@ int stk_split_name_ok(const char *name, stk_err *err)
     return 0;
 }
 
+void stk_channel_stats(uint64_t sum, uint64_t sumsq, double n, double *mean,
+                       double *std)
+{
+    double m = n ? (double)sum / n : 0.0;
+    double var = (n ? (double)sumsq / n : 0.0) - m * m;
+    *mean = m / 255.0;
+    *std = (var > 0 ? sqrt(var) : 0.0) / 255.0;
+}
+
 int stk_meta_split(const stk_meta *m, const char *name)
 {
     for (int s = 0; s < m->nsplits; s++)

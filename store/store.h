@@ -120,6 +120,12 @@ uint32_t stk_meta_sample_bytes(const stk_meta *m);
  * characters, not a reserved database name; else STK_EINVAL saying why. */
 int stk_split_name_ok(const char *name, stk_err *err);
 
+/* A channel's mean and std on the 0..1 scale (pixel / 255) from the
+ * integer sum and sum of squares of its n pixel values (0 and 0 when n is
+ * 0): the metadata's numbers, computed the same way by prep and verify. */
+void stk_channel_stats(uint64_t sum, uint64_t sumsq, double n, double *mean,
+                       double *std);
+
 /* Index of a split by name, or -1. */
 int stk_meta_split(const stk_meta *m, const char *name);
 

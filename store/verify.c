@@ -124,10 +124,8 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
                     (unsigned long long)sp->label_counts[c]);
     double n = (double)sp->count * m->height * m->width;
     for (int c = 0; c < m->channels && n > 0; c++) {
-        double mean = (double)t->sums[2 * c] / n;
-        double var = (double)t->sums[2 * c + 1] / n - mean * mean;
-        double std = (var > 0 ? sqrt(var) : 0.0) / 255.0;
-        mean /= 255.0;
+        double mean, std;
+        stk_channel_stats(t->sums[2 * c], t->sums[2 * c + 1], n, &mean, &std);
         if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9)
             problem(rep,
                     "split \"%s\": channel %d has mean %.6f and std "
