@@ -317,11 +317,17 @@ int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
 }
 
 int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
-             int n, int c, float *loss, float *dlogits, stk_err *err)
+             int n, int c, float smoothing, float *loss, float *dlogits,
+             stk_err *err)
 {
     if (n < 1 || c < 1)
         return stk_fail(err, STK_EINVAL, "cross-entropy: %d rows of %d", n, c);
-    return be->ops->xent(be, logits, labels, n, c, loss, dlogits, err);
+    if (!(smoothing >= 0.0f && smoothing <= 1.0f))
+        return stk_fail(err, STK_EINVAL,
+                        "cross-entropy: label smoothing %g is not in [0, 1]",
+                        (double)smoothing);
+    return be->ops->xent(be, logits, labels, n, c, smoothing, loss, dlogits,
+                         err);
 }
 
 int stk_transform_batch(stk_backend *be, const uint8_t *x,

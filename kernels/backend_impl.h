@@ -65,7 +65,8 @@ typedef struct backend_ops {
                    size_t group, float p, stk_philox_key key, uint64_t stream,
                    stk_err *err);
     int (*xent)(stk_backend *be, const float *logits, const int32_t *labels,
-                int n, int c, float *loss, float *dlogits, stk_err *err);
+                int n, int c, float smoothing, float *loss, float *dlogits,
+                stk_err *err);
     int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,
                      int n, const stk_transform *t, float *y, stk_err *err);
     int (*axpy)(stk_backend *be, size_t n, float alpha, const float *x,

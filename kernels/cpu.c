@@ -1058,8 +1058,8 @@ static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t first,
 /* ---- loss and input ----------------------------------------------------------------- */
 
 static int cpu_xent(stk_backend *be, const float *logits,
-                    const int32_t *labels, int n, int c, float *loss,
-                    float *dlogits, stk_err *err)
+                    const int32_t *labels, int n, int c, float smoothing,
+                    float *loss, float *dlogits, stk_err *err)
 {
     (void)be;
     for (int r = 0; r < n; r++)
@@ -1070,7 +1070,7 @@ static int cpu_xent(stk_backend *be, const float *logits,
                             labels[r], r, c - 1);
     double sum = 0.0;
     for (int r = 0; r < n; r++)
-        sum += stk_xent_row(logits, labels, n, c, r, dlogits);
+        sum += stk_xent_row(logits, labels, n, c, smoothing, r, dlogits);
     *loss = (float)(sum / n);
     return 0;
 }

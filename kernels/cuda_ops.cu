@@ -677,7 +677,8 @@ static int cuda_dropout(stk_backend *be, float *x, size_t n, size_t first,
 // range flags its row instead (the smallest such row wins) and is not read.
 static __global__ void xent_rows_kernel(const float *logits,
                                         const int32_t *labels, int n, int c,
-                                        float *dlogits, float *loss,
+                                        float smoothing, float *dlogits,
+                                        float *loss,
                                         unsigned *bad_row)
 {
     for (size_t r = first_index(); r < (size_t)n; r += index_step()) {
@@ -686,7 +687,8 @@ static __global__ void xent_rows_kernel(const float *logits,
             loss[r] = 0.0f;
             continue;
         }
-        loss[r] = stk_xent_row(logits, labels, n, c, (int)r, dlogits);
+        loss[r] = stk_xent_row(logits, labels, n, c, smoothing, (int)r,
+                               dlogits);
     }
 }
 
@@ -705,8 +707,8 @@ static __global__ void sum_kernel(const T *v, size_t n, reduce_result *out)
 // Row losses on the device, their sum in one block, then the mean and the
 // label check on the host. On STK_ERANGE dlogits is unspecified.
 static int cuda_xent(stk_backend *be, const float *logits,
-                     const int32_t *labels, int n, int c, float *loss,
-                     float *dlogits, stk_err *err)
+                     const int32_t *labels, int n, int c, float smoothing,
+                     float *loss, float *dlogits, stk_err *err)
 {
     const char *op = "cuda xent";
     int rc = use_device(be, op, err);
@@ -721,7 +723,7 @@ static int cuda_xent(stk_backend *be, const float *logits,
     CUDA_TRY(op, cudaMemsetAsync,
              (&res->bad_row, 0xff, sizeof res->bad_row, s));
     rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
-                dlogits, row_loss, &res->bad_row);
+                smoothing, dlogits, row_loss, &res->bad_row);
     if (rc)
         return rc;
     sum_kernel<float><<<1, THREADS, 0, s>>>(row_loss, (size_t)n, res);

@@ -176,13 +176,15 @@ int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
                 size_t group, float p, stk_philox_key key, uint64_t stream,
                 stk_err *err);
 
-/* Mean softmax cross-entropy of logits [n, c]: *loss (host) and dlogits
+/* Mean softmax cross-entropy of logits [n, c] with label smoothing in
+ * [0, 1] (PyTorch's label_smoothing; 0: none): *loss (host) and dlogits
  * (device, may be NULL). The one op whose floats differ between backends
  * in the last bits: expf and logf are the platform's (glibc's on the CPU,
  * CUDA's within 2 ulp on the GPU). A label out of range is STK_ERANGE;
  * dlogits is then unspecified. */
 int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
-             int n, int c, float *loss, float *dlogits, stk_err *err);
+             int n, int c, float smoothing, float *loss, float *dlogits,
+             stk_err *err);
 
 /* uint8 batch [n, c, h, w] -> normalised float, with the transform's random
  * crop and flip keyed by sample_ids (n entries, device memory). */

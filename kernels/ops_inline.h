@@ -489,24 +489,32 @@ STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
 
 /* ---- softmax cross-entropy ------------------------------------------------ */
 
-/* Row r of logits [n, c]: its loss (logsumexp - logit[label]) and, when
- * dlogits is not NULL, the gradient of the mean loss: (softmax - onehot)/n. */
+/* Row r of logits [n, c]: its loss with label smoothing e (PyTorch's
+ * definition: the target is (1 - e) onehot + e/c, so the loss is
+ * logsumexp - (1 - e) logit[label] - e mean(logit)) and, when dlogits is
+ * not NULL, the gradient of the mean loss: (softmax - target)/n. e = 0 is
+ * plain cross-entropy, to the bit. */
 STK_HD float stk_xent_row(const float *logits, const int32_t *labels, int n,
-                          int c, int r, float *dlogits)
+                          int c, float e, int r, float *dlogits)
 {
     const float *z = logits + (size_t)r * c;
-    float m = z[0];
+    float m = z[0], zsum = 0.0f;
     for (int j = 1; j < c; j++)
         m = z[j] > m ? z[j] : m;
     float s = 0.0f;
-    for (int j = 0; j < c; j++)
+    for (int j = 0; j < c; j++) {
         s += expf(z[j] - m);
-    float lse = m + logf(s);
+        zsum += z[j];
+    }
+    float lse = m + logf(s), off = e / (float)c;
     if (dlogits)
         for (int j = 0; j < c; j++)
             dlogits[(size_t)r * c + j] =
-                (expf(z[j] - lse) - (j == labels[r] ? 1.0f : 0.0f)) / (float)n;
-    return lse - z[labels[r]];
+                (expf(z[j] - lse) - (j == labels[r] ? 1.0f - e : 0.0f) - off) /
+                (float)n;
+    if (e == 0.0f)
+        return lse - z[labels[r]];
+    return lse - (1.0f - e) * z[labels[r]] - off * zsum;
 }
 
 /* ---- the device-side input transform ------------------------------------- */

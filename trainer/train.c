@@ -160,7 +160,7 @@ static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
     if (!rc)
         rc = stk_model_forward(r->model, r->x_f, b->n, r->o->dropout, key, r->step, &logits, err);
     if (!rc)
-        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes, loss, dl, err);
+        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes, 0.0f, loss, dl, err);
     if (!rc)
         rc = count_correct(r, logits, b, correct, err);
     if (!rc && group_n != b->n)
@@ -243,7 +243,7 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
         if (!rc)
             rc = stk_model_forward(r->model, r->x_f, b.n, false, r->key, 0, &logits, err);
         if (!rc)
-            rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes, &bl, NULL, err);
+            rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes, 0.0f, &bl, NULL, err);
         if (!rc)
             rc = count_correct(r, logits, &b, &correct, err);
         sum += (double)bl * b.n;

@@ -359,8 +359,8 @@ static void xent_transform_and_optimizers_agree(void **state)
     stk_err err;
     float *dzs = dev_copy(z, sizeof z), *ddz = dev_copy(z, sizeof z);
     int32_t *dl = (int32_t *)dev_copy(labels, sizeof labels);
-    assert_int_equal(stk_xent(cpu, z, labels, N, C, &loss, dz, &err), 0);
-    assert_int_equal(stk_xent(gpu, dzs, dl, N, C, &gloss, ddz, &err), 0);
+    assert_int_equal(stk_xent(cpu, z, labels, N, C, 0.0f, &loss, dz, &err), 0);
+    assert_int_equal(stk_xent(gpu, dzs, dl, N, C, 0.0f, &gloss, ddz, &err), 0);
     assert_true(fabs(gloss - loss) <= 1e-6 * fabs(loss));
     float *got = host_copy(ddz, sizeof dz);
     assert_true(nerr(got, dz, N * C) < 1e-6); /* expf/logf may differ by ulps */

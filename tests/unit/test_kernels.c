@@ -668,7 +668,7 @@ static void xent_matches_reference_and_fd(void **state)
     for (int i = 0; i < N * C; i++)
         z[i] *= 4; /* a spread that makes the softmax non-trivial */
     stk_err err;
-    assert_int_equal(stk_xent(be, z, labels, N, C, &loss, dz, &err), 0);
+    assert_int_equal(stk_xent(be, z, labels, N, C, 0.0f, &loss, dz, &err), 0);
     double zd[N * C], num[N * C];
     to_double(z, zd, N * C);
     xent_ctx c = {N, C, labels};
@@ -676,7 +676,7 @@ static void xent_matches_reference_and_fd(void **state)
     numgrad(xent_loss, zd, N * C, &c, num);
     near(dz, num, N * C, 1e-5, "xent dlogits");
     labels[2] = 7;
-    assert_int_equal(stk_xent(be, z, labels, N, C, &loss, dz, &err),
+    assert_int_equal(stk_xent(be, z, labels, N, C, 0.0f, &loss, dz, &err),
                      STK_ERANGE);
     assert_non_null(strstr(err.msg, "label 7 of row 2"));
 }

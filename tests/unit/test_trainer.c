@@ -124,7 +124,7 @@ static double batch_loss(stk_model *m, const float *x, const int32_t *y, int n)
     float loss;
     assert_int_equal(stk_model_forward(m, x, n, false, (stk_philox_key){0, 0}, 0,
                                        &logits, &err), 0);
-    assert_int_equal(stk_xent(be, logits, y, n, 4, &loss, NULL, &err), 0);
+    assert_int_equal(stk_xent(be, logits, y, n, 4, 0.0f, &loss, NULL, &err), 0);
     return loss;
 }
 
@@ -146,7 +146,7 @@ static void model_backward_matches_fd(const char *text, int C)
     float loss;
     assert_int_equal(stk_model_forward(m, x, N, true, (stk_philox_key){0, 0}, 0,
                                        &logits, &err), 0);
-    assert_int_equal(stk_xent(be, logits, y, N, 4, &loss, stk_model_dlogits(m), &err), 0);
+    assert_int_equal(stk_xent(be, logits, y, N, 4, 0.0f, &loss, stk_model_dlogits(m), &err), 0);
     assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), N,
                                         (stk_philox_key){0, 0}, 0, false, NULL, NULL,
                                         &err), 0);
@@ -231,7 +231,7 @@ static size_t model_step(stk_backend *b, const stk_model_spec *spec,
     stk_philox_key key = {7, 9};
     assert_int_equal(stk_model_forward(m, x, n, train, key, 3, &logits, &err), 0);
     memcpy(logits_out, logits, (size_t)n * sh.classes * sizeof(float));
-    assert_int_equal(stk_xent(b, logits, y, n, sh.classes, &loss,
+    assert_int_equal(stk_xent(b, logits, y, n, sh.classes, 0.0f, &loss,
                               stk_model_dlogits(m), &err), 0);
     assert_int_equal(stk_model_backward(m, stk_model_dlogits(m), n, key, 3, false,
                                         NULL, NULL, &err), 0);
