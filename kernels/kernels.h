@@ -149,7 +149,7 @@ int stk_wino_input(stk_backend *be, const float *x, const stk_conv_shape *s,
  * in it). */
 int stk_wino_input_grad(stk_backend *be, float *dv, const stk_conv_shape *s,
                         int n, float *dx, stk_err *err);
-/* y [n, cout, oh, ow] = A^T m A + bias[cout]. */
+/* y [n, cout, oh, ow] = A^T m A + bias[cout] (bias NULL: none). */
 int stk_wino_output(stk_backend *be, const float *m, const float *bias,
                     const stk_conv_shape *s, int cout, int n, float *y,
                     stk_err *err);
@@ -167,6 +167,70 @@ int stk_maxpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
 int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
                     int planes, int h, int w, int k, int st, float *dx,
                     stk_err *err);
+
+/* Average pool: kh x kw windows with strides sh, sw, no padding,
+ * over planes [planes, h, w] (global average pooling: kh = h, kw = w). */
+int stk_avgpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
+                    int kh, int kw, int sh, int sw, float *y, stk_err *err);
+/* dx (planes*h*w, overwritten): each pixel gathers dy / (kh*kw) from the
+ * windows that hold it (a gather, so the floats do not depend on the
+ * thread count). */
+int stk_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
+                    int w, int kh, int kw, int sh, int sw, float *dx,
+                    stk_err *err);
+
+/* y = a + b over n floats (the residual add); y may alias a or b. */
+int stk_add(stk_backend *be, const float *a, const float *b, float *y,
+            size_t n, stk_err *err);
+/* dst = src, n floats of backend memory (they must not overlap). */
+int stk_copy_dev(stk_backend *be, float *dst, const float *src, size_t n,
+                 stk_err *err);
+
+/* ---- batch normalisation ------------------------------------------------ */
+
+/* Over x [n, c, hw] per channel (hw = 1: BatchNorm1d after a linear layer),
+ * as PyTorch's BatchNorm2d/1d. Sums accumulate in double, in an order that
+ * does not depend on the CPU's thread count.
+ *
+ * Training: mean = stk_bn_sums(shift NULL, scale 1/(n*hw)), then
+ * var = stk_bn_sums(shift mean, same scale) (biased, two passes); a
+ * data-parallel group with SyncBatchNorm all-reduces each of them (scale
+ * 1/(world*n*hw)) before it is used. */
+/* sums[ch] = scale * sum over n, hw of x (shift NULL) or of
+ * (x - shift[ch])^2, rounded to float once. */
+int stk_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
+                const float *shift, double scale, float *sums, stk_err *err);
+/* y = (x - mean[ch]) / sqrt(var[ch] + eps) * gamma[ch] + beta[ch], and
+ * then max(y, 0) when relu (a batchnorm with its ReLU in one pass). y may
+ * alias x. */
+int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
+                 int hw, const float *mean, const float *var, float eps,
+                 const float *gamma, const float *beta, bool relu,
+                 stk_err *err);
+/* Backward reductions per channel, into sums[2c] (overwritten):
+ * sums[ch] = sum of g (beta's gradient) and sums[c + ch] = sum of
+ * g * (x - mean[ch]) / sqrt(var[ch] + eps) (gamma's), where g = dy, or,
+ * when relu_y is not NULL (the fused ReLU's output), dy where relu_y > 0. */
+int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
+                     const float *x, int n, int c, int hw, const float *mean,
+                     const float *var, float eps, float *sums, stk_err *err);
+/* Training-mode input gradient, the batch statistics' part included:
+ * dx = gamma/sqrt(var + eps) * (g - inv_count * sums[ch]
+ *      - xhat * inv_count * sums[c + ch]),
+ * xhat = (x - mean)/sqrt(var + eps), g as above, inv_count = 1/(n*hw)
+ * (SyncBatchNorm: sums all-reduced, 1/(world*n*hw)). dx may alias dy. */
+int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
+                      const float *x, int n, int c, int hw, const float *mean,
+                      const float *var, float eps, const float *gamma,
+                      const float *sums, float inv_count, float *dx,
+                      stk_err *err);
+/* PyTorch's running statistics update over c channels:
+ * run_mean = momentum * mean + (1 - momentum) * run_mean,
+ * run_var = momentum * var * unbias + (1 - momentum) * run_var,
+ * unbias = count / (count - 1) for the unbiased variance. */
+int stk_bn_running(stk_backend *be, float *run_mean, float *run_var,
+                   const float *mean, const float *var, int c, float momentum,
+                   float unbias, stk_err *err);
 
 /* In place: x[i] *= stk_dropout_scale1(key, stream, first + i, group, p)
  * for i < n, x being element `first` (a multiple of group: a piece of the

@@ -12,7 +12,7 @@
 static stk_layer_spec L(stk_layer_kind kind, const char *name, int out, int k,
                         float p)
 {
-    stk_layer_spec s = {kind, "", out, k, 1, 0, p};
+    stk_layer_spec s = {kind, "", out, k, 1, 0, p, false, 0, {0, 0}};
     snprintf(s.name, sizeof s.name, "%s", name);
     if (kind == STK_L_POOL)
         s.stride = k;

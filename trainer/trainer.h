@@ -1,12 +1,17 @@
 /* trainer.h - models, optimizers, schedules, the training loop,
  * evaluation, metrics and checkpoints.
  *
- * A model is a sequence of layers (conv, pool, relu, dropout, dropout2d,
- * flatten, linear) whose parameters live in one contiguous buffer, in layer
- * order, with the gradients in a second buffer of the same layout: the
- * distributed trainer all-reduces that buffer in buckets from its end (last
- * layers first) while backward runs. Parameter names follow the equivalent
- * PyTorch module ("conv1.weight", "fc2.bias") so checkpoints load into it. */
+ * A model is a graph of layers (conv, pool, avgpool, globalpool, relu,
+ * dropout, dropout2d, flatten, linear, batchnorm, add), listed so that
+ * every layer reads earlier ones only (by default the one before it).
+ * Parameters live in one contiguous buffer, in layer order, with the
+ * gradients in a second buffer of the same layout: backward runs the
+ * layers in reverse order, so the distributed trainer all-reduces that
+ * buffer in buckets from its end (last layers first) while backward runs.
+ * Batchnorm's running statistics are buffers of their own (never touched
+ * by the optimizer or DDP's reduction). Names follow the equivalent PyTorch
+ * module ("conv1.weight", "layer1.0.bn1.running_mean") so checkpoints load
+ * into it. */
 #ifndef STK_TRAINER_H
 #define STK_TRAINER_H
 
@@ -21,23 +26,35 @@
 extern "C" {
 #endif
 
-#define STK_MAX_LAYERS 64
+#define STK_MAX_LAYERS 256
 #define STK_NAME_MAX 64
 
 /* ---- models ---------------------------------------------------------------- */
 
 typedef enum stk_layer_kind {
     STK_L_CONV, STK_L_POOL, STK_L_RELU, STK_L_DROPOUT, STK_L_DROPOUT2D,
-    STK_L_FLATTEN, STK_L_LINEAR
+    STK_L_FLATTEN, STK_L_LINEAR,
+    STK_L_BATCHNORM,  /* 2-d over N, H, W per channel; 1-d after linear */
+    STK_L_ADD,        /* the sum of two earlier outputs of one shape */
+    STK_L_AVGPOOL,    /* k x k average pool, stride k unless given */
+    STK_L_GLOBALPOOL  /* average over each channel's whole plane */
 } stk_layer_kind;
 
-/* A layer as specified, before shapes are known. */
+/* The model's input, as a layer index in stk_layer_spec.in. */
+#define STK_INPUT (-1)
+
+/* A layer as specified, before shapes are known. A zeroed spec with a kind
+ * is a layer reading the one before it. */
 typedef struct stk_layer_spec {
     stk_layer_kind kind;
-    char name[STK_NAME_MAX]; /* parameter prefix; "" = automatic */
+    char name[STK_NAME_MAX]; /* parameter prefix and the name other layers
+                                read it by; "" = automatic */
     int out;                 /* conv: channels; linear: features (0 = classes) */
-    int k, stride, pad;      /* conv, pool */
+    int k, stride, pad;      /* conv, pool, avgpool */
     float p;                 /* dropout */
+    bool no_bias;            /* conv, linear: bias=false */
+    int nin;                 /* 0: reads the layer before; else in[0..nin) */
+    int in[2];               /* earlier layer indices, or STK_INPUT */
 } stk_layer_spec;
 
 /* How 3x3 convolutions of stride 1 (and at least 8 channels in and out)
@@ -51,19 +68,25 @@ typedef struct stk_model_spec {
     stk_conv_algo conv;
 } stk_model_spec;
 
-/* Built-ins: "cnn" (the PyTorch DDP tutorial network) and "mlp"
- * (784-256-128-10, adapted to the input and class count). */
+/* Built-ins: "cnn" (the PyTorch DDP tutorial network), "mlp"
+ * (784-256-128-10, adapted to the input and class count), "resnet20" (He
+ * et al.'s CIFAR ResNet) and "resnet18" (its CIFAR variant, torchvision's
+ * parameter names); docs/models.md. */
 int stk_model_builtin(const char *name, stk_model_spec *out, stk_err *err);
 
-/* Parses the text format of docs/models.md (one layer per line). */
+/* Parses the text format of docs/models.md (one layer per line; inputs by
+ * name). A name read before it is defined is an error naming the line. */
 int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
                     stk_err *err);
 
-/* One parameter tensor: a view into the model's parameter buffer. */
+/* One parameter tensor: a view into the model's parameter buffer (or, for
+ * a buffer such as running_mean, into the model's buffer of buffers). */
 typedef struct stk_param {
-    char name[STK_NAME_MAX + 16]; /* layer name + ".weight" */
+    char name[STK_NAME_MAX + 32]; /* layer name + ".weight" */
     int ndim, shape[4];
     size_t offset, count; /* in floats, within the flat buffers */
+    bool no_decay;        /* a bias or a batchnorm weight: weight decay
+                             skips it under --no-decay-norm-bias */
 } stk_param;
 
 typedef struct stk_model stk_model;
@@ -83,6 +106,30 @@ const stk_param *stk_model_param(const stk_model *m, int i);
 size_t stk_model_param_count(const stk_model *m); /* floats */
 float *stk_model_weights(stk_model *m);   /* device memory, flat */
 float *stk_model_grads(stk_model *m);     /* device memory, flat */
+/* Buffers: batchnorm's running_mean and running_var ([C] each, in layer
+ * order, one flat device array of stk_model_buffer_count floats; a new
+ * model's are 0 and 1), never optimized or all-reduced. */
+int stk_model_nbuffers(const stk_model *m);
+const stk_param *stk_model_buffer(const stk_model *m, int i);
+size_t stk_model_buffer_count(const stk_model *m); /* floats */
+float *stk_model_buffers(stk_model *m);              /* device memory, flat */
+
+/* Batchnorm's num_batches_tracked, one host counter per batchnorm layer
+ * (int64 0-dim tensors in PyTorch's state dict), counted by forward in
+ * training. */
+int stk_model_ncounters(const stk_model *m);
+const char *stk_model_counter_name(const stk_model *m, int i);
+int64_t *stk_model_counter(stk_model *m, int i);
+
+/* Sums n floats of device memory over the data-parallel group, in place
+ * (the same call on every rank, in the same order). */
+typedef int (*stk_allreduce_fn)(void *arg, float *buf, int n, stk_err *err);
+/* SyncBatchNorm: batchnorm layers in training take their statistics (and
+ * their backward's sums) over all `world` ranks through fn, every rank's
+ * batch being of the same size. fn NULL: each rank's own batch. */
+void stk_model_sync_bn(stk_model *m, stk_allreduce_fn fn, void *arg,
+                       int world);
+
 /* Makes g the gradient buffer, zeroed: backend memory for
  * stk_model_param_count floats that the caller owns and keeps until the
  * model is destroyed (DDP's buffer that the all-reduce sums in place). */
@@ -92,8 +139,11 @@ int stk_model_use_grads(stk_model *m, float *g, stk_err *err);
 void stk_model_describe(const stk_model *m, char *buf, size_t n);
 
 /* Forward pass of n samples x (device, float NCHW) to logits (returned,
- * device memory owned by the model, n x classes). train enables dropout,
- * whose masks are keyed by (key, stream). */
+ * device memory owned by the model, n x classes). train is training mode:
+ * dropout (masks keyed by (key, stream)) and batchnorm on batch
+ * statistics, updating the running ones; otherwise evaluation mode. A
+ * batchnorm in training that would see one value per channel is an error
+ * naming the layer and the shape (PyTorch refuses it too). */
 int stk_model_forward(stk_model *m, const float *x, int n, bool train,
                       stk_philox_key key, uint64_t stream,
                       const float **logits, stk_err *err);
