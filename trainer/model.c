@@ -570,6 +570,11 @@ static int layer_forward(stk_model *m, int i, const float *x, int n,
         return rc ? rc : stk_bias_add(m->be, l->y, m->w + m->p[l->pb].offset,
                                       n, l->oc, 1, err);
     }
+    case STK_L_BATCHNORM:
+    case STK_L_ADD:
+    case STK_L_AVGPOOL:
+    case STK_L_GLOBALPOOL: /* not implemented yet (issue 14, in progress) */
+        return stk_fail(err, STK_EINVAL, "model: layer kind not implemented yet");
     }
     return STK_EINVAL;
 }
@@ -777,6 +782,11 @@ static int layer_backward(stk_model *m, int i, const float *x, float *dy,
         return m->train && !l->fused
                    ? dropout_piece(m, i, dy, 0, n, key, stream, err)
                    : 0;
+    case STK_L_BATCHNORM:
+    case STK_L_ADD:
+    case STK_L_AVGPOOL:
+    case STK_L_GLOBALPOOL: /* not implemented yet (issue 14, in progress) */
+        return stk_fail(err, STK_EINVAL, "model: layer kind not implemented yet");
     }
     return STK_EINVAL;
 }
