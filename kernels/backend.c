@@ -1,8 +1,10 @@
 /* backend.c - creating backends and dispatching the op API to them. */
 #include "backend_impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int stk_backend_create(stk_device_kind kind, int device, int threads,
                        stk_backend **out, stk_err *err)
@@ -298,6 +300,194 @@ int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
                         "max-pool: kernel %d stride %d does not fit %dx%d", k,
                         st, h, w);
     return be->ops->maxpool_bwd(be, dy, arg, planes, h, w, k, st, dx, err);
+}
+
+/* 0, or a failure naming the first NULL of the k pointers, whose names are
+ * the space-separated words of names. */
+static int check_ptrs(const char *op, const char *names,
+                      const void *const *ptrs, int k, stk_err *err)
+{
+    for (int i = 0; i < k; i++, names += strcspn(names, " ") + 1)
+        if (!ptrs[i])
+            return stk_fail(err, STK_EINVAL, "%s: %.*s is NULL", op,
+                            (int)strcspn(names, " "), names);
+    return 0;
+}
+
+#define CHECK_PTRS(op, names, ...)                                            \
+    check_ptrs(op, names, (const void *const[]){__VA_ARGS__},                 \
+               (int)(sizeof((const void *[]){__VA_ARGS__}) /                  \
+                     sizeof(const void *)),                                   \
+               err)
+
+static int check_avgpool(int planes, int h, int w, int kh, int kw, int sh,
+                         int sw, stk_err *err)
+{
+    if (planes < 1 || kh < 1 || kw < 1 || sh < 1 || sw < 1 || h < kh ||
+        w < kw)
+        return stk_fail(err, STK_EINVAL,
+                        "avg-pool: a %dx%d kernel of stride %dx%d over %d "
+                        "planes of %dx%d (a kernel within the plane, sizes "
+                        "and strides >= 1 expected)",
+                        kh, kw, sh, sw, planes, h, w);
+    return 0;
+}
+
+int stk_avgpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
+                    int kh, int kw, int sh, int sw, float *y, stk_err *err)
+{
+    int rc = check_avgpool(planes, h, w, kh, kw, sh, sw, err);
+    if (!rc)
+        rc = CHECK_PTRS("avg-pool", "x y", x, y);
+    return rc ? rc
+              : be->ops->avgpool_fwd(be, x, planes, h, w, kh, kw, sh, sw, y,
+                                     err);
+}
+
+int stk_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
+                    int w, int kh, int kw, int sh, int sw, float *dx,
+                    stk_err *err)
+{
+    int rc = check_avgpool(planes, h, w, kh, kw, sh, sw, err);
+    if (!rc)
+        rc = CHECK_PTRS("avg-pool backward", "dy dx", dy, dx);
+    return rc ? rc
+              : be->ops->avgpool_bwd(be, dy, planes, h, w, kh, kw, sh, sw,
+                                     dx, err);
+}
+
+int stk_add(stk_backend *be, const float *a, const float *b, float *y,
+            size_t n, stk_err *err)
+{
+    if (n == 0)
+        return 0;
+    int rc = CHECK_PTRS("add", "a b y", a, b, y);
+    return rc ? rc : be->ops->add(be, a, b, y, n, err);
+}
+
+int stk_copy_dev(stk_backend *be, float *dst, const float *src, size_t n,
+                 stk_err *err)
+{
+    if (n == 0)
+        return 0;
+    int rc = CHECK_PTRS("device copy", "dst src", dst, src);
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src, bytes = n * sizeof *dst;
+    if (!rc && d < s + bytes && s < d + bytes)
+        rc = stk_fail(err, STK_EINVAL,
+                      "device copy: dst and src overlap (%zu floats)", n);
+    return rc ? rc : be->ops->copy_dev(be, dst, src, n, err);
+}
+
+/* The shape every batchnorm op checks. */
+static int check_bn(const char *op, int n, int c, int hw, stk_err *err)
+{
+    if (n < 1 || c < 1 || hw < 1)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: a batch of %d x %d channels x %d (each >= 1 "
+                        "expected)",
+                        op, n, c, hw);
+    return 0;
+}
+
+static int check_eps(const char *op, float eps, stk_err *err)
+{
+    if (!(eps > 0.0f) || isinf(eps))
+        return stk_fail(err, STK_EINVAL,
+                        "%s: eps %g (a finite number > 0 expected)", op,
+                        (double)eps);
+    return 0;
+}
+
+int stk_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
+                const float *shift, double scale, float *sums, stk_err *err)
+{
+    const char *op = "batchnorm sums";
+    int rc = check_bn(op, n, c, hw, err);
+    if (!rc && !(scale > 0.0 && isfinite(scale)))
+        rc = stk_fail(err, STK_EINVAL,
+                      "%s: scale %g (a finite number > 0 expected)", op,
+                      scale);
+    if (!rc)
+        rc = CHECK_PTRS(op, "x sums", x, sums);
+    return rc ? rc : be->ops->bn_sums(be, x, n, c, hw, shift, scale, sums, err);
+}
+
+int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
+                 int hw, const float *mean, const float *var, float eps,
+                 const float *gamma, const float *beta, bool relu,
+                 stk_err *err)
+{
+    const char *op = "batchnorm apply";
+    int rc = check_bn(op, n, c, hw, err);
+    if (!rc)
+        rc = check_eps(op, eps, err);
+    if (!rc)
+        rc = CHECK_PTRS(op, "x y mean var gamma beta", x, y, mean, var, gamma,
+                        beta);
+    return rc ? rc
+              : be->ops->bn_apply(be, x, y, n, c, hw, mean, var, eps, gamma,
+                                  beta, relu, err);
+}
+
+int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
+                     const float *x, int n, int c, int hw, const float *mean,
+                     const float *var, float eps, float *sums, stk_err *err)
+{
+    const char *op = "batchnorm grad sums";
+    int rc = check_bn(op, n, c, hw, err);
+    if (!rc)
+        rc = check_eps(op, eps, err);
+    if (!rc)
+        rc = CHECK_PTRS(op, "dy x mean var sums", dy, x, mean, var, sums);
+    return rc ? rc
+              : be->ops->bn_grad_sums(be, dy, relu_y, x, n, c, hw, mean, var,
+                                      eps, sums, err);
+}
+
+int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
+                      const float *x, int n, int c, int hw, const float *mean,
+                      const float *var, float eps, const float *gamma,
+                      const float *sums, float inv_count, float *dx,
+                      stk_err *err)
+{
+    const char *op = "batchnorm input grad";
+    int rc = check_bn(op, n, c, hw, err);
+    if (!rc)
+        rc = check_eps(op, eps, err);
+    if (!rc && !(inv_count > 0.0f && inv_count <= 1.0f))
+        rc = stk_fail(err, STK_EINVAL,
+                      "%s: inv_count %g (1/count, in (0, 1], expected)", op,
+                      (double)inv_count);
+    if (!rc)
+        rc = CHECK_PTRS(op, "dy x mean var gamma sums dx", dy, x, mean, var,
+                        gamma, sums, dx);
+    return rc ? rc
+              : be->ops->bn_input_grad(be, dy, relu_y, x, n, c, hw, mean, var,
+                                       eps, gamma, sums, inv_count, dx, err);
+}
+
+int stk_bn_running(stk_backend *be, float *run_mean, float *run_var,
+                   const float *mean, const float *var, int c, float momentum,
+                   float unbias, stk_err *err)
+{
+    const char *op = "batchnorm running stats";
+    if (c < 1)
+        return stk_fail(err, STK_EINVAL, "%s: %d channels (>= 1 expected)",
+                        op, c);
+    if (!(momentum >= 0.0f && momentum <= 1.0f))
+        return stk_fail(err, STK_EINVAL,
+                        "%s: momentum %g is not in [0, 1]", op,
+                        (double)momentum);
+    if (!(unbias >= 1.0f) || isinf(unbias))
+        return stk_fail(err, STK_EINVAL,
+                        "%s: unbias %g (count/(count - 1) >= 1 of a batch of "
+                        "2 or more values per channel expected)",
+                        op, (double)unbias);
+    int rc = CHECK_PTRS(op, "run_mean run_var mean var", run_mean, run_var,
+                        mean, var);
+    return rc ? rc
+              : be->ops->bn_running(be, run_mean, run_var, mean, var, c,
+                                    momentum, unbias, err);
 }
 
 int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,

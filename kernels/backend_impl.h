@@ -61,6 +61,35 @@ typedef struct backend_ops {
     int (*maxpool_bwd)(stk_backend *be, const float *dy, const int32_t *arg,
                        int planes, int h, int w, int k, int st, float *dx,
                        stk_err *err);
+    int (*avgpool_fwd)(stk_backend *be, const float *x, int planes, int h,
+                       int w, int kh, int kw, int sh, int sw, float *y,
+                       stk_err *err);
+    int (*avgpool_bwd)(stk_backend *be, const float *dy, int planes, int h,
+                       int w, int kh, int kw, int sh, int sw, float *dx,
+                       stk_err *err);
+    int (*add)(stk_backend *be, const float *a, const float *b, float *y,
+               size_t n, stk_err *err);
+    int (*copy_dev)(stk_backend *be, float *dst, const float *src, size_t n,
+                    stk_err *err);
+    int (*bn_sums)(stk_backend *be, const float *x, int n, int c, int hw,
+                   const float *shift, double scale, float *sums,
+                   stk_err *err);
+    int (*bn_apply)(stk_backend *be, const float *x, float *y, int n, int c,
+                    int hw, const float *mean, const float *var, float eps,
+                    const float *gamma, const float *beta, bool relu,
+                    stk_err *err);
+    int (*bn_grad_sums)(stk_backend *be, const float *dy, const float *relu_y,
+                        const float *x, int n, int c, int hw,
+                        const float *mean, const float *var, float eps,
+                        float *sums, stk_err *err);
+    int (*bn_input_grad)(stk_backend *be, const float *dy,
+                         const float *relu_y, const float *x, int n, int c,
+                         int hw, const float *mean, const float *var,
+                         float eps, const float *gamma, const float *sums,
+                         float inv_count, float *dx, stk_err *err);
+    int (*bn_running)(stk_backend *be, float *run_mean, float *run_var,
+                      const float *mean, const float *var, int c,
+                      float momentum, float unbias, stk_err *err);
     int (*dropout)(stk_backend *be, float *x, size_t n, size_t first,
                    size_t group, float p, stk_philox_key key, uint64_t stream,
                    stk_err *err);

@@ -879,7 +879,8 @@ static void wino_output_part(void *v, size_t b, size_t e)
     size_t nt = (size_t)j->n * j->tiles, ms = stk_wino_stride(j->ch * nt);
     float t[STK_WINO_P * LANES_MAX], o[STK_WINO_M * STK_WINO_M * LANES_MAX];
     for (size_t q = b; q < e; q++) {
-        float *plane = j->dst + q * s->oh * s->ow, bias = j->bias[q % j->ch];
+        float *plane = j->dst + q * s->oh * s->ow, 
+              bias = j->bias ? j->bias[q % j->ch] : 0.0f; /* NULL: none */
         const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
         for (int t0 = 0; t0 < j->tiles; t0 += LANES_MAX) {
             int lanes = j->tiles - t0 < LANES_MAX ? j->tiles - t0 : LANES_MAX;
@@ -1007,6 +1008,404 @@ static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
     size_t per = (size_t)h * w;
     stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
                  maxpool_bwd_part, &j);
+    return 0;
+}
+
+/* ---- average pool ------------------------------------------------------------------ */
+
+typedef struct avgpool_job {
+    const float *x; /* x (forward) or dy (backward) */
+    float *y;       /* y (forward) or dx (backward) */
+    int h, w, kh, kw, sh, sw, oh, ow;
+} avgpool_job;
+
+static avgpool_job avgpool_plan(const float *x, float *y, int h, int w,
+                                int kh, int kw, int sh, int sw)
+{
+    avgpool_job j = {x, y, h, w, kh, kw, sh, sw, (h - kh) / sh + 1,
+                     (w - kw) / sw + 1};
+    return j;
+}
+
+/* Planes [b, e). */
+static void avgpool_fwd_part(void *v, size_t b, size_t e)
+{
+    const avgpool_job *j = v;
+    size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
+    for (size_t p = b; p < e; p++) {
+        const float *x = j->x + p * in;
+        float *y = j->y + p * out;
+        for (int oy = 0; oy < j->oh; oy++, y += j->ow)
+            for (int ox = 0; ox < j->ow; ox++)
+                y[ox] = stk_avgpool_at(x, j->w, j->kh, j->kw, j->sh, j->sw,
+                                       oy, ox);
+    }
+}
+
+static int cpu_avgpool_fwd(stk_backend *be, const float *x, int planes, int h,
+                           int w, int kh, int kw, int sh, int sw, float *y,
+                           stk_err *err)
+{
+    (void)err;
+    avgpool_job j = avgpool_plan(x, y, h, w, kh, kw, sh, sw);
+    size_t per = (size_t)h * w;
+    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
+                 avgpool_fwd_part, &j);
+    return 0;
+}
+
+/* Planes [b, e), each pixel gathering from its windows. */
+static void avgpool_bwd_part(void *v, size_t b, size_t e)
+{
+    const avgpool_job *j = v;
+    size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
+    for (size_t p = b; p < e; p++) {
+        const float *g = j->x + p * out;
+        float *dx = j->y + p * in;
+        for (int y = 0; y < j->h; y++, dx += j->w)
+            for (int x = 0; x < j->w; x++)
+                dx[x] = stk_avgpool_grad_at(g, j->oh, j->ow, j->kh, j->kw,
+                                            j->sh, j->sw, y, x);
+    }
+}
+
+static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes,
+                           int h, int w, int kh, int kw, int sh, int sw,
+                           float *dx, stk_err *err)
+{
+    (void)err;
+    avgpool_job j = avgpool_plan(dy, dx, h, w, kh, kw, sh, sw);
+    size_t per = (size_t)h * w;
+    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
+                 avgpool_bwd_part, &j);
+    return 0;
+}
+
+/* ---- residual add and device copies ----------------------------------------------- */
+
+static void add_part(void *v, size_t b, size_t e)
+{
+    const ew_job *j = v;
+    const float *x = j->x, *y = j->y;
+    float *out = j->out;
+    for (size_t i = b; i < e; i++)
+        out[i] = stk_add1(x[i], y[i]);
+}
+
+static int cpu_add(stk_backend *be, const float *a, const float *b, float *y,
+                   size_t n, stk_err *err)
+{
+    (void)err;
+    ew_job j = {.x = a, .y = b, .out = y};
+    stk_pool_for(pool(be), n, GRAIN, add_part, &j);
+    return 0;
+}
+
+static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
+                        size_t n, stk_err *err)
+{
+    return cpu_copy(be, dst, src, n * sizeof *dst, 1, err);
+}
+
+/* ---- batch normalisation ------------------------------------------------------------ */
+
+/* x [n, c, hw] channel by channel. Each channel's sums are taken by one
+ * thread in an order fixed by the shape alone, so they do not depend on
+ * the thread count: with hw > 1 the planes in sample order, each in
+ * BN_LANES double lanes (independent chains the compiler vectorises, as in
+ * bias_grad) added up by a fixed tree; with hw = 1 (BatchNorm1d) the rows
+ * in order, BN_BLOCK channels side by side along memory. The element-wise
+ * passes (apply, input gradient) split planes, or rows when hw = 1. */
+enum { BN_LANES = 16, BN_BLOCK = 256 };
+
+typedef struct bn_job {
+    const float *x, *dy, *relu_y, *shift, *mean, *var, *gamma, *beta, *sums;
+    float *out;
+    int n, c, hw, relu;
+    float eps, inv_count;
+    double scale;
+} bn_job;
+
+static double lanes_total(double *lane)
+{
+    for (int w = BN_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            lane[l] += lane[l + w];
+    return lane[0];
+}
+
+/* Plane p (hw floats) into the lanes: its values, or (x - shift)^2. */
+static void lanes_add(double *lane, const float *p, int hw, const float *shift,
+                      float s)
+{
+    int i = 0;
+    if (shift) {
+        for (; i + BN_LANES <= hw; i += BN_LANES)
+            for (int l = 0; l < BN_LANES; l++)
+                lane[l] += stk_bn_sq1(p[i + l], s);
+        for (; i < hw; i++)
+            lane[i % BN_LANES] += stk_bn_sq1(p[i], s);
+        return;
+    }
+    for (; i + BN_LANES <= hw; i += BN_LANES)
+        for (int l = 0; l < BN_LANES; l++)
+            lane[l] += p[i + l];
+    for (; i < hw; i++)
+        lane[i % BN_LANES] += p[i];
+}
+
+/* hw = 1: channels [b, e), rows in order. */
+static void bn_sums_rows(const bn_job *j, size_t b, size_t e)
+{
+    double acc[BN_BLOCK];
+    for (size_t c0 = b; c0 < e; c0 += BN_BLOCK) {
+        size_t nc = e - c0 < BN_BLOCK ? e - c0 : BN_BLOCK;
+        memset(acc, 0, sizeof acc);
+        for (int r = 0; r < j->n; r++) {
+            const float *p = j->x + (size_t)r * j->c + c0;
+            if (j->shift)
+                for (size_t c = 0; c < nc; c++)
+                    acc[c] += stk_bn_sq1(p[c], j->shift[c0 + c]);
+            else
+                for (size_t c = 0; c < nc; c++)
+                    acc[c] += p[c];
+        }
+        for (size_t c = 0; c < nc; c++)
+            j->out[c0 + c] = (float)(acc[c] * j->scale);
+    }
+}
+
+/* Channels [b, e). */
+static void bn_sums_part(void *v, size_t b, size_t e)
+{
+    const bn_job *j = v;
+    if (j->hw == 1) {
+        bn_sums_rows(j, b, e);
+        return;
+    }
+    for (size_t ch = b; ch < e; ch++) {
+        double lane[BN_LANES] = {0.0};
+        float s = j->shift ? j->shift[ch] : 0.0f;
+        for (int r = 0; r < j->n; r++)
+            lanes_add(lane, j->x + ((size_t)r * j->c + ch) * j->hw, j->hw,
+                      j->shift, s);
+        j->out[ch] = (float)(lanes_total(lane) * j->scale);
+    }
+}
+
+/* Channels in parallel, each at least about GRAIN elements. */
+static void bn_channels(stk_backend *be, const bn_job *j, stk_pool_fn part)
+{
+    size_t per = (size_t)j->n * j->hw;
+    stk_pool_for(pool(be), (size_t)j->c, (GRAIN + per - 1) / per, part,
+                 (void *)j);
+}
+
+/* Planes (hw > 1) or rows (hw = 1) in parallel. */
+static void bn_planes(stk_backend *be, const bn_job *j, stk_pool_fn part)
+{
+    size_t units = (size_t)j->n * (j->hw == 1 ? 1 : (size_t)j->c);
+    size_t per = j->hw == 1 ? (size_t)j->c : (size_t)j->hw;
+    stk_pool_for(pool(be), units, (GRAIN + per - 1) / per, part, (void *)j);
+}
+
+static int cpu_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
+                       const float *shift, double scale, float *sums,
+                       stk_err *err)
+{
+    (void)err;
+    bn_job j = {.x = x, .shift = shift, .out = sums, .n = n, .c = c,
+                .hw = hw, .scale = scale};
+    bn_channels(be, &j, bn_sums_part);
+    return 0;
+}
+
+static stk_bn_fwd_coef bn_fwd_coef(const bn_job *j, size_t ch)
+{
+    return stk_bn_fwd_coef_of(j->mean[ch], j->var[ch], j->eps, j->gamma[ch],
+                              j->beta[ch]);
+}
+
+/* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
+static void bn_apply_part(void *v, size_t b, size_t e)
+{
+    const bn_job *j = v;
+    if (j->hw == 1) {
+        stk_bn_fwd_coef k[BN_BLOCK];
+        for (size_t c0 = 0; c0 < (size_t)j->c; c0 += BN_BLOCK) {
+            size_t nc = j->c - c0 < BN_BLOCK ? j->c - c0 : BN_BLOCK;
+            for (size_t c = 0; c < nc; c++)
+                k[c] = bn_fwd_coef(j, c0 + c);
+            for (size_t r = b; r < e; r++) {
+                size_t at = r * j->c + c0;
+                for (size_t c = 0; c < nc; c++)
+                    j->out[at + c] = stk_bn_apply1(j->x[at + c], k[c], j->relu);
+            }
+        }
+        return;
+    }
+    for (size_t q = b; q < e; q++) {
+        stk_bn_fwd_coef k = bn_fwd_coef(j, q % j->c);
+        const float *x = j->x + q * j->hw;
+        float *y = j->out + q * j->hw;
+        if (j->relu)
+            for (int i = 0; i < j->hw; i++)
+                y[i] = stk_bn_apply1(x[i], k, 1);
+        else
+            for (int i = 0; i < j->hw; i++)
+                y[i] = stk_bn_apply1(x[i], k, 0);
+    }
+}
+
+static int cpu_bn_apply(stk_backend *be, const float *x, float *y, int n,
+                        int c, int hw, const float *mean, const float *var,
+                        float eps, const float *gamma, const float *beta,
+                        bool relu, stk_err *err)
+{
+    (void)err;
+    bn_job j = {.x = x, .out = y, .n = n, .c = c, .hw = hw, .mean = mean,
+                .var = var, .eps = eps, .gamma = gamma, .beta = beta,
+                .relu = relu};
+    bn_planes(be, &j, bn_apply_part);
+    return 0;
+}
+
+/* hw = 1: channels [b, e), rows in order. */
+static void bn_grad_sums_rows(const bn_job *j, size_t b, size_t e)
+{
+    double sg[BN_BLOCK], sgx[BN_BLOCK];
+    for (size_t c0 = b; c0 < e; c0 += BN_BLOCK) {
+        size_t nc = e - c0 < BN_BLOCK ? e - c0 : BN_BLOCK;
+        memset(sg, 0, sizeof sg);
+        memset(sgx, 0, sizeof sgx);
+        for (int r = 0; r < j->n; r++) {
+            size_t at = (size_t)r * j->c + c0;
+            for (size_t c = 0; c < nc; c++) {
+                float g = stk_bn_g1(j->dy, j->relu_y, at + c);
+                sg[c] += g;
+                sgx[c] += stk_bn_gx1(g, j->x[at + c], j->mean[c0 + c]);
+            }
+        }
+        for (size_t c = 0; c < nc; c++) {
+            j->out[c0 + c] = (float)sg[c];
+            j->out[j->c + c0 + c] =
+                (float)(sgx[c] * stk_bn_invstd(j->var[c0 + c], j->eps));
+        }
+    }
+}
+
+/* The plane at element `at` into the lanes of sum g and sum g (x - mean). */
+static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
+                           float mean)
+{
+    const float *dy = j->dy + at, *ry = j->relu_y ? j->relu_y + at : NULL,
+                *x = j->x + at;
+    int i = 0, hw = j->hw;
+    for (; i + BN_LANES <= hw; i += BN_LANES)
+        for (int l = 0; l < BN_LANES; l++) {
+            float g = stk_bn_g1(dy, ry, (size_t)(i + l));
+            sg[l] += g;
+            sgx[l] += stk_bn_gx1(g, x[i + l], mean);
+        }
+    for (; i < hw; i++) {
+        float g = stk_bn_g1(dy, ry, (size_t)i);
+        sg[i % BN_LANES] += g;
+        sgx[i % BN_LANES] += stk_bn_gx1(g, x[i], mean);
+    }
+}
+
+/* Channels [b, e): sum g and sum g (x - mean) in lanes, as bn_sums_part. */
+static void bn_grad_sums_part(void *v, size_t b, size_t e)
+{
+    const bn_job *j = v;
+    if (j->hw == 1) {
+        bn_grad_sums_rows(j, b, e);
+        return;
+    }
+    for (size_t ch = b; ch < e; ch++) {
+        double sg[BN_LANES] = {0.0}, sgx[BN_LANES] = {0.0};
+        float mean = j->mean[ch];
+        for (int r = 0; r < j->n; r++)
+            grad_lanes_add(sg, sgx, j, ((size_t)r * j->c + ch) * j->hw, mean);
+        j->out[ch] = (float)lanes_total(sg);
+        j->out[j->c + ch] =
+            (float)(lanes_total(sgx) * stk_bn_invstd(j->var[ch], j->eps));
+    }
+}
+
+static int cpu_bn_grad_sums(stk_backend *be, const float *dy,
+                            const float *relu_y, const float *x, int n, int c,
+                            int hw, const float *mean, const float *var,
+                            float eps, float *sums, stk_err *err)
+{
+    (void)err;
+    bn_job j = {.dy = dy, .relu_y = relu_y, .x = x, .n = n, .c = c, .hw = hw,
+                .mean = mean, .var = var, .eps = eps, .out = sums};
+    bn_channels(be, &j, bn_grad_sums_part);
+    return 0;
+}
+
+static stk_bn_bwd_coef bn_bwd_coef(const bn_job *j, size_t ch)
+{
+    return stk_bn_bwd_coef_of(j->mean[ch], j->var[ch], j->eps, j->gamma[ch],
+                              j->sums[ch], j->sums[j->c + ch], j->inv_count);
+}
+
+/* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
+static void bn_input_grad_part(void *v, size_t b, size_t e)
+{
+    const bn_job *j = v;
+    if (j->hw == 1) {
+        stk_bn_bwd_coef k[BN_BLOCK];
+        for (size_t c0 = 0; c0 < (size_t)j->c; c0 += BN_BLOCK) {
+            size_t nc = j->c - c0 < BN_BLOCK ? j->c - c0 : BN_BLOCK;
+            for (size_t c = 0; c < nc; c++)
+                k[c] = bn_bwd_coef(j, c0 + c);
+            for (size_t r = b; r < e; r++) {
+                size_t at = r * j->c + c0;
+                for (size_t c = 0; c < nc; c++)
+                    j->out[at + c] = stk_bn_dx1(
+                        stk_bn_g1(j->dy, j->relu_y, at + c), j->x[at + c],
+                        k[c]);
+            }
+        }
+        return;
+    }
+    for (size_t q = b; q < e; q++) {
+        stk_bn_bwd_coef k = bn_bwd_coef(j, q % j->c);
+        size_t at = q * j->hw;
+        for (int i = 0; i < j->hw; i++)
+            j->out[at + i] = stk_bn_dx1(stk_bn_g1(j->dy, j->relu_y, at + i),
+                                        j->x[at + i], k);
+    }
+}
+
+static int cpu_bn_input_grad(stk_backend *be, const float *dy,
+                             const float *relu_y, const float *x, int n, int c,
+                             int hw, const float *mean, const float *var,
+                             float eps, const float *gamma, const float *sums,
+                             float inv_count, float *dx, stk_err *err)
+{
+    (void)err;
+    bn_job j = {.dy = dy, .relu_y = relu_y, .x = x, .n = n, .c = c, .hw = hw,
+                .mean = mean, .var = var, .eps = eps, .gamma = gamma,
+                .sums = sums, .inv_count = inv_count, .out = dx};
+    bn_planes(be, &j, bn_input_grad_part);
+    return 0;
+}
+
+/* A few hundred channels at most: not worth waking the pool. */
+static int cpu_bn_running(stk_backend *be, float *run_mean, float *run_var,
+                          const float *mean, const float *var, int c,
+                          float momentum, float unbias, stk_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int ch = 0; ch < c; ch++) {
+        run_mean[ch] = stk_bn_running1(run_mean[ch], mean[ch], momentum);
+        run_var[ch] = stk_bn_running1(run_var[ch],
+                                      (double)var[ch] * unbias, momentum);
+    }
     return 0;
 }
 
@@ -1245,6 +1644,15 @@ const backend_ops stk_cpu_ops = {
     .wino_output_grad = cpu_wino_output_grad,
     .maxpool_fwd = cpu_maxpool_fwd,
     .maxpool_bwd = cpu_maxpool_bwd,
+    .avgpool_fwd = cpu_avgpool_fwd,
+    .avgpool_bwd = cpu_avgpool_bwd,
+    .add = cpu_add,
+    .copy_dev = cpu_copy_dev,
+    .bn_sums = cpu_bn_sums,
+    .bn_apply = cpu_bn_apply,
+    .bn_grad_sums = cpu_bn_grad_sums,
+    .bn_input_grad = cpu_bn_input_grad,
+    .bn_running = cpu_bn_running,
     .dropout = cpu_dropout,
     .xent = cpu_xent,
     .transform = cpu_transform,

@@ -139,7 +139,9 @@ static int launch(stk_backend *be, const char *op, size_t n, stk_err *err,
 static_assert((THREADS & (THREADS - 1)) == 0, "block_sum halves THREADS");
 
 // Sum of v over the block (blockDim.x == THREADS), in a fixed order so that
-// results repeat run to run; every thread gets the total. Once per kernel.
+// results repeat run to run; every thread gets the total. All threads of
+// the block call it, as often as they like (the last barrier lets the next
+// call overwrite part).
 static __device__ double block_sum(double v)
 {
     __shared__ double part[THREADS];
@@ -150,7 +152,9 @@ static __device__ double block_sum(double v)
             part[threadIdx.x] += part[threadIdx.x + s];
         __syncthreads();
     }
-    return part[0];
+    double total = part[0];
+    __syncthreads();
+    return total;
 }
 
 // ---- backend state ---------------------------------------------------------
@@ -580,8 +584,8 @@ static __global__ void wino_output_kernel(const float *m, const float *bias,
     size_t total = nt * cout;
     for (size_t i = first_index(); i < total; i += index_step()) {
         int co = (int)(i / nt);
-        stk_wino_output1(m + i, stk_wino_stride(total), bias[co], &s, co, cout,
-                         i % nt, y);
+        stk_wino_output1(m + i, stk_wino_stride(total), bias ? bias[co] : 0.0f,
+                         &s, co, cout, i % nt, y);
     }
 }
 
@@ -653,6 +657,263 @@ static int cuda_maxpool_bwd(stk_backend *be, const float *dy,
     size_t n = (size_t)planes * h * w;
     return launch(be, "cuda maxpool_bwd", n, err, maxpool_bwd_kernel, dy, arg,
                   h, w, k, st, dx, n);
+}
+
+// ---- average pool ----------------------------------------------------------
+
+static __global__ void avgpool_fwd_kernel(const float *x, int h, int w, int kh,
+                                          int kw, int sh, int sw, int oh,
+                                          int ow, float *y, size_t n)
+{
+    for (size_t j = first_index(); j < n; j += index_step())
+        y[j] = stk_avgpool1(x, h, w, kh, kw, sh, sw, oh, ow, j);
+}
+
+static int cuda_avgpool_fwd(stk_backend *be, const float *x, int planes,
+                            int h, int w, int kh, int kw, int sh, int sw,
+                            float *y, stk_err *err)
+{
+    int oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
+    size_t n = (size_t)planes * oh * ow;
+    return launch(be, "cuda avgpool_fwd", n, err, avgpool_fwd_kernel, x, h, w,
+                  kh, kw, sh, sw, oh, ow, y, n);
+}
+
+// One thread per input element gathers from its windows
+// (stk_avgpool_grad1): no atomics, the CPU's floats.
+static __global__ void avgpool_bwd_kernel(const float *dy, int h, int w,
+                                          int kh, int kw, int sh, int sw,
+                                          float *dx, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        dx[i] = stk_avgpool_grad1(dy, h, w, kh, kw, sh, sw, i);
+}
+
+static int cuda_avgpool_bwd(stk_backend *be, const float *dy, int planes,
+                            int h, int w, int kh, int kw, int sh, int sw,
+                            float *dx, stk_err *err)
+{
+    size_t n = (size_t)planes * h * w;
+    return launch(be, "cuda avgpool_bwd", n, err, avgpool_bwd_kernel, dy, h,
+                  w, kh, kw, sh, sw, dx, n);
+}
+
+// ---- residual add and device copies ---------------------------------------
+
+static __global__ void add_kernel(const float *a, const float *b, float *y,
+                                  size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        y[i] = stk_add1(a[i], b[i]);
+}
+
+static int cuda_add(stk_backend *be, const float *a, const float *b, float *y,
+                    size_t n, stk_err *err)
+{
+    return launch(be, "cuda add", n, err, add_kernel, a, b, y, n);
+}
+
+static int cuda_copy_dev(stk_backend *be, float *dst, const float *src,
+                         size_t n, stk_err *err)
+{
+    const char *op = "cuda device copy";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaMemcpyAsync,
+             (dst, src, n * sizeof *dst, cudaMemcpyDeviceToDevice,
+              impl(be)->stream));
+    return 0;
+}
+
+// ---- batch normalisation ---------------------------------------------------
+
+// Element k (sample k / hw, position k % hw) of channel ch in x [n, c, hw].
+static __device__ size_t bn_at(size_t k, int ch, int c, int hw)
+{
+    return (k / hw * c + ch) * hw + k % hw;
+}
+
+// The per-channel reductions: one block per channel (striding over the
+// channels past MAX_BLOCKS); thread t sums elements t, t + THREADS, ... of
+// its channel in that order, and block_sum adds the threads up in a fixed
+// tree, so every run gives the same floats (not the CPU's: another order).
+static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
+                                      const float *shift, double scale,
+                                      float *sums)
+{
+    size_t count = (size_t)n * hw;
+    for (int ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        float s = shift ? shift[ch] : 0.0f;
+        double acc = 0.0;
+        for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
+            float v = x[bn_at(k, ch, c, hw)];
+            acc += shift ? stk_bn_sq1(v, s) : (double)v;
+        }
+        acc = block_sum(acc);
+        if (threadIdx.x == 0)
+            sums[ch] = (float)(acc * scale);
+    }
+}
+
+static __global__ void bn_grad_sums_kernel(const float *dy,
+                                           const float *relu_y, const float *x,
+                                           int n, int c, int hw,
+                                           const float *mean, const float *var,
+                                           float eps, float *sums)
+{
+    size_t count = (size_t)n * hw;
+    for (int ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        double sg = 0.0, sgx = 0.0;
+        for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
+            size_t i = bn_at(k, ch, c, hw);
+            float g = stk_bn_g1(dy, relu_y, i);
+            sg += g;
+            sgx += stk_bn_gx1(g, x[i], mean[ch]);
+        }
+        sg = block_sum(sg);
+        sgx = block_sum(sgx);
+        if (threadIdx.x == 0) {
+            sums[ch] = (float)sg;
+            sums[c + ch] = (float)(sgx * stk_bn_invstd(var[ch], eps));
+        }
+    }
+}
+
+// Launches kernel with one block per item, up to MAX_BLOCKS (the kernel
+// strides over the rest).
+template <typename... P, typename... A>
+static int launch_blocks(stk_backend *be, const char *op, size_t items,
+                         stk_err *err, void (*kernel)(P...), A... args)
+{
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    unsigned blocks = (unsigned)(items < MAX_BLOCKS ? items : MAX_BLOCKS);
+    kernel<<<blocks, THREADS, 0, impl(be)->stream>>>(args...);
+    return launched(op, err);
+}
+
+static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
+                        const float *shift, double scale, float *sums,
+                        stk_err *err)
+{
+    return launch_blocks(be, "cuda bn_sums", (size_t)c, err, bn_sums_kernel,
+                         x, n, c, hw, shift, scale, sums);
+}
+
+static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
+                             const float *relu_y, const float *x, int n, int c,
+                             int hw, const float *mean, const float *var,
+                             float eps, float *sums, stk_err *err)
+{
+    return launch_blocks(be, "cuda bn_grad_sums", (size_t)c, err,
+                         bn_grad_sums_kernel, dy, relu_y, x, n, c, hw, mean,
+                         var, eps, sums);
+}
+
+// The element-wise passes take their per-channel coefficients (computed in
+// double, ops_inline.h) from an array in the scratch that a first kernel
+// fills, c threads' work instead of a square root per element. The scratch
+// is reused by the next op only behind this one on the stream, and grows
+// only after a stream sync (scratch_reserve).
+static __global__ void bn_fwd_coef_kernel(const float *mean, const float *var,
+                                          float eps, const float *gamma,
+                                          const float *beta, int c,
+                                          stk_bn_fwd_coef *k)
+{
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
+        k[ch] = stk_bn_fwd_coef_of(mean[ch], var[ch], eps, gamma[ch],
+                                   beta[ch]);
+}
+
+static __global__ void bn_apply_kernel(const float *x, float *y, int c,
+                                       int hw, const stk_bn_fwd_coef *k,
+                                       int relu, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        y[i] = stk_bn_apply1(x[i], k[i / hw % c], relu);
+}
+
+static int cuda_bn_apply(stk_backend *be, const float *x, float *y, int n,
+                         int c, int hw, const float *mean, const float *var,
+                         float eps, const float *gamma, const float *beta,
+                         bool relu, stk_err *err)
+{
+    const char *op = "cuda bn_apply";
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(
+            be, ARRAY_OFFSET + (size_t)c * sizeof(stk_bn_fwd_coef), op, err);
+    stk_bn_fwd_coef *k = scratch_array<stk_bn_fwd_coef>(be);
+    if (!rc)
+        rc = launch(be, op, (size_t)c, err, bn_fwd_coef_kernel, mean, var, eps,
+                    gamma, beta, c, k);
+    size_t total = (size_t)n * c * hw;
+    return rc ? rc
+              : launch(be, op, total, err, bn_apply_kernel, x, y, c, hw,
+                       (const stk_bn_fwd_coef *)k, (int)relu, total);
+}
+
+static __global__ void bn_bwd_coef_kernel(const float *mean, const float *var,
+                                          float eps, const float *gamma,
+                                          const float *sums, float inv_count,
+                                          int c, stk_bn_bwd_coef *k)
+{
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
+        k[ch] = stk_bn_bwd_coef_of(mean[ch], var[ch], eps, gamma[ch],
+                                   sums[ch], sums[c + ch], inv_count);
+}
+
+static __global__ void bn_input_grad_kernel(const float *dy,
+                                            const float *relu_y,
+                                            const float *x, int c, int hw,
+                                            const stk_bn_bwd_coef *k,
+                                            float *dx, size_t n)
+{
+    for (size_t i = first_index(); i < n; i += index_step())
+        dx[i] = stk_bn_dx1(stk_bn_g1(dy, relu_y, i), x[i], k[i / hw % c]);
+}
+
+static int cuda_bn_input_grad(stk_backend *be, const float *dy,
+                              const float *relu_y, const float *x, int n,
+                              int c, int hw, const float *mean,
+                              const float *var, float eps, const float *gamma,
+                              const float *sums, float inv_count, float *dx,
+                              stk_err *err)
+{
+    const char *op = "cuda bn_input_grad";
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(
+            be, ARRAY_OFFSET + (size_t)c * sizeof(stk_bn_bwd_coef), op, err);
+    stk_bn_bwd_coef *k = scratch_array<stk_bn_bwd_coef>(be);
+    if (!rc)
+        rc = launch(be, op, (size_t)c, err, bn_bwd_coef_kernel, mean, var, eps,
+                    gamma, sums, inv_count, c, k);
+    size_t total = (size_t)n * c * hw;
+    return rc ? rc
+              : launch(be, op, total, err, bn_input_grad_kernel, dy, relu_y, x,
+                       c, hw, (const stk_bn_bwd_coef *)k, dx, total);
+}
+
+static __global__ void bn_running_kernel(float *run_mean, float *run_var,
+                                         const float *mean, const float *var,
+                                         int c, float momentum, float unbias)
+{
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
+        run_mean[ch] = stk_bn_running1(run_mean[ch], mean[ch], momentum);
+        run_var[ch] = stk_bn_running1(run_var[ch], (double)var[ch] * unbias,
+                                      momentum);
+    }
+}
+
+static int cuda_bn_running(stk_backend *be, float *run_mean, float *run_var,
+                           const float *mean, const float *var, int c,
+                           float momentum, float unbias, stk_err *err)
+{
+    return launch(be, "cuda bn_running", (size_t)c, err, bn_running_kernel,
+                  run_mean, run_var, mean, var, c, momentum, unbias);
 }
 
 static __global__ void dropout_kernel(float *x, size_t n, size_t first,
@@ -899,6 +1160,15 @@ static constexpr backend_ops cuda_ops_table()
     o.wino_output_grad = cuda_wino_output_grad;
     o.maxpool_fwd = cuda_maxpool_fwd;
     o.maxpool_bwd = cuda_maxpool_bwd;
+    o.avgpool_fwd = cuda_avgpool_fwd;
+    o.avgpool_bwd = cuda_avgpool_bwd;
+    o.add = cuda_add;
+    o.copy_dev = cuda_copy_dev;
+    o.bn_sums = cuda_bn_sums;
+    o.bn_apply = cuda_bn_apply;
+    o.bn_grad_sums = cuda_bn_grad_sums;
+    o.bn_input_grad = cuda_bn_input_grad;
+    o.bn_running = cuda_bn_running;
     o.dropout = cuda_dropout;
     o.xent = cuda_xent;
     o.transform = cuda_transform;

@@ -487,6 +487,163 @@ STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
     return stk_maxpool_at(x + plane * (size_t)h * w, h, w, k, st, oy, ox, arg);
 }
 
+/* ---- average pool --------------------------------------------------------- */
+
+/* The divisor of a kh x kw window, as PyTorch's (sum / (kh * kw)). */
+STK_HD float stk_avgpool_div(int kh, int kw)
+{
+    return (float)((int64_t)kh * kw);
+}
+
+/* The kh x kw window at (oy, ox) of plane p (row length w), strides sh,
+ * sw: its sum in row-major order, divided by the window's size. Windows
+ * lie inside the plane (no padding, floor mode): stk_avgpool_fwd checks. */
+STK_HD float stk_avgpool_at(const float *p, int w, int kh, int kw, int sh,
+                            int sw, int oy, int ox)
+{
+    const float *r = p + (size_t)oy * sh * w + (size_t)ox * sw;
+    float sum = 0.0f;
+    for (int dy = 0; dy < kh; dy++, r += w)
+        for (int dx = 0; dx < kw; dx++)
+            sum += r[dx];
+    return sum / stk_avgpool_div(kh, kw);
+}
+
+/* Output element j (plane, oy, ox) of an average pool over h x w planes. */
+STK_HD float stk_avgpool1(const float *x, int h, int w, int kh, int kw,
+                          int sh, int sw, int oh, int ow, size_t j)
+{
+    int ox = (int)(j % ow), oy = (int)(j / ow % oh);
+    size_t plane = j / ((size_t)ow * oh);
+    return stk_avgpool_at(x + plane * (size_t)h * w, w, kh, kw, sh, sw, oy,
+                          ox);
+}
+
+/* The outputs o in [*lo, *hi] of one axis (out of them) whose window
+ * [o * st, o * st + k) holds coordinate y. */
+STK_HD void stk_pool_span(int y, int k, int st, int out, int *lo, int *hi)
+{
+    *lo = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
+    *hi = y / st < out - 1 ? y / st : out - 1;
+}
+
+/* Input gradient at pixel (y, x) of one plane, g being the plane's output
+ * gradient (oh x ow): the sum of g / (kh * kw) over the windows that hold
+ * the pixel, in ascending output order. That is the order of PyTorch's
+ * scatter (one add per output, outputs in order), and a gather needs no
+ * atomics, so every backend and thread count gives the same floats. */
+STK_HD float stk_avgpool_grad_at(const float *g, int oh, int ow, int kh,
+                                 int kw, int sh, int sw, int y, int x)
+{
+    int oy0, oy1, ox0, ox1;
+    stk_pool_span(y, kh, sh, oh, &oy0, &oy1);
+    stk_pool_span(x, kw, sw, ow, &ox0, &ox1);
+    float div = stk_avgpool_div(kh, kw), sum = 0.0f;
+    for (int oy = oy0; oy <= oy1; oy++)
+        for (int ox = ox0; ox <= ox1; ox++)
+            sum += g[(size_t)oy * ow + ox] / div;
+    return sum;
+}
+
+/* Input gradient element i (plane, y, x) of an average pool. */
+STK_HD float stk_avgpool_grad1(const float *dy, int h, int w, int kh, int kw,
+                               int sh, int sw, size_t i)
+{
+    int oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
+    size_t plane = i / ((size_t)h * w);
+    int x = (int)(i % w), y = (int)(i / w % h);
+    return stk_avgpool_grad_at(dy + plane * (size_t)oh * ow, oh, ow, kh, kw,
+                               sh, sw, y, x);
+}
+
+/* The residual add. */
+STK_HD float stk_add1(float a, float b) { return a + b; }
+
+/* ---- batch normalisation ---------------------------------------------------- */
+
+/* Per-channel values are computed in double from the float statistics and
+ * rounded once, so that both backends get the same floats (double
+ * arithmetic is correctly rounded on both, and no FMA contraction is
+ * allowed); the per-element work is then a few float operations. */
+
+/* 1 / sqrt(var + eps). */
+STK_HD double stk_bn_invstd(float var, float eps)
+{
+    return 1.0 / sqrt((double)var + (double)eps);
+}
+
+/* One channel of the forward pass: y = (x - mean) * k + beta. */
+typedef struct stk_bn_fwd_coef {
+    float mean, k, beta;
+} stk_bn_fwd_coef;
+
+STK_HD stk_bn_fwd_coef stk_bn_fwd_coef_of(float mean, float var, float eps,
+                                          float gamma, float beta)
+{
+    stk_bn_fwd_coef c = {mean, (float)(stk_bn_invstd(var, eps) * gamma),
+                         beta};
+    return c;
+}
+
+STK_HD float stk_bn_apply1(float x, stk_bn_fwd_coef c, int relu)
+{
+    float y = (x - c.mean) * c.k + c.beta;
+    return relu ? stk_relu1(y) : y;
+}
+
+/* The gradient reaching the batchnorm's output: dy, or with a fused ReLU
+ * (relu_y its output, not NULL), dy where the ReLU passed it. */
+STK_HD float stk_bn_g1(const float *dy, const float *relu_y, size_t i)
+{
+    return relu_y ? stk_relu_grad1(relu_y[i], dy[i]) : dy[i];
+}
+
+/* The terms of the backward sums: g, and g * (x - mean) (times invstd once
+ * per channel, at the end, as PyTorch's dotp). */
+STK_HD double stk_bn_gx1(float g, float x, float mean)
+{
+    return (double)g * ((double)x - (double)mean);
+}
+
+/* The term of the variance's sum. */
+STK_HD double stk_bn_sq1(float x, float shift)
+{
+    double d = (double)x - (double)shift;
+    return d * d;
+}
+
+/* One channel of the input gradient:
+ * dx = (g - gm - (x - mean) * proj) * k with k = gamma * invstd,
+ * gm = inv_count * sum g, proj = inv_count * invstd * sum g xhat: the
+ * formula of stk_bn_input_grad with xhat's invstd folded into proj. */
+typedef struct stk_bn_bwd_coef {
+    float mean, k, gm, proj;
+} stk_bn_bwd_coef;
+
+STK_HD stk_bn_bwd_coef stk_bn_bwd_coef_of(float mean, float var, float eps,
+                                          float gamma, float sum_g,
+                                          float sum_gxhat, float inv_count)
+{
+    double is = stk_bn_invstd(var, eps);
+    stk_bn_bwd_coef c = {mean, (float)(is * gamma),
+                         (float)((double)inv_count * sum_g),
+                         (float)((double)inv_count * sum_gxhat * is)};
+    return c;
+}
+
+STK_HD float stk_bn_dx1(float g, float x, stk_bn_bwd_coef c)
+{
+    return (g - c.gm - (x - c.mean) * c.proj) * c.k;
+}
+
+/* PyTorch's running statistic update, in double as its CPU kernel:
+ * momentum * stat + (1 - momentum) * run. */
+STK_HD float stk_bn_running1(float run, double stat, float momentum)
+{
+    double m = momentum;
+    return (float)(m * stat + (1.0 - m) * (double)run);
+}
+
 /* ---- softmax cross-entropy ------------------------------------------------ */
 
 /* Row r of logits [n, c]: its loss with label smoothing e (PyTorch's
