@@ -4,14 +4,26 @@
 
 #include "trainer.h"
 
-#define STK_TENSOR_NAME_MAX 96
+/* A tensor name: a parameter's (STK_NAME_MAX + 32) with the longest
+ * optimizer suffix (".momentum_buffer") never truncates; reading also
+ * tries "module." + name. */
+#define STK_TENSOR_NAME_MAX (STK_NAME_MAX + 64)
 
-/* A named float32 tensor in host memory. */
+/* The element types stoke reads and writes: parameters, optimizer state
+ * and batchnorm's running statistics are F32, num_batches_tracked I64 (a
+ * 0-dim tensor, as PyTorch saves it). */
+typedef enum stk_dtype { STK_DT_F32 = 0, STK_DT_I64 } stk_dtype;
+
+/* A named tensor in host memory: count elements of dtype at data. ndim 0
+ * is a scalar (shape [], count 1). */
 typedef struct stk_tensor {
     char name[STK_TENSOR_NAME_MAX];
+    stk_dtype dtype;
     int ndim, shape[4];
     size_t count;
-    float *data;
+    void *data;
+    bool optional; /* reading: a tensor the file lacks is no error ... */
+    bool found;    /* ... and this says whether it was there */
 } stk_tensor;
 
 /* Writes tensors (in order) with optional string metadata (a JSON object of
@@ -20,7 +32,10 @@ int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
                           const char *meta_json, stk_err *err);
 
 /* Fills each tensor's data by name (accepting a "module." prefix); the
- * shape must match. *meta_json (may be NULL) gets the metadata, malloc'd. */
+ * dtype and shape must match (an error names the tensor, what the model
+ * needs and what the file holds), and F32 values must be finite. A
+ * missing tensor is an error unless it is optional. *meta_json (may be
+ * NULL) gets the metadata, malloc'd. */
 int stk_safetensors_read(const char *path, stk_tensor *t, int n,
                          char **meta_json, stk_err *err);
 

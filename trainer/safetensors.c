@@ -29,6 +29,13 @@ static int write_all(int fd, const void *p, size_t n)
     return 0;
 }
 
+static const char *dtype_name(stk_dtype d) { return d == STK_DT_I64 ? "I64" : "F32"; }
+
+static size_t elem_size(stk_dtype d)
+{
+    return d == STK_DT_I64 ? sizeof(int64_t) : sizeof(float);
+}
+
 static char *header_json(const stk_tensor *t, int n, const char *meta_json)
 {
     cJSON *o = cJSON_CreateObject();
@@ -37,9 +44,13 @@ static char *header_json(const stk_tensor *t, int n, const char *meta_json)
     size_t off = 0;
     for (int i = 0; i < n; i++) {
         cJSON *e = cJSON_CreateObject();
-        cJSON_AddStringToObject(e, "dtype", "F32");
-        cJSON_AddItemToObject(e, "shape", cJSON_CreateIntArray(t[i].shape, t[i].ndim));
-        size_t bytes = t[i].count * sizeof(float);
+        cJSON_AddStringToObject(e, "dtype", dtype_name(t[i].dtype));
+        /* a 0-dim tensor's shape is [] (cJSON makes no array of 0 items
+         * from an array) */
+        cJSON_AddItemToObject(e, "shape",
+                              t[i].ndim ? cJSON_CreateIntArray(t[i].shape, t[i].ndim)
+                                        : cJSON_CreateArray());
+        size_t bytes = t[i].count * elem_size(t[i].dtype);
         double range[2] = {(double)off, (double)(off + bytes)};
         cJSON_AddItemToObject(e, "data_offsets", cJSON_CreateDoubleArray(range, 2));
         cJSON_AddItemToObject(o, t[i].name, e);
@@ -72,7 +83,7 @@ int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
         rc = write_all(fd, len, 8) || write_all(fd, json, hl) ||
              write_all(fd, "        ", padded - hl);
     for (int i = 0; !rc && i < n; i++)
-        rc = write_all(fd, t[i].data, t[i].count * sizeof(float));
+        rc = write_all(fd, t[i].data, t[i].count * elem_size(t[i].dtype));
     int e = errno;
     if (!rc && fsync(fd) != 0)
         rc = -1, e = errno;
@@ -101,50 +112,76 @@ static const cJSON *find(const cJSON *hdr, const char *name)
     return e;
 }
 
+/* "[2,3]" for a shape (at most 4 dims). */
+static void shape_text(const int *shape, int ndim, char *out, size_t n)
+{
+    size_t u = (size_t)snprintf(out, n, "[");
+    for (int d = 0; d < ndim && u < n; d++)
+        u += (size_t)snprintf(out + u, n - u, "%s%d", d ? "," : "", shape[d]);
+    if (u < n)
+        snprintf(out + u, n - u, "]");
+}
+
+/* Whether the header's dtype and shape are t's; if not, an error that
+ * names the tensor, what the model needs and what the file holds. */
+static int check_kind(const char *path, const cJSON *e, const stk_tensor *t,
+                      stk_err *err)
+{
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    const char *want_dt = dtype_name(t->dtype);
+    if (!cJSON_IsString(dt) || strcmp(dt->valuestring, want_dt))
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: \"%s\" is %.16s, the model needs %s", path,
+                        t->name, cJSON_IsString(dt) ? dt->valuestring : "no dtype",
+                        want_dt);
+    int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++) {
+        const cJSON *v = cJSON_GetArrayItem(sh, d);
+        same = cJSON_IsNumber(v) && v->valuedouble == t->shape[d];
+    }
+    if (same)
+        return 0;
+    char want[64];
+    shape_text(t->shape, t->ndim, want, sizeof want);
+    char *got = cJSON_PrintUnformatted(sh);
+    int rc = stk_fail(err, STK_EFORMAT, "%s: \"%s\" has shape %.60s, the model needs %s",
+                      path, t->name, got ? got : "?", want);
+    free(got);
+    return rc;
+}
+
 static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
                     size_t dlen, stk_tensor *t, stk_err *err)
 {
     const cJSON *e = find(hdr, t->name);
+    t->found = e != NULL;
     if (!e)
-        return stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"", path,
-                        t->name);
-    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
-    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
-    const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
-    if (!cJSON_IsString(dt) || strcmp(dt->valuestring, "F32"))
-        return stk_fail(err, STK_EFORMAT, "%s: \"%s\" is not F32", path,
-                        t->name);
-    int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == t->ndim;
-    for (int d = 0; same && d < t->ndim; d++)
-        same = cJSON_GetArrayItem(sh, d)->valueint == t->shape[d];
-    if (!same) {
-        char want[64] = "";
-        size_t u = 0;
-        for (int d = 0; d < t->ndim && u < sizeof want; d++)
-            u += (size_t)snprintf(want + u, sizeof want - u, "%s%d",
-                                  d ? "," : "", t->shape[d]);
-        char *got = cJSON_PrintUnformatted(sh);
-        int rc = stk_fail(err, STK_EFORMAT,
-                          "%s: \"%s\" has shape %s, the model needs [%s]",
-                          path, t->name, got ? got : "?", want);
-        free(got);
+        return t->optional ? 0
+                           : stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"",
+                                      path, t->name);
+    int rc = check_kind(path, e, t, err);
+    if (rc)
         return rc;
-    }
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+    size_t bytes = t->count * elem_size(t->dtype);
     double b = cJSON_GetArrayItem(off, 0) ? cJSON_GetArrayItem(off, 0)->valuedouble : -1;
     double en = cJSON_GetArrayItem(off, 1) ? cJSON_GetArrayItem(off, 1)->valuedouble : -1;
-    if (b < 0 || en - b != (double)(t->count * sizeof(float)) || en > (double)dlen)
+    if (b < 0 || en - b != (double)bytes || en > (double)dlen)
         return stk_fail(err, STK_EFORMAT, "%s: \"%s\" has a bad byte range",
                         path, t->name);
-    memcpy(t->data, data + (size_t)b, t->count * sizeof(float));
+    memcpy(t->data, data + (size_t)b, bytes);
+    if (t->dtype != STK_DT_F32)
+        return 0;
     /* a NaN or infinity would spread through every later step and into
      * every checkpoint written after it */
+    const float *f = t->data;
     for (size_t i = 0; i < t->count; i++)
-        if (!isfinite(t->data[i]))
+        if (!isfinite(f[i]))
             return stk_fail(err, STK_ERANGE,
-                            "%s: \"%s\" holds %s at element %zu (weights and "
-                            "optimizer state must be finite)",
-                            path, t->name,
-                            isnan(t->data[i]) ? "NaN" : "an infinity", i);
+                            "%s: \"%s\" holds %s at element %zu (weights, "
+                            "buffers and optimizer state must be finite)",
+                            path, t->name, isnan(f[i]) ? "NaN" : "an infinity", i);
     return 0;
 }
 
