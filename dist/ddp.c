@@ -180,6 +180,20 @@ int stk_ddp_ready(stk_ddp *d, int param, stk_err *err)
     return 0;
 }
 
+int stk_ddp_drain(stk_ddp *d, stk_err *err)
+{
+    if (!d->started)
+        return 0;
+    pthread_mutex_lock(&d->mu);
+    while (!d->rc && (d->busy || (d->next < d->nb && d->b[d->next].ready)))
+        pthread_cond_wait(&d->cv, &d->mu);
+    int rc = d->rc;
+    if (rc && err)
+        *err = d->err;
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
 int stk_ddp_finish(stk_ddp *d, double *waited, double *busy, stk_err *err)
 {
     *waited = *busy = 0;

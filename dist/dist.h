@@ -182,6 +182,11 @@ int stk_ddp_buckets(const stk_ddp *d);
 /* Parameter p's gradient is final: its bucket starts reducing once all of
  * its parameters are. Call in backward order. */
 int stk_ddp_ready(stk_ddp *d, int param, stk_err *err);
+/* Waits until every bucket ready so far is reduced, so that the calling
+ * thread may use the group for a collective of its own within backward
+ * (SyncBatchNorm's sums): matched on every rank, where buckets become
+ * ready in the same order. */
+int stk_ddp_drain(stk_ddp *d, stk_err *err);
 /* Waits for every bucket, leaving the averaged gradients in place.
  * *waited: seconds spent waiting here, *busy: seconds the reductions took
  * (hidden share = 1 - waited / busy). */

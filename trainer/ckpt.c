@@ -1,8 +1,9 @@
 /* ckpt.c - checkpoints of a run: RUN_DIR/checkpoints/step-NNNNNNNN/ holds
- * model.safetensors (PyTorch names), optim.safetensors (momentum buffers,
- * or AdamW's exp_avg and exp_avg_sq, named after torch.optim's state) and
- * state.json (epoch,
- * step, loader position, seed, best accuracy, configuration). A checkpoint
+ * model.safetensors (PyTorch's state_dict(): parameters, batchnorm's
+ * running statistics and num_batches_tracked), optim.safetensors
+ * (parameters only: momentum buffers, or AdamW's exp_avg and exp_avg_sq,
+ * named after torch.optim's state) and state.json (epoch, step, loader
+ * position, seed, best accuracy, configuration). A checkpoint
  * appears complete or not at all: it is written to a hidden directory,
  * synced and renamed. */
 #include "checkpoint.h"
@@ -18,7 +19,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MAX_TENSORS (2 * STK_MAX_LAYERS)
+/* The most tensors in one file: a batchnorm layer has five (weight, bias,
+ * running_mean, running_var, num_batches_tracked); an optimizer file two
+ * per parameter (AdamW's exp_avg and exp_avg_sq). */
+#define MAX_TENSORS (5 * STK_MAX_LAYERS)
+
+_Static_assert(sizeof((stk_param *)0)->name + sizeof ".momentum_buffer" <=
+                   STK_TENSOR_NAME_MAX,
+               "a parameter's name with an optimizer suffix fits a tensor name");
 
 /* Views of the model's (host copy of its) parameters, with a suffix. */
 static int tensors(run_state *r, float *host, const char *suffix,
@@ -27,11 +35,10 @@ static int tensors(run_state *r, float *host, const char *suffix,
     int n = stk_model_nparams(r->model);
     for (int i = 0; i < n; i++) {
         const stk_param *p = stk_model_param(r->model, i);
+        t[i] = (stk_tensor){.dtype = STK_DT_F32, .ndim = p->ndim,
+                            .count = p->count, .data = host + p->offset};
         snprintf(t[i].name, sizeof t[i].name, "%s%s", p->name, suffix);
-        t[i].ndim = p->ndim;
         memcpy(t[i].shape, p->shape, sizeof p->shape);
-        t[i].count = p->count;
-        t[i].data = host + p->offset;
     }
     return n;
 }
@@ -44,18 +51,18 @@ static int dev_to_host(run_state *r, const float *dev, float *host, stk_err *err
 }
 
 /* Writes one or two parameter-shaped device buffers (dev2 may be NULL) as
- * the tensors NAME+suffix (and NAME+suffix2) of one file. */
+ * the tensors NAME+suffix (and NAME+suffix2) of one file: the optimizer's
+ * state, which batchnorm's buffers never have. */
 static int save_params(run_state *r, const float *dev, const char *suffix,
                        const float *dev2, const char *suffix2,
                        const char *path, stk_err *err)
 {
     size_t np = stk_model_param_count(r->model);
     float *host = malloc(np * (dev2 ? 2 : 1) * sizeof *host);
-    stk_tensor t[2 * MAX_TENSORS];
-    if (!host)
-        return stk_fail(err, STK_ENOMEM, "checkpoint: out of memory");
-    int rc = dev_to_host(r, dev, host, err);
-    int n = tensors(r, host, suffix, t);
+    stk_tensor *t = malloc(2 * (size_t)stk_model_nparams(r->model) * sizeof *t);
+    int rc = host && t ? dev_to_host(r, dev, host, err)
+                       : stk_fail(err, STK_ENOMEM, "checkpoint: out of memory");
+    int n = rc ? 0 : tensors(r, host, suffix, t);
     if (!rc && dev2) {
         rc = dev_to_host(r, dev2, host + np, err);
         n += tensors(r, host + np, suffix2, t + n);
@@ -64,7 +71,93 @@ static int save_params(run_state *r, const float *dev, const char *suffix,
         rc = stk_safetensors_write(path, t, n,
                                    "{\"format\":\"pt\",\"producer\":\"stoke\"}",
                                    err);
+    free(t);
     free(host);
+    return rc;
+}
+
+/* ---- the model's state: parameters, buffers, counters ---------------------- */
+
+/* model.safetensors in host memory, as PyTorch's state_dict() of the
+ * equivalent module holds it: the parameters (t[0, np)), batchnorm's
+ * running_mean and running_var (F32, t[np, np + nb)) and its
+ * num_batches_tracked (I64 scalars, t[np + nb, n)). */
+typedef struct model_state {
+    float *params, *buffers;
+    int64_t *counters;
+    stk_tensor *t;
+    int np, nb, nc, n;
+} model_state;
+
+static void state_free(model_state *s)
+{
+    free(s->params);
+    free(s->buffers);
+    free(s->counters);
+    free(s->t);
+}
+
+/* Allocates s and points its tensors at it. */
+static int state_views(run_state *r, model_state *s, stk_err *err)
+{
+    stk_model *m = r->model;
+    *s = (model_state){.nb = stk_model_nbuffers(m), .nc = stk_model_ncounters(m)};
+    s->params = malloc(stk_model_param_count(m) * sizeof(float));
+    s->buffers = malloc((stk_model_buffer_count(m) + 1) * sizeof(float));
+    s->counters = calloc((size_t)s->nc + 1, sizeof(int64_t));
+    s->t = malloc(((size_t)stk_model_nparams(m) + (size_t)(s->nb + s->nc)) *
+                  sizeof *s->t);
+    if (!s->params || !s->buffers || !s->counters || !s->t) {
+        state_free(s);
+        return stk_fail(err, STK_ENOMEM, "checkpoint: out of memory");
+    }
+    s->np = tensors(r, s->params, "", s->t);
+    stk_tensor *t = s->t + s->np;
+    for (int i = 0; i < s->nb; i++) {
+        const stk_param *p = stk_model_buffer(m, i);
+        t[i] = (stk_tensor){.dtype = STK_DT_F32, .ndim = p->ndim,
+                            .count = p->count, .data = s->buffers + p->offset};
+        snprintf(t[i].name, sizeof t[i].name, "%s", p->name);
+        memcpy(t[i].shape, p->shape, sizeof p->shape);
+    }
+    t += s->nb;
+    for (int i = 0; i < s->nc; i++) {
+        t[i] = (stk_tensor){.dtype = STK_DT_I64, .ndim = 0, .count = 1,
+                            .data = &s->counters[i]};
+        snprintf(t[i].name, sizeof t[i].name, "%s", stk_model_counter_name(m, i));
+    }
+    s->n = s->np + s->nb + s->nc;
+    return 0;
+}
+
+/* The model's state into s (host). */
+static int state_from_model(run_state *r, model_state *s, stk_err *err)
+{
+    stk_model *m = r->model;
+    size_t nbuf = stk_model_buffer_count(m);
+    int rc = stk_copy_to_host(r->be, s->params, stk_model_weights(m),
+                              stk_model_param_count(m) * sizeof(float), err);
+    if (!rc && nbuf)
+        rc = stk_copy_to_host(r->be, s->buffers, stk_model_buffers(m),
+                              nbuf * sizeof(float), err);
+    for (int i = 0; i < s->nc; i++)
+        s->counters[i] = *stk_model_counter(m, i);
+    return rc ? rc : stk_sync(r->be, err);
+}
+
+/* Writes the model's parameters, buffers and counters to path. */
+static int save_model(run_state *r, const char *path, stk_err *err)
+{
+    model_state s;
+    int rc = state_views(r, &s, err);
+    if (rc)
+        return rc;
+    rc = state_from_model(r, &s, err);
+    if (!rc)
+        rc = stk_safetensors_write(path, s.t, s.n,
+                                   "{\"format\":\"pt\",\"producer\":\"stoke\"}",
+                                   err);
+    state_free(&s);
     return rc;
 }
 
@@ -207,7 +300,7 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", tmp, strerror(errno));
     bool sgd = r->o->optim == STK_OPT_SGD;
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    int rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, path, err);
+    int rc = save_model(r, path, err);
     snprintf(path, sizeof path, "%s/optim.safetensors", tmp);
     if (!rc)
         rc = save_params(r, r->state1, sgd ? ".momentum_buffer" : ".exp_avg",
@@ -228,8 +321,7 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err)
     if (!rc && is_best) {
         char best[4200], line[64];
         snprintf(best, sizeof best, "%s/best.safetensors", r->o->out);
-        rc = save_params(r, stk_model_weights(r->model), "", NULL, NULL, best,
-                         err);
+        rc = save_model(r, best, err);
         snprintf(best, sizeof best, "%s/checkpoints/BEST", r->o->out);
         snprintf(line, sizeof line, "%s\n", name);
         if (!rc)
@@ -260,23 +352,92 @@ static int load_params(run_state *r, float *dev, const char *path,
 {
     size_t n = stk_model_param_count(r->model);
     float *host = malloc(n * sizeof *host);
-    if (!host)
-        return stk_fail(err, STK_ENOMEM, "%s: out of memory for %zu floats",
-                        path, n);
-    stk_tensor t[MAX_TENSORS];
-    int nt = tensors(r, host, suffix, t);
-    int rc = stk_safetensors_read(path, t, nt, NULL, err);
+    stk_tensor *t = malloc((size_t)stk_model_nparams(r->model) * sizeof *t);
+    int rc = host && t ? 0
+                       : stk_fail(err, STK_ENOMEM,
+                                  "%s: out of memory for %zu floats", path, n);
+    int nt = rc ? 0 : tensors(r, host, suffix, t);
+    if (!rc)
+        rc = stk_safetensors_read(path, t, nt, NULL, err);
     if (!rc)
         rc = stk_copy_to_dev(r->be, dev, host, n * sizeof *host, err);
     if (!rc)
         rc = stk_sync(r->be, err);
+    free(t);
     free(host);
+    return rc;
+}
+
+/* Which of batchnorm's tensors path must hold. A checkpoint (strict) holds
+ * them all, as it is written. An --init-from file holds the running
+ * statistics of every batchnorm layer or of none (weights saved without
+ * buffers: the statistics start at 0 and 1, as in a new model, which a
+ * line says), never some of them (another model); num_batches_tracked
+ * that it lacks is 0, as PyTorch loads a state dict from before the
+ * counter existed. A negative count is refused. */
+static int check_bn_state(run_state *r, const char *path, const model_state *s,
+                          bool strict, bool *with_buffers, stk_err *err)
+{
+    const stk_tensor *buf = s->t + s->np, *cnt = buf + s->nb;
+    int found = 0;
+    for (int i = 0; i < s->nb; i++)
+        found += buf[i].found;
+    *with_buffers = found > 0;
+    for (int i = 0; i < s->nb; i++)
+        if (!buf[i].found && (strict || found))
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: no tensor \"%s\" (the file holds %d of the "
+                            "model's %d batchnorm running statistics)",
+                            path, buf[i].name, found, s->nb);
+    for (int i = 0; i < s->nc; i++) {
+        if (!cnt[i].found && strict)
+            return stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"", path,
+                            cnt[i].name);
+        if (s->counters[i] < 0)
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: \"%s\" is %lld, a count of batches (>= 0)",
+                            path, cnt[i].name, (long long)s->counters[i]);
+    }
+    if (s->nb && !found && !r->o->quiet)
+        fprintf(stderr,
+                "train: %s holds no batchnorm running statistics: they start "
+                "at 0 and 1, as in a new model\n",
+                path);
+    return 0;
+}
+
+/* Loads a model.safetensors (a checkpoint's: strict) or an --init-from
+ * file into the model: parameters, buffers and counters. */
+static int load_model(run_state *r, const char *path, bool strict, stk_err *err)
+{
+    model_state s;
+    int rc = state_views(r, &s, err);
+    if (rc)
+        return rc;
+    for (int i = s.np; i < s.n; i++)
+        s.t[i].optional = true; /* check_bn_state says which must be there */
+    rc = stk_safetensors_read(path, s.t, s.n, NULL, err);
+    bool with_buffers = false;
+    if (!rc)
+        rc = check_bn_state(r, path, &s, strict, &with_buffers, err);
+    stk_model *m = r->model;
+    if (!rc)
+        rc = stk_copy_to_dev(r->be, stk_model_weights(m), s.params,
+                             stk_model_param_count(m) * sizeof(float), err);
+    if (!rc && with_buffers)
+        rc = stk_copy_to_dev(r->be, stk_model_buffers(m), s.buffers,
+                             stk_model_buffer_count(m) * sizeof(float), err);
+    for (int i = 0; !rc && i < s.nc; i++)
+        *stk_model_counter(m, i) = s.counters[i]; /* 0 where not found */
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    state_free(&s);
     return rc;
 }
 
 int stk_checkpoint_load_weights(run_state *r, const char *path, stk_err *err)
 {
-    return load_params(r, stk_model_weights(r->model), path, "", err);
+    return load_model(r, path, false, err);
 }
 
 /* The newest complete checkpoint directory, or "" when there is none. */
@@ -525,7 +686,7 @@ int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
     int rc = read_state(r, dir, err);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (!rc)
-        rc = load_params(r, stk_model_weights(r->model), path, "", err);
+        rc = load_model(r, path, true, err);
     snprintf(path, sizeof path, "%s/optim.safetensors", dir);
     if (!rc)
         rc = load_params(r, r->state1, path, sgd ? ".momentum_buffer" : ".exp_avg", err);

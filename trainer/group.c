@@ -5,6 +5,7 @@
  * takes the same paths, where every collective is the identity. */
 #include "train_impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -122,6 +123,45 @@ typedef struct start_pos {
     double best_acc;
 } start_pos;
 
+/* Rank 0's counters (host int64) to every rank, through device memory. */
+static int share_counters(run_state *r, stk_err *err)
+{
+    int nc = stk_model_ncounters(r->model);
+    size_t bytes = (size_t)nc * sizeof(int64_t);
+    int64_t *host = malloc(bytes);
+    void *dev = host ? stk_dev_alloc(r->be, bytes, err) : NULL;
+    int rc = host && dev ? 0 : stk_fail(err, STK_ENOMEM, "out of memory");
+    for (int i = 0; !rc && i < nc; i++)
+        host[i] = *stk_model_counter(r->model, i);
+    if (!rc)
+        rc = stk_copy_to_dev(r->be, dev, host, bytes, err);
+    if (!rc)
+        rc = stk_comm_broadcast(r->comm, dev, bytes, 0, err);
+    if (!rc)
+        rc = stk_copy_to_host(r->be, host, dev, bytes, err);
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    for (int i = 0; !rc && i < nc; i++)
+        *stk_model_counter(r->model, i) = host[i];
+    if (dev)
+        stk_dev_free(r->be, dev);
+    free(host);
+    return rc;
+}
+
+/* Each rank's running statistics follow its own batches (as each PyTorch
+ * DDP rank's do between the broadcasts); rank 0's are the model's. */
+int group_share_buffers(run_state *r, stk_err *err)
+{
+    if (r->rank.world == 1)
+        return 0;
+    size_t bytes = stk_model_buffer_count(r->model) * sizeof(float);
+    int rc = bytes ? stk_comm_broadcast(r->comm, stk_model_buffers(r->model),
+                                        bytes, 0, err)
+                   : 0;
+    return rc || !stk_model_ncounters(r->model) ? rc : share_counters(r, err);
+}
+
 int group_share_start(run_state *r, stk_err *err)
 {
     if (r->rank.world == 1)
@@ -132,6 +172,8 @@ int group_share_start(run_state *r, stk_err *err)
         rc = stk_comm_broadcast(r->comm, r->state1, bytes, 0, err);
     if (!rc && r->state2)
         rc = stk_comm_broadcast(r->comm, r->state2, bytes, 0, err);
+    if (!rc)
+        rc = group_share_buffers(r, err);
     start_pos p = {r->step, r->start_batch, r->epoch, 0, r->best_acc};
     float *dev = r->sync_dev;
     if (!rc)
@@ -149,6 +191,35 @@ int group_share_start(run_state *r, stk_err *err)
         r->best_acc = p.best_acc;
     }
     return rc;
+}
+
+/* stk_allreduce_fn for SyncBatchNorm. Backward calls it while DDP's
+ * thread may be reducing a bucket, and the group runs one collective at a
+ * time: the buckets ready so far are reduced first. Buckets become ready
+ * in the same order on every rank, so every rank issues the same
+ * collectives in the same order. */
+static int sync_bn_sum(void *arg, float *buf, int n, stk_err *err)
+{
+    run_state *r = arg;
+    int rc = r->ddp ? stk_ddp_drain(r->ddp, err) : 0;
+    return rc ? rc : stk_comm_allreduce(r->comm, buf, (size_t)n, STK_SUM, err);
+}
+
+/* --sync-bn: batchnorm's statistics over the whole group (a world of one
+ * has nothing to sum). A model without batchnorm trains as it would
+ * without the flag, as PyTorch's convert_sync_batchnorm leaves it. */
+static void sync_bn(run_state *r)
+{
+    if (!r->o->sync_bn)
+        return;
+    if (stk_model_ncounters(r->model) == 0) {
+        if (r->rank.rank == 0 && !r->o->quiet)
+            fprintf(stderr, "train: --sync-bn: the model has no batchnorm "
+                            "layer, nothing to synchronise\n");
+        return;
+    }
+    if (r->rank.world > 1)
+        stk_model_sync_bn(r->model, sync_bn_sum, r, r->rank.world);
 }
 
 int group_ddp(run_state *r, stk_err *err)
@@ -173,6 +244,8 @@ int group_ddp(run_state *r, stk_err *err)
                             stk_model_param_count(r->model), bucket, first,
                             &r->ddp, err);
     free(off);
+    if (!rc)
+        sync_bn(r);
     return rc;
 }
 
@@ -184,22 +257,17 @@ void group_grads_ready(int param, void *arg)
         r->ddp_rc = stk_ddp_ready(r->ddp, param, &e);
 }
 
-/* After an epoch: every rank compares its weights with rank 0's, bit for
- * bit, and *differ counts the parameters that differ on any rank (0 is
- * what DDP promises). */
-int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err)
+/* Elements of mine[0, n) (host, `size` bytes each) whose bits differ
+ * from rank 0's: added to *count. */
+static int count_differing(run_state *r, const void *mine, size_t n,
+                           size_t size, float *count, stk_err *err)
 {
-    *differ = 0;
-    if (r->rank.world == 1)
+    size_t bytes = n * size;
+    if (!bytes)
         return 0;
-    size_t n = stk_model_param_count(r->model), bytes = n * sizeof(float);
-    float *mine = malloc(bytes), *theirs = malloc(bytes);
-    float *dev = stk_dev_alloc(r->be, bytes, err);
-    int rc = mine && theirs && dev ? 0 : stk_fail(err, STK_ENOMEM, "out of memory");
-    if (!rc)
-        rc = stk_copy_to_host(r->be, mine, stk_model_weights(r->model), bytes, err);
-    if (!rc)
-        rc = stk_sync(r->be, err);
+    uint8_t *theirs = malloc(bytes);
+    void *dev = theirs ? stk_dev_alloc(r->be, bytes, err) : NULL;
+    int rc = theirs && dev ? 0 : stk_fail(err, STK_ENOMEM, "out of memory");
     if (!rc)
         rc = stk_copy_to_dev(r->be, dev, mine, bytes, err);
     if (!rc)
@@ -208,15 +276,58 @@ int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err)
         rc = stk_copy_to_host(r->be, theirs, dev, bytes, err);
     if (!rc)
         rc = stk_sync(r->be, err);
-    float count = 0;
     for (size_t i = 0; !rc && i < n; i++)
-        count += memcmp(&mine[i], &theirs[i], sizeof(float)) != 0;
+        *count += memcmp((const uint8_t *)mine + i * size, theirs + i * size,
+                         size) != 0;
+    if (dev)
+        stk_dev_free(r->be, dev);
+    free(theirs);
+    return rc;
+}
+
+/* A device array of n floats, compared as count_differing does. */
+static int count_differing_dev(run_state *r, const float *dev, size_t n,
+                               float *count, stk_err *err)
+{
+    float *mine = malloc(n * sizeof *mine + 1);
+    int rc = mine ? stk_copy_to_host(r->be, mine, dev, n * sizeof *mine, err)
+                  : stk_fail(err, STK_ENOMEM, "out of memory");
+    if (!rc)
+        rc = stk_sync(r->be, err);
+    if (!rc)
+        rc = count_differing(r, mine, n, sizeof *mine, count, err);
+    free(mine);
+    return rc;
+}
+
+/* After an epoch: every rank compares its weights, batchnorm's running
+ * statistics and num_batches_tracked with rank 0's, bit for bit, and
+ * *differ counts the values that differ on any rank (0 is what DDP
+ * promises, and what group_share_buffers made of the buffers). */
+int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err)
+{
+    *differ = 0;
+    if (r->rank.world == 1)
+        return 0;
+    stk_model *m = r->model;
+    float count = 0;
+    int rc = count_differing_dev(r, stk_model_weights(m),
+                                 stk_model_param_count(m), &count, err);
+    if (!rc && stk_model_buffer_count(m))
+        rc = count_differing_dev(r, stk_model_buffers(m),
+                                 stk_model_buffer_count(m), &count, err);
+    int nc = stk_model_ncounters(m);
+    int64_t *counters = malloc(((size_t)nc + 1) * sizeof *counters);
+    if (!rc && !counters)
+        rc = stk_fail(err, STK_ENOMEM, "out of memory");
+    for (int i = 0; !rc && i < nc; i++)
+        counters[i] = *stk_model_counter(m, i);
+    if (!rc)
+        rc = count_differing(r, counters, (size_t)nc, sizeof *counters, &count,
+                             err);
+    free(counters);
     if (!rc)
         rc = group_sum(r, &count, 1, err);
     *differ = (uint64_t)count;
-    free(mine);
-    free(theirs);
-    if (dev)
-        stk_dev_free(r->be, dev);
     return rc;
 }

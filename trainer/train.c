@@ -45,20 +45,47 @@ void stk_train_defaults(stk_train_opts *o)
 
 /* ---- the learning rate ------------------------------------------------- */
 
+/* PyTorch's _LRScheduler anneal: from a to b as pct goes 0 -> 1 along
+ * half a cosine. */
+static double cos_anneal(double a, double b, double pct)
+{
+    return b + (a - b) / 2.0 * (cos(M_PI * pct) + 1.0);
+}
+
+/* OneCycleLR(max_lr=lr, total_steps=total) with its defaults (pct_start
+ * 0.3, anneal_strategy "cos", div_factor 25, final_div_factor 1e4,
+ * three_phase False): up from lr / 25 to lr until step 0.3 * total - 1,
+ * then down to lr / 25 / 1e4 at step total - 1, with the same phase
+ * arithmetic as its get_lr. */
+static double onecycle_lr(double lr, uint64_t step, uint64_t total)
+{
+    double initial = lr / 25.0, min = initial / 1e4, s = (double)step;
+    double up = 0.3 * (double)total - 1.0, end = (double)total - 1.0;
+    if (s <= up && up > 0)
+        return cos_anneal(initial, lr, s / up);
+    if (up < 0)
+        up = 0; /* a run of 3 steps or less: no rise (OneCycleLR refuses it) */
+    double pct = end > up ? (s - up) / (end - up) : 1.0;
+    return cos_anneal(lr, min, pct < 1.0 ? pct : 1.0);
+}
+
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch)
 {
+    if (o->sched == STK_SCHED_ONECYCLE) /* its first phase is its warm-up */
+        return (float)onecycle_lr(o->lr, step, total);
     if (o->warmup > 0 && step < (uint64_t)o->warmup)
         return o->lr * (float)(step + 1) / (float)o->warmup;
+    /* cosine and linear decay over the steps after the warm-up */
+    double span = (double)total - o->warmup, t = (double)step - o->warmup;
+    double done = span > 0 ? (t < span ? t : span) / span : 0.0;
     switch (o->sched) {
     case STK_SCHED_STEP:
         return o->lr * powf(o->gamma, (float)(epoch / (o->step_size > 0 ? o->step_size : 1)));
-    case STK_SCHED_COSINE: {
-        double span = (double)total - o->warmup, t = (double)step - o->warmup;
-        if (span <= 0)
-            return o->lr;
-        return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * (t < span ? t : span) / span)));
-    }
+    case STK_SCHED_COSINE:
+        return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * done)));
+    case STK_SCHED_LINEAR:
+        return (float)(o->lr * (1.0 - done));
     default:
         return o->lr;
     }
@@ -130,26 +157,51 @@ static int clip_grads(run_state *r, float *norm, stk_err *err)
     return rc;
 }
 
-static int optimizer_step(run_state *r, float lr, stk_err *err)
+/* The update of floats [off, off + n) of the flat buffers, with weight
+ * decay wd. */
+static int update_range(run_state *r, float lr, float wd, size_t off, size_t n,
+                        stk_err *err)
 {
     const stk_train_opts *o = r->o;
-    size_t n = stk_model_param_count(r->model);
-    float *w = stk_model_weights(r->model), *g = stk_model_grads(r->model);
+    float *w = stk_model_weights(r->model) + off, *g = stk_model_grads(r->model) + off;
     if (o->optim == STK_OPT_SGD) {
-        stk_sgd_cfg c = {lr, o->momentum, o->weight_decay, o->nesterov, r->step == 0};
-        return stk_sgd_step(r->be, w, g, r->state1, n, &c, err);
+        stk_sgd_cfg c = {lr, o->momentum, wd, o->nesterov, r->step == 0};
+        return stk_sgd_step(r->be, w, g, r->state1 + off, n, &c, err);
     }
     double t = (double)r->step + 1, b1 = 0.9, b2 = 0.999;
-    stk_adamw_cfg c = {lr, (float)b1, (float)b2, 1e-8f, o->weight_decay,
+    stk_adamw_cfg c = {lr, (float)b1, (float)b2, 1e-8f, wd,
                        (float)(1.0 - pow(b1, t)), (float)sqrt(1.0 - pow(b2, t)),
                        (float)(1.0 - b1), (float)(1.0 - b2)};
-    return stk_adamw_step(r->be, w, g, r->state1, r->state2, n, &c, err);
+    return stk_adamw_step(r->be, w, g, r->state1 + off, r->state2 + off, n, &c, err);
+}
+
+/* One optimizer step. Under --no-decay-norm-bias the parameters fall in
+ * maximal runs of one kind (decayed, or a bias or batchnorm weight with
+ * no decay), each updated by one call: the same floats as PyTorch's two
+ * param groups, which update every element alike but for its decay. */
+static int optimizer_step(run_state *r, float lr, stk_err *err)
+{
+    const stk_model *m = r->model;
+    float wd = r->o->weight_decay;
+    if (!r->o->no_decay_norm_bias)
+        return update_range(r, lr, wd, 0, stk_model_param_count(m), err);
+    int np = stk_model_nparams(m), rc = 0;
+    for (int i = 0; i < np && !rc;) {
+        const stk_param *first = stk_model_param(m, i), *last = first;
+        while (++i < np && stk_model_param(m, i)->no_decay == first->no_decay)
+            last = stk_model_param(m, i);
+        rc = update_range(r, lr, first->no_decay ? 0.0f : wd, first->offset,
+                          last->offset + last->count - first->offset, err);
+    }
+    return rc;
 }
 
 /* One micro-batch of a step: forward, loss and backward into the
  * gradients, scaled by b->n / group_n so that a step's gradient is the
  * mean over all group_n samples of its micro-batches. The last one hands
- * the gradients to DDP as backward finishes them. */
+ * the gradients to DDP as backward finishes them. The model runs in
+ * training mode (batchnorm on batch statistics) even under --no-dropout,
+ * which load_spec made p = 0 (the identity). */
 static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
                       int group_n, float *loss, int *correct, stk_err *err)
 {
@@ -158,9 +210,10 @@ static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
     float *dl = stk_model_dlogits(r->model);
     int rc = stage_batch(r, b, b->epoch, true, err);
     if (!rc)
-        rc = stk_model_forward(r->model, r->x_f, b->n, r->o->dropout, key, r->step, &logits, err);
+        rc = stk_model_forward(r->model, r->x_f, b->n, true, key, r->step, &logits, err);
     if (!rc)
-        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes, 0.0f, loss, dl, err);
+        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes,
+                      r->o->label_smoothing, loss, dl, err);
     if (!rc)
         rc = count_correct(r, logits, b, correct, err);
     if (!rc && group_n != b->n)
@@ -222,6 +275,9 @@ static int finish_step(run_state *r, double loss_sum, int hits, int n,
 
 /* ---- evaluation ---------------------------------------------------------- */
 
+/* The test split in eval mode (batchnorm on running statistics, no
+ * dropout). The test loss is the training criterion's, label smoothing
+ * included, as PyTorch users compute it with the same CrossEntropyLoss. */
 static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
 {
     stk_loader_opts lo = {.split = "test", .batch_size = r->o->batch,
@@ -243,7 +299,8 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
         if (!rc)
             rc = stk_model_forward(r->model, r->x_f, b.n, false, r->key, 0, &logits, err);
         if (!rc)
-            rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes, 0.0f, &bl, NULL, err);
+            rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes,
+                          r->o->label_smoothing, &bl, NULL, err);
         if (!rc)
             rc = count_correct(r, logits, &b, &correct, err);
         sum += (double)bl * b.n;
@@ -417,10 +474,23 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
     return 0;
 }
 
-/* Rank 0 alone writes checkpoints. */
+/* Rank 0, which writes metrics.jsonl, redraws RUN_DIR/curves.svg from it. */
+static int draw_curves(run_state *r, stk_err *err)
+{
+    char metrics[4200], svg[4200];
+    if (!r->metrics)
+        return 0;
+    if (stk_path_join(metrics, sizeof metrics, r->o->out, "metrics.jsonl") ||
+        stk_path_join(svg, sizeof svg, r->o->out, "curves.svg"))
+        return stk_fail(err, STK_ERANGE, "--out %s: path too long", r->o->out);
+    return stk_curves_write(metrics, svg, err);
+}
+
+/* Rank 0 alone writes checkpoints, with its running statistics. */
 static int save(run_state *r, bool is_best, stk_err *err)
 {
-    return r->rank.rank == 0 ? stk_checkpoint_save(r, is_best, err) : 0;
+    int rc = group_share_buffers(r, err);
+    return rc || r->rank.rank != 0 ? rc : stk_checkpoint_save(r, is_best, err);
 }
 
 static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
@@ -455,7 +525,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
             break;
         }
         double tl, ta;
-        if ((rc = evaluate(r, &tl, &ta, err)))
+        if ((rc = group_share_buffers(r, err)) || /* rank 0's statistics */
+            (rc = evaluate(r, &tl, &ta, err)))
             break;
         if (!isfinite(tl)) {
             rc = stk_fail(err, STK_ERANGE,
@@ -470,12 +541,14 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         progress(r, &st, r->train_loss, r->train_acc, true);
         metric_line(r, "{\"type\":\"epoch\",\"epoch\":%d,\"step\":%llu,\"train_loss\":%.6f,"
                     "\"train_acc\":%.6f,\"test_loss\":%.6f,\"test_acc\":%.6f,"
-                    "\"test_samples\":%llu,\"samples_per_s\":%.1f,\"stall\":%.4f,\"seconds\":%.2f,"
-                    "\"world\":%d,\"params_differing_across_ranks\":%llu}",
+                    "\"test_samples\":%llu,\"lr\":%.6g,\"samples_per_s\":%.1f,\"stall\":%.4f,"
+                    "\"seconds\":%.2f,\"world\":%d,\"params_differing_across_ranks\":%llu}",
                     r->epoch + 1, (unsigned long long)r->step, r->train_loss,
-                    r->train_acc, tl, ta, (unsigned long long)r->eval_seen,
+                    r->train_acc, tl, ta, (unsigned long long)r->eval_seen, r->lr,
                     st.samples_per_s * r->rank.world, st.stall, stk_now() - t0,
                     r->rank.world, (unsigned long long)differ);
+        if (!differ)
+            rc = draw_curves(r, err);
         if (differ)
             rc = stk_fail(err, STK_EPEER,
                           "after epoch %d, %llu parameters differ between the ranks; "
@@ -512,14 +585,20 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 static void *pinned_alloc(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
 static void pinned_free(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 
-static int load_spec(run_state *r, stk_err *err)
+/* Whether --model names a built-in rather than a file. */
+static bool is_builtin(const char *name)
 {
-    const char *m = r->o->model;
-    if (!strcmp(m, "cnn") || !strcmp(m, "mlp")) {
-        int rc = stk_model_builtin(m, &r->spec, err);
-        r->spec.conv = r->o->conv;
-        return rc;
-    }
+    static const char *const names[] = {"cnn", "mlp", "resnet20", "resnet18"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (!strcmp(name, names[i]))
+            return true;
+    return false;
+}
+
+static int read_spec(const char *m, stk_model_spec *spec, stk_err *err)
+{
+    if (is_builtin(m))
+        return stk_model_builtin(m, spec, err);
     uint8_t *text;
     size_t len;
     int rc = stk_read_file(m, &text, &len, err); /* names the file */
@@ -532,10 +611,23 @@ static int load_spec(run_state *r, stk_err *err)
     }
     memcpy(s, text, len);
     s[len] = '\0';
-    rc = stk_model_parse(s, m, &r->spec, err);
-    r->spec.conv = r->o->conv;
+    rc = stk_model_parse(s, m, spec, err);
     free(s);
     free(text);
+    return rc;
+}
+
+/* The model's spec with the run's choices: the convolution algorithm and,
+ * under --no-dropout, every dropout's p at 0 (stk_dropout's identity), so
+ * that the model still trains in training mode (batchnorm). */
+static int load_spec(run_state *r, stk_err *err)
+{
+    int rc = read_spec(r->o->model, &r->spec, err);
+    r->spec.conv = r->o->conv;
+    for (int i = 0; i < r->spec.n && !r->o->dropout; i++)
+        if (r->spec.layers[i].kind == STK_L_DROPOUT ||
+            r->spec.layers[i].kind == STK_L_DROPOUT2D)
+            r->spec.layers[i].p = 0.0f;
     return rc;
 }
 
@@ -787,6 +879,10 @@ int stk_train_check_opts(const stk_train_opts *o, stk_err *err)
         return stk_fail(err, STK_EINVAL,
                         "--nesterov needs --momentum above 0 (Nesterov momentum "
                         "requires a momentum and zero dampening)");
+    if (!(o->label_smoothing >= 0 && o->label_smoothing < 1))
+        return stk_fail(err, STK_EINVAL,
+                        "--label-smoothing must be in [0, 1), not %g",
+                        (double)o->label_smoothing);
     return 0;
 }
 

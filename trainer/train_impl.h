@@ -62,13 +62,19 @@ enum { GROUP_LISTED_RANKS = 64 };
 /* Joins the group of r->rank (a world of one needs nothing). */
 int group_open(run_state *r, stk_err *err);
 void group_close(run_state *r);
-/* Rank 0's weights, optimizer state and position to every rank. */
+/* Rank 0's weights, buffers, optimizer state and position to every rank. */
 int group_share_start(run_state *r, stk_err *err);
-/* The gradient buckets over the model's gradients. */
+/* Rank 0's batchnorm buffers and counters to every rank (DDP's
+ * broadcast_buffers): before every evaluation and checkpoint, so that
+ * every rank evaluates and saves rank 0's running statistics. */
+int group_share_buffers(run_state *r, stk_err *err);
+/* The gradient buckets over the model's gradients, and, under --sync-bn,
+ * batchnorm's statistics summed over the group. */
 int group_ddp(run_state *r, stk_err *err);
 /* stk_grads_ready_fn for backward: hands the parameter to DDP. */
 void group_grads_ready(int param, void *arg);
-/* Parameters whose bits differ from rank 0's on some rank (0 expected). */
+/* Values of the weights, buffers and counters whose bits differ from rank
+ * 0's on some rank (0 expected: buffers after group_share_buffers). */
 int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err);
 /* Sums n host floats over the ranks, in place. */
 int group_sum(run_state *r, float *v, int n, stk_err *err);
@@ -79,6 +85,14 @@ int group_agree(run_state *r, int rc, stk_err *err);
 
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch);
+
+/* Draws RUN_DIR/curves.svg (svg_path) from the epoch and step lines of
+ * RUN_DIR/metrics.jsonl (metrics_path; lines that do not parse are
+ * skipped, and a later line for the same epoch or step replaces an earlier
+ * one): loss and accuracy, train and test, and the learning rate against
+ * epochs. Written to svg_path.tmp and renamed over svg_path. */
+int stk_curves_write(const char *metrics_path, const char *svg_path,
+                     stk_err *err);
 
 /* Writes RUN_DIR/checkpoints/step-N (weights, optimizer, state.json with
  * the loader position r->pos_epoch, r->pos_batch) atomically, keeps the
@@ -94,7 +108,8 @@ int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err);
  * is what a run wrote there: a regular file. */
 int stk_checkpoint_check_dir(run_state *r, stk_err *err);
 
-/* Loads weights only (--init-from). */
+/* Loads weights, and batchnorm's buffers and counters where the file has
+ * them (--init-from; ckpt.c says what a file without them does). */
 int stk_checkpoint_load_weights(run_state *r, const char *path, stk_err *err);
 
 #endif

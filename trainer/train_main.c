@@ -26,23 +26,32 @@ static const char usage[] =
     "Train a model on the train split of a stoke database, evaluating on the\n"
     "test split after every epoch.\n\n"
     "  --device cpu|cuda   where to train (default cpu); --gpu N picks the GPU\n"
-    "  --model cnn|mlp|FILE  built-in network or a model file (docs/models.md)\n"
+    "  --model NAME|FILE   a built-in (cnn, mlp, resnet20, resnet18) or a model\n"
+    "                      file (docs/models.md); default cnn\n"
     "  --epochs E          (default 10)      --batch B    (default 64)\n"
     "  --optim sgd|adamw   (default adamw)\n"
     "  --lr LR             (default: adamw 0.002, sgd 0.02)\n"
     "  --weight-decay W    (default: adamw 0.01, sgd 0)\n"
+    "  --no-decay-norm-bias  weight decay on conv and linear weights only (not\n"
+    "                      on biases and batchnorm weights)\n"
+    "  --label-smoothing E cross-entropy with label smoothing E in [0, 1), as\n"
+    "                      PyTorch's; also the test loss's (default 0)\n"
     "  --momentum M        (sgd; default 0.9) --nesterov\n"
     "  --clip NORM         scale gradients down to this global L2 norm\n"
-    "  --schedule constant|step|cosine  (default cosine)\n"
-    "  --warmup STEPS      (default 100)     --step-size E --gamma G (step)\n"
+    "  --schedule constant|step|cosine|linear|onecycle  (default cosine);\n"
+    "                      onecycle: PyTorch's OneCycleLR, max_lr = --lr\n"
+    "  --warmup STEPS      (default 100; not with onecycle, which rises over\n"
+    "                      its first 30% of steps)\n"
+    "  --step-size E --gamma G  the step schedule's epochs and factor\n"
     "  --workers N         loader threads (default 2)\n"
     "  --threads N         CPU compute threads (default: the CPUs usable)\n"
     "  --conv auto|im2col  3x3 stride-1 convolutions by Winograd F(2x2,3x3)\n"
     "                      (auto, default) or im2col + GEMM like the others\n"
     "  --augment           random crop (padding h/8) and horizontal flip\n"
-    "  --no-dropout        turn dropout layers off\n"
+    "  --no-dropout        dropout layers pass their input unchanged\n"
     "  --seed S            (default 1)\n"
-    "  --out RUN_DIR       metrics.jsonl and checkpoints (default runs/train)\n"
+    "  --out RUN_DIR       metrics.jsonl, curves.svg and checkpoints\n"
+    "                      (default runs/train)\n"
     "  --resume auto|PATH  continue from the newest checkpoint or PATH\n"
     "  --init-from FILE    start from these safetensors weights\n"
     "  --log-every N       steps between metric lines (default 50)\n"
@@ -58,6 +67,7 @@ static const char usage[] =
     "  --master-port P     the store's port (default: a free one on one node)\n"
     "  --log-all-ranks     relay every rank's output, not only rank 0's\n"
     "  --bucket-mb MB      DDP gradient bucket size (default 25)\n"
+    "  --sync-bn           batchnorm statistics over all ranks (SyncBatchNorm)\n"
     "  --bind cpus|none    CPU ranks on disjoint CPUs of this machine (default\n"
     "                      cpus, where their threads fit) or wherever the OS\n"
     "                      runs them\n"
@@ -121,7 +131,8 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
            O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
-           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND };
+           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND, O_SYNCBN,
+           O_SMOOTH, O_NODECAY };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
         {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
@@ -141,13 +152,17 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"master-port", 1, 0, O_MPORT}, {"log-all-ranks", 0, 0, O_LOGALL},
         {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
         {"conv", 1, 0, O_CONV}, {"bind", 1, 0, O_BIND},
+        {"label-smoothing", 1, 0, O_SMOOTH}, {"no-decay-norm-bias", 0, 0, O_NODECAY},
+        {"sync-bn", 0, 0, O_SYNCBN},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
     static const char *const optims[] = {"sgd", "adamw"};
-    static const char *const scheds[] = {"constant", "step", "cosine"};
+    static const char *const scheds[] = {"constant", "step", "cosine", "linear",
+                                         "onecycle"};
     static const char *const convs[] = {"auto", "im2col"};
     static const char *const binds[] = {"cpus", "none"};
     int ch, rc = 0, v;
+    bool warmup_given = false;
     opterr = 0;
     while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
         switch (ch) {
@@ -165,8 +180,8 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_NEST: o->nesterov = true; break;
         case O_WD: rc = num_f("--weight-decay", optarg, 0, 10, &o->weight_decay); break;
         case O_CLIP: rc = num_f("--clip", optarg, 0, 1e9, &o->clip); break;
-        case O_SCHED: rc = choose("--schedule", optarg, scheds, 3, &v); o->sched = (stk_sched)v; break;
-        case O_WARM: rc = num_i("--warmup", optarg, 0, 1 << 30, &o->warmup); break;
+        case O_SCHED: rc = choose("--schedule", optarg, scheds, 5, &v); o->sched = (stk_sched)v; break;
+        case O_WARM: rc = num_i("--warmup", optarg, 0, 1 << 30, &o->warmup); warmup_given = true; break;
         case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); break;
         case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); break;
         case O_THREADS: rc = num_i("--threads", optarg, 0, 1024, &o->threads); break;
@@ -191,6 +206,9 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_TIMEOUT: rc = num_i("--timeout", optarg, 1, 1 << 20, &o->timeout_s); break;
         case O_CONV: rc = choose("--conv", optarg, convs, 2, &v); o->conv = (stk_conv_algo)v; break;
         case O_BIND: rc = choose("--bind", optarg, binds, 2, &v); d->no_bind = v == 1; break;
+        case O_SMOOTH: rc = num_f("--label-smoothing", optarg, 0, 1, &o->label_smoothing); break;
+        case O_NODECAY: o->no_decay_norm_bias = true; break;
+        case O_SYNCBN: o->sync_bn = true; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
         default:
@@ -200,6 +218,12 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     }
     if (!rc && (optind != argc || !o->db)) {
         fprintf(stderr, "train: --db DB_DIR is required and takes no other arguments (see train --help)\n");
+        return -1;
+    }
+    if (!rc && warmup_given && o->sched == STK_SCHED_ONECYCLE) {
+        /* a warm-up asked for would be silently ignored: say so */
+        fprintf(stderr, "train: --warmup does not apply to --schedule onecycle, which "
+                        "rises over its first 30%% of steps (OneCycleLR's pct_start 0.3)\n");
         return -1;
     }
     stk_err err;

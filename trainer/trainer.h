@@ -165,7 +165,15 @@ float *stk_model_dlogits(stk_model *m);
 /* ---- training ---------------------------------------------------------- */
 
 typedef enum stk_optim { STK_OPT_SGD, STK_OPT_ADAMW } stk_optim;
-typedef enum stk_sched { STK_SCHED_CONSTANT, STK_SCHED_STEP, STK_SCHED_COSINE } stk_sched;
+/* Learning-rate schedules (docs/cli.md): constant; step (x gamma every
+ * step_size epochs); cosine and linear (decay to 0 over the steps after
+ * the warm-up); onecycle (PyTorch's OneCycleLR with its defaults, max_lr
+ * = lr: its own warm-up over the first 30% of the steps, so warmup is not
+ * used; momentum is not cycled, as cycle_momentum=False). */
+typedef enum stk_sched {
+    STK_SCHED_CONSTANT, STK_SCHED_STEP, STK_SCHED_COSINE, STK_SCHED_LINEAR,
+    STK_SCHED_ONECYCLE
+} stk_sched;
 
 typedef struct stk_train_opts {
     const char *db;           /* database directory (train and test splits) */
@@ -177,12 +185,17 @@ typedef struct stk_train_opts {
     float lr, momentum, weight_decay, clip; /* clip: max grad norm, 0 = off;
                                  lr, weight_decay < 0: the optimizer's default */
     bool nesterov;
+    bool no_decay_norm_bias;  /* weight decay on conv and linear weights
+                                 only (stk_param.no_decay skipped) */
+    float label_smoothing;    /* in [0, 1): PyTorch's CrossEntropyLoss
+                                 label_smoothing, training and test loss */
     stk_sched sched;
-    int warmup;               /* steps of linear warm-up */
+    int warmup;               /* steps of linear warm-up (not onecycle) */
     int step_size;            /* step schedule: epochs per decay */
     float gamma;
     bool augment;             /* random crop (pad h/8) + horizontal flip */
-    bool dropout;             /* false turns dropout off (parity tests) */
+    bool dropout;             /* false: every dropout layer's p is 0 (the
+                                 identity; batchnorm still trains) */
     stk_conv_algo conv;       /* 3x3 convolutions: Winograd or im2col */
     uint64_t seed;
     const char *out;          /* RUN_DIR: metrics.jsonl, checkpoints/ */
@@ -199,6 +212,7 @@ typedef struct stk_train_opts {
     const stk_rank_info *rank;
     float bucket_mb;
     int timeout_s;
+    bool sync_bn;             /* batchnorm's statistics over all ranks */
 } stk_train_opts;
 
 /* Fills opts with the defaults that train Fashion-MNIST well. */
@@ -213,7 +227,8 @@ typedef struct stk_train_result {
 } stk_train_result;
 
 /* Whether the options agree with themselves (--nesterov needs SGD's
- * momentum above 0, as in PyTorch; counts are >= 1), before anything is
+ * momentum above 0, as in PyTorch; counts are >= 1; label smoothing in
+ * [0, 1)), before anything is
  * opened: STK_EINVAL naming the flag. stk_train_run checks them first; a
  * CLI calls this too, to tell bad usage from a run that failed. */
 int stk_train_check_opts(const stk_train_opts *o, stk_err *err);
