@@ -45,7 +45,8 @@ typedef struct history {
 static double num(const cJSON *o, const char *key)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsNumber(v) && isfinite(v->valuedouble) ? v->valuedouble : NAN;
+    return cJSON_IsNumber(v) && isfinite(v->valuedouble) ? v->valuedouble
+                                                         : NAN;
 }
 
 static int add_lr(history *h, double step, double lr, size_t line)
@@ -158,7 +159,8 @@ static double step_x(const history *h, double s)
         if (!r->seen || isnan(r->end_step))
             continue;
         if (s <= r->end_step && r->end_step > prev_end)
-            return prev + (double)(e - prev) * (s - prev_end) / (r->end_step - prev_end);
+            return prev + (double)(e - prev) * (s - prev_end) /
+                              (r->end_step - prev_end);
         prev_end = r->end_step;
         prev = e;
     }
@@ -183,9 +185,11 @@ static axis fit_axis(double lo, double hi)
         lo -= lo > 0 && lo - pad < 0 ? lo : pad; /* stay at or above 0 */
         hi += pad;
     }
-    double raw = (hi - lo) / 5, mag = pow(10, floor(log10(raw))), f = raw / mag;
+    double raw = (hi - lo) / 5, mag = pow(10, floor(log10(raw))),
+           f = raw / mag;
     double step = (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
-    return (axis){floor(lo / step + 1e-9) * step, ceil(hi / step - 1e-9) * step, step};
+    return (axis){floor(lo / step + 1e-9) * step,
+                  ceil(hi / step - 1e-9) * step, step};
 }
 
 /* A panel: the frame of the plot area and its place on the page. */
@@ -215,9 +219,13 @@ static void tick_label(char *buf, size_t n, double v, double step)
 static void draw_frame(FILE *f, const panel *p, const char *title,
                        const char *ylabel)
 {
-    fprintf(f, "<g class=\"panel\">\n<text x=\"%.1f\" y=\"%.1f\" class=\"title\">%s</text>\n",
+    fprintf(f,
+            "<g class=\"panel\">\n<text x=\"%.1f\" y=\"%.1f\" "
+            "class=\"title\">%s</text>\n",
             p->x0, p->y0 - 22, title);
-    fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" class=\"frame\"/>\n",
+    fprintf(f,
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+            "class=\"frame\"/>\n",
             p->x0, p->y0, p->w, p->h);
     char lab[32];
     for (int i = 0; i <= 1000; i++) { /* y ticks and grid */
@@ -226,8 +234,10 @@ static void draw_frame(FILE *f, const panel *p, const char *title,
             break;
         double y = py(p, v);
         tick_label(lab, sizeof lab, v, p->y.step);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" class=\"grid\"/>"
-                   "<text x=\"%.1f\" y=\"%.1f\" class=\"ytick\">%s</text>\n",
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
+                "class=\"grid\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" class=\"ytick\">%s</text>\n",
                 p->x0, y, p->x0 + p->w, y, p->x0 - 5, y + 4, lab);
     }
     for (int i = 0; i <= 1000; i++) { /* x ticks */
@@ -236,15 +246,19 @@ static void draw_frame(FILE *f, const panel *p, const char *title,
             break;
         double x = px(p, v);
         tick_label(lab, sizeof lab, v, p->x.step);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" class=\"tick\"/>"
-                   "<text x=\"%.1f\" y=\"%.1f\" class=\"xtick\">%s</text>\n",
-                x, p->y0 + p->h, x, p->y0 + p->h + 5, x, p->y0 + p->h + 18, lab);
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
+                "class=\"tick\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" class=\"xtick\">%s</text>\n",
+                x, p->y0 + p->h, x, p->y0 + p->h + 5, x, p->y0 + p->h + 18,
+                lab);
     }
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"xlabel\">epoch</text>\n",
             p->x0 + p->w / 2, p->y0 + p->h + 36);
     double ly = p->y0 + p->h / 2, lx = p->x0 - 48;
-    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"ylabel\" "
-               "transform=\"rotate(-90 %.1f %.1f)\">%s</text>\n",
+    fprintf(f,
+            "<text x=\"%.1f\" y=\"%.1f\" class=\"ylabel\" "
+            "transform=\"rotate(-90 %.1f %.1f)\">%s</text>\n",
             lx, ly, lx, ly, ylabel);
 }
 
@@ -253,9 +267,12 @@ static void draw_legend(FILE *f, const panel *p, int slot, const char *color,
                         const char *name)
 {
     double x = p->x0 + p->w - 62 * (slot + 1), y = p->y0 - 26;
-    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-               "stroke-width=\"2\"/><text x=\"%.1f\" y=\"%.1f\" class=\"legend\">%s</text>\n",
-            x, y, x + 16, y, color, x + 20, y + 4, name);
+    fprintf(
+        f,
+        "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+        "stroke-width=\"2\"/><text x=\"%.1f\" y=\"%.1f\" "
+        "class=\"legend\">%s</text>\n",
+        x, y, x + 16, y, color, x + 20, y + 4, name);
 }
 
 /* One series: a polyline of its points (x, y pairs), with markers where
@@ -263,18 +280,23 @@ static void draw_legend(FILE *f, const panel *p, int slot, const char *color,
 static void draw_series(FILE *f, const panel *p, const char *id,
                         const char *color, const double *xy, size_t n)
 {
-    fprintf(f, "<polyline id=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.6\" "
-               "points=\"", id, color);
+    fprintf(
+        f,
+        "<polyline id=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.6\" "
+        "points=\"",
+        id, color);
     for (size_t i = 0; i < n; i++)
-        fprintf(f, "%s%.2f,%.2f", i ? " " : "", px(p, xy[2 * i]), py(p, xy[2 * i + 1]));
+        fprintf(f, "%s%.2f,%.2f", i ? " " : "", px(p, xy[2 * i]),
+                py(p, xy[2 * i + 1]));
     fputs("\"/>\n", f);
     for (size_t i = 0; n <= 60 && i < n; i++)
         fprintf(f, "<circle cx=\"%.2f\" cy=\"%.2f\" r=\"2.2\" fill=\"%s\"/>\n",
                 px(p, xy[2 * i]), py(p, xy[2 * i + 1]), color);
 }
 
-static const char *const color_train = "#1f77b4", *const color_test = "#d62728",
-                        *const color_lr = "#2ca02c";
+static const char *const color_train = "#1f77b4",
+                         *const color_test = "#d62728",
+                         *const color_lr = "#2ca02c";
 
 /* Collects series s of the epochs into xy (x = the epoch; accuracy in
  * percent), widening [*lo, *hi]. */
@@ -342,21 +364,27 @@ static void draw_lr(FILE *f, const history *h, panel *p, double *xy)
 
 static void draw(FILE *f, const history *h, double *xy)
 {
-    fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-               "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
-               "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"11\">\n"
-               "<style>.frame{fill:none;stroke:#444}.grid{stroke:#e4e4e4}"
-               ".tick{stroke:#444}.ytick{text-anchor:end}.xtick,.xlabel,.ylabel"
-               "{text-anchor:middle}.title{font-size:13px;font-weight:bold}</style>\n"
-               "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            WIDTH, HEIGHT, WIDTH, HEIGHT);
+    fprintf(
+        f,
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+        "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"11\">\n"
+        "<style>.frame{fill:none;stroke:#444}.grid{stroke:#e4e4e4}"
+        ".tick{stroke:#444}.ytick{text-anchor:end}.xtick,.xlabel,.ylabel"
+        "{text-anchor:middle}.title{font-size:13px;font-weight:bold}</style>\n"
+        "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+        WIDTH, HEIGHT, WIDTH, HEIGHT);
     panel p[3];
     for (int k = 0; k < 3; k++)
-        p[k] = (panel){k * PANEL_W + PAD_L, PAD_T, PANEL_W - PAD_L - PAD_R,
-                       HEIGHT - PAD_T - PAD_B, fit_axis(0, h->nep > 1 ? h->nep : 1),
+        p[k] = (panel){k * PANEL_W + PAD_L,
+                       PAD_T,
+                       PANEL_W - PAD_L - PAD_R,
+                       HEIGHT - PAD_T - PAD_B,
+                       fit_axis(0, h->nep > 1 ? h->nep : 1),
                        {0, 1, 1}};
     draw_pair(f, h, &p[0], TRAIN_LOSS, TEST_LOSS, "loss", "loss", xy);
-    draw_pair(f, h, &p[1], TRAIN_ACC, TEST_ACC, "accuracy", "accuracy (%)", xy);
+    draw_pair(f, h, &p[1], TRAIN_ACC, TEST_ACC, "accuracy", "accuracy (%)",
+              xy);
     draw_lr(f, h, &p[2], xy);
     fputs("</svg>\n", f);
 }
@@ -396,7 +424,8 @@ static int write_svg(const history *h, const char *svg_path, stk_err *err)
     return stk_fail(err, stk_from_errno(e), "%s: %s", bad, strerror(e));
 }
 
-int stk_curves_write(const char *metrics_path, const char *svg_path, stk_err *err)
+int stk_curves_write(const char *metrics_path, const char *svg_path,
+                     stk_err *err)
 {
     history h = {0};
     int rc = read_history(metrics_path, &h, err);
