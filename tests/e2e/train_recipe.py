@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""The recipe features of `train` over real runs, on train_options' tiny
+IDX dataset (24 training samples, batches of 8: 3 steps an epoch) and its
+linear model:
+
+- the learning rate of every step (metrics.jsonl, --log-every 1) of the
+  linear, cosine and onecycle schedules against PyTorch's own schedulers
+  stepped alike: SequentialLR(LinearLR warm-up, LinearLR to 0 or
+  CosineAnnealingLR) and OneCycleLR(max_lr, total_steps,
+  cycle_momentum=False), also with --accum 2 (fewer, larger steps);
+- RUN_DIR/curves.svg: after a run stopped by --max-steps in its third
+  epoch it draws the two finished epochs; after --resume auto all of them
+  (the earlier ones kept), with metrics.jsonl lines that do not parse
+  skipped and a later line of an epoch replacing an earlier one. The SVG
+  parses as XML, is self-contained, has a polyline per series with a point
+  per epoch (per logged step for the lr), and each polyline is the series'
+  values under one linear map (so it draws the right numbers).
+"""
+import json, os, shutil, sys
+import xml.etree.ElementTree as ET
+import stoke_test as t
+import train_options as opts
+import numpy as np
+
+torch = t.need("torch")
+
+BIN, STEPS, run, fail = opts.BIN, opts.STEPS, opts.run, opts.fail
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def train(out, *flags):
+    run(f"{BIN}/train", "--db", "db", "--model", "linear.txt", "--init-from",
+        "init.safetensors", "--batch", opts.BATCH, "--seed", opts.SEED, "--workers", 1,
+        "--threads", 1, "--quiet", "--log-every", 1, "--out", out, *flags)
+
+
+def lines(out):
+    """The lines of metrics.jsonl that parse (check_curves adds some that do not)."""
+    out_ = []
+    for l in open(f"{out}/metrics.jsonl", errors="replace"):
+        try:
+            out_.append(json.loads(l))
+        except ValueError:
+            pass
+    return [l for l in out_ if isinstance(l, dict)]
+
+
+# ---- schedules against torch.optim.lr_scheduler ------------------------------
+
+def torch_lrs(schedule, lr, warmup, total):
+    """The lr of each of total optimizer steps, as PyTorch's schedulers give it."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=lr)
+    S = torch.optim.lr_scheduler
+    if schedule == "onecycle":
+        sched = S.OneCycleLR(opt, max_lr=lr, total_steps=total, cycle_momentum=False)
+    else:
+        # stoke's warm-up: step s uses lr * (s + 1) / warmup
+        ramp = S.LinearLR(opt, start_factor=1 / warmup, end_factor=1, total_iters=warmup - 1)
+        decay = (S.LinearLR(opt, start_factor=1, end_factor=0, total_iters=total - warmup)
+                 if schedule == "linear" else S.CosineAnnealingLR(opt, T_max=total - warmup))
+        sched = S.SequentialLR(opt, [ramp, decay], milestones=[warmup])
+    out = []
+    for _ in range(total):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def check_schedules():
+    epochs, lr, warmup = 7, 0.3, 4
+    for schedule, accum in (("linear", 1), ("cosine", 1), ("onecycle", 1), ("onecycle", 2),
+                            ("linear", 2)):
+        out = f"sched-{schedule}-{accum}"
+        flags = ["--optim", "sgd", "--lr", lr, "--epochs", epochs, "--schedule", schedule,
+                 "--accum", accum]
+        if schedule != "onecycle":
+            flags += ["--warmup", warmup]
+        train(out, *flags)
+        per = -(-STEPS // accum)  # steps an epoch
+        want = torch_lrs(schedule, lr, warmup, per * epochs)
+        got = [l["lr"] for l in lines(out) if l["type"] == "step"]
+        if len(got) != len(want) or not np.allclose(got, want, rtol=2e-5, atol=1e-9):
+            fail(f"--schedule {schedule} --accum {accum}: lr per step {got}, "
+                 f"PyTorch's {want}")
+        ends = [l["lr"] for l in lines(out) if l["type"] == "epoch"]
+        if not np.allclose(ends, want[per - 1::per], rtol=2e-5, atol=1e-9):
+            fail(f"--schedule {schedule}: the epoch lines' lr {ends}, PyTorch's "
+                 f"{want[per - 1::per]}")
+        print(f"ok: --schedule {schedule} --accum {accum}: the lr of all {len(want)} steps "
+              f"as PyTorch's scheduler")
+
+
+# ---- curves.svg ----------------------------------------------------------------
+
+def polylines(path):
+    """{id: [(x, y), ...]} of an SVG that must be self-contained."""
+    text = open(path).read()
+    for bad in ("<script", "href", "url(", "@import", "@font-face"):
+        if bad in text:
+            fail(f"{path} is not self-contained: it holds {bad!r}")
+    root = ET.fromstring(text)  # raises (fails the test) if it is no XML
+    if root.tag != SVG + "svg":
+        fail(f"{path}: the root is {root.tag}, not svg")
+    words = " ".join(e.text or "" for e in root.iter(SVG + "text"))
+    for w in ("loss", "accuracy", "learning rate", "epoch", "train", "test"):
+        if w not in words:
+            fail(f"{path}: no text {w!r} (titles, axis labels, legend)")
+    out = {}
+    for e in root.iter(SVG + "polyline"):
+        if e.get("id") in out:
+            fail(f"{path}: two polylines {e.get('id')}")
+        pts = [tuple(map(float, p.split(","))) for p in e.get("points").split()]
+        out[e.get("id")] = pts
+    return out
+
+
+def check_series(path, name, pts, xs, values):
+    """The points are at xs, and their heights one linear map of values
+    (greater values higher)."""
+    if len(pts) != len(values):
+        fail(f"{path}: {name} has {len(pts)} points, the metrics {len(values)} values")
+    px, py = np.array(pts).T
+    if len(values) > 1:
+        a, b = np.polyfit(xs, px, 1)
+        if a <= 0 or np.abs(a * np.array(xs) + b - px).max() > 0.02:
+            fail(f"{path}: {name}'s x coordinates {list(px)} are not epochs {xs}")
+    if len(set(values)) > 1:
+        a, b = np.polyfit(values, py, 1)
+        worst = np.abs(a * np.array(values) + b - py).max()
+        if a >= 0 or worst > 0.05:
+            fail(f"{path}: {name}'s heights {list(py)} do not draw {values} "
+                 f"(off by {worst:.3f} px)")
+
+
+def check_svg(out, epochs):
+    path = f"{out}/curves.svg"
+    if os.path.exists(path + ".tmp"):
+        fail(f"{path}.tmp left behind")
+    series = polylines(path)
+    ep = {}
+    for l in lines(out):  # the last line of an epoch wins
+        if l.get("type") == "epoch":
+            ep[l["epoch"]] = l
+    if sorted(ep) != list(range(1, epochs + 1)):
+        fail(f"{out}/metrics.jsonl: epochs {sorted(ep)}, expected 1..{epochs}")
+    xs = list(range(1, epochs + 1))
+    for name in ("train_loss", "test_loss", "train_acc", "test_acc"):
+        if name not in series:
+            fail(f"{path}: no polyline {name} (has {sorted(series)})")
+        check_series(path, name, series[name], xs, [ep[e][name] for e in xs])
+    steps = {}
+    for l in lines(out):
+        if l.get("type") == "step" and l["step"] <= ep[epochs]["step"]:
+            steps[l["step"]] = l["lr"]
+    check_series(path, "lr", series["lr"], [s / STEPS for s in sorted(steps)],
+                 [steps[s] for s in sorted(steps)])
+    return series
+
+
+def check_curves():
+    flags = ["--optim", "sgd", "--lr", 0.5, "--epochs", 5, "--schedule", "onecycle"]
+    train("curves", *flags, "--max-steps", 2 * STEPS + 1)  # stops in epoch 3
+    s = check_svg("curves", 2)
+    print(f"ok: curves.svg after 2 of 5 epochs (stopped in the third): "
+          f"{len(s['train_loss'])} points a series, {len(s['lr'])} lr points")
+    # what a resume must read past: a torn line, a line of another kind, and
+    # epoch 2 written again (as by a run killed between its epoch line and
+    # its checkpoint), whose values replace the first ones
+    with open("curves/metrics.jsonl", "a") as f:
+        again = [l for l in lines("curves") if l["type"] == "epoch"][-1]
+        again["train_loss"] *= 0.5
+        again["test_acc"] = 0.125
+        f.write('{"type":"epoch","epoch":\n[1,2]\n\x00garbage\n' + json.dumps(again) + "\n")
+    train("curves", *flags, "--resume", "auto")
+    check_svg("curves", 5)
+    print(f"ok: curves.svg after --resume auto: all 5 epochs (the first 2 kept, epoch 2 "
+          f"as its later line), lines that do not parse skipped")
+
+
+def main():
+    tmp = os.environ["STK_TMP"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    os.chdir(tmp)
+    opts.make_db()
+    with open("linear.txt", "w") as f:
+        f.write("flatten\nhead: linear classes\n")
+    rng = np.random.default_rng(5)
+    t.save_safetensors("init.safetensors",
+                       {"head.weight": rng.uniform(-0.3, 0.3, (opts.CLS, opts.HW * opts.HW)),
+                        "head.bias": rng.uniform(-0.3, 0.3, opts.CLS)})
+    check_schedules()
+    check_curves()
+
+
+if __name__ == "__main__":
+    main()
