@@ -681,6 +681,411 @@ static void xent_matches_reference_and_fd(void **state)
     assert_non_null(strstr(err.msg, "label 7 of row 2"));
 }
 
+/* ---- average pool, add, copy ----------------------------------------------- */
+
+/* L = sum g * avgpool(x), windows kh x kw of stride sh x sw. */
+typedef struct {
+    int planes, h, w, kh, kw, sh, sw;
+    const float *g;
+} avg_ctx;
+
+static int avg_out(int len, int k, int st) { return (len - k) / st + 1; }
+
+/* The pool in double into y (planes * oh * ow), a naive loop. */
+static void avg_ref(const avg_ctx *c, const double *x, double *y)
+{
+    int oh = avg_out(c->h, c->kh, c->sh), ow = avg_out(c->w, c->kw, c->sw);
+    for (int p = 0; p < c->planes; p++)
+        for (int oy = 0; oy < oh; oy++)
+            for (int ox = 0; ox < ow; ox++) {
+                double s = 0;
+                for (int dy = 0; dy < c->kh; dy++)
+                    for (int dx = 0; dx < c->kw; dx++)
+                        s += x[(p * c->h + oy * c->sh + dy) * c->w +
+                               ox * c->sw + dx];
+                y[(p * oh + oy) * ow + ox] = s / (c->kh * c->kw);
+            }
+}
+
+static double avg_loss(const double *x, void *ctx)
+{
+    const avg_ctx *c = ctx;
+    int n = c->planes * avg_out(c->h, c->kh, c->sh) * avg_out(c->w, c->kw, c->sw);
+    double y[512], L = 0;
+    avg_ref(c, x, y);
+    for (int i = 0; i < n; i++)
+        L += c->g[i] * y[i];
+    return L;
+}
+
+/* Overlapping, non-square, strided and global windows, odd edges left
+ * out: the forward against a naive double loop, the backward against
+ * finite differences, every input gradient written. */
+static void avgpool_matches_naive_and_fd(void **state)
+{
+    (void)state;
+    enum { P = 3, N = P * 7 * 8 };
+    static const int cfg[][6] = {/* h w kh kw sh sw */
+                                 {7, 8, 3, 3, 2, 2}, {7, 8, 2, 3, 1, 2},
+                                 {7, 8, 3, 2, 2, 1}, {6, 8, 2, 2, 2, 2},
+                                 {7, 8, 7, 8, 1, 1}, {5, 3, 5, 3, 2, 3},
+                                 {7, 8, 1, 1, 3, 2}};
+    float x[N], y[N], g[N], dx[N];
+    double xd[N], yd[N], num[N];
+    fill(x, N, 71);
+    fill(g, N, 72);
+    stk_err err;
+    for (size_t t = 0; t < sizeof cfg / sizeof *cfg; t++) {
+        const int *q = cfg[t];
+        avg_ctx c = {P, q[0], q[1], q[2], q[3], q[4], q[5], g};
+        int in = P * q[0] * q[1];
+        int out = P * avg_out(q[0], q[2], q[4]) * avg_out(q[1], q[3], q[5]);
+        assert_int_equal(stk_avgpool_fwd(be, x, P, q[0], q[1], q[2], q[3],
+                                         q[4], q[5], y, &err), 0);
+        to_double(x, xd, in);
+        avg_ref(&c, xd, yd);
+        near(y, yd, out, 1e-6, "avgpool y");
+        memset(dx, 0x7f, sizeof dx);
+        assert_int_equal(stk_avgpool_bwd(be, g, P, q[0], q[1], q[2], q[3],
+                                         q[4], q[5], dx, &err), 0);
+        numgrad(avg_loss, xd, in, &c, num);
+        near(dx, num, in, 1e-6, "avgpool dx");
+    }
+    assert_int_equal(stk_avgpool_fwd(be, x, P, 4, 4, 5, 2, 1, 1, y, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "avg-pool"));
+    assert_int_equal(stk_avgpool_bwd(be, g, P, 4, 4, 2, 2, 0, 1, dx, &err),
+                     STK_EINVAL);
+}
+
+static void add_and_device_copy(void **state)
+{
+    (void)state;
+    enum { N = 1000 };
+    float a[N], b[N], y[N];
+    fill(a, N, 73);
+    fill(b, N, 74);
+    stk_err err;
+    assert_int_equal(stk_add(be, a, b, y, N, &err), 0);
+    for (int i = 0; i < N; i++)
+        assert_true(y[i] == a[i] + b[i]);
+    assert_int_equal(stk_add(be, y, b, y, N, &err), 0); /* y aliases a */
+    for (int i = 0; i < N; i++)
+        assert_true(y[i] == (a[i] + b[i]) + b[i]);
+    assert_int_equal(stk_copy_dev(be, y, a, N, &err), 0);
+    assert_memory_equal(y, a, sizeof a);
+    assert_int_equal(stk_copy_dev(be, a + 1, a, 10, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "overlap"));
+    assert_int_equal(stk_add(be, a, NULL, y, N, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "add: b is NULL"));
+}
+
+/* ---- batch normalisation ------------------------------------------------------ */
+
+/* Training-mode batchnorm in double: v = x [n, c, hw], then gamma [c],
+ * beta [c]; L = sum g * y (y after the ReLU when relu). */
+typedef struct {
+    int n, c, hw, relu;
+    double eps;
+    const float *g;
+} bn_ctx;
+
+static double bn_loss(const double *v, void *ctx)
+{
+    const bn_ctx *b = ctx;
+    size_t total = (size_t)b->n * b->c * b->hw;
+    const double *gamma = v + total, *beta = gamma + b->c;
+    double L = 0, cnt = (double)b->n * b->hw;
+    for (int ch = 0; ch < b->c; ch++) {
+        double m = 0, var = 0;
+        for (int r = 0; r < b->n; r++)
+            for (int i = 0; i < b->hw; i++)
+                m += v[((size_t)r * b->c + ch) * b->hw + i];
+        m /= cnt;
+        for (int r = 0; r < b->n; r++)
+            for (int i = 0; i < b->hw; i++) {
+                double d = v[((size_t)r * b->c + ch) * b->hw + i] - m;
+                var += d * d;
+            }
+        var /= cnt;
+        for (int r = 0; r < b->n; r++)
+            for (int i = 0; i < b->hw; i++) {
+                size_t at = ((size_t)r * b->c + ch) * b->hw + i;
+                double y = (v[at] - m) / sqrt(var + b->eps) * gamma[ch] +
+                           beta[ch];
+                L += b->g[at] * (b->relu && y < 0 ? 0 : y);
+            }
+    }
+    return L;
+}
+
+/* The whole training step through the ops: statistics, the normalisation
+ * (y against a naive double computation from the same float statistics),
+ * then the backward sums and input gradient against central differences of
+ * the loss through the batch statistics (x, gamma and beta). In place
+ * (y over x, dx over dy) gives the same floats. */
+static void bn_training_check(int n, int c, int hw, int relu)
+{
+    size_t total = (size_t)n * c * hw, nv = total + 2 * (size_t)c;
+    float *x = malloc(total * 4), *y = malloc(total * 4), *g = malloc(total * 4),
+          *dx = malloc(total * 4), *t = malloc(total * 4), *p = malloc(2 * c * 4);
+    double *v = malloc(nv * sizeof *v), *num = malloc(nv * sizeof *num),
+           *want = malloc(total * sizeof *want);
+    float mean[8], var[8], sums[16], eps = 1e-5f;
+    fill(x, total, 81 + hw);
+    for (size_t i = 0; i < total; i++)
+        x[i] = x[i] * 2 + 0.5f; /* a mean off 0 */
+    fill(g, total, 82);
+    fill(p, 2 * (size_t)c, 83);
+    for (int ch = 0; ch < c; ch++)
+        p[ch] += 1.5f; /* gamma away from 0 */
+    const float *gamma = p, *beta = p + c;
+    stk_err err;
+    double inv = 1.0 / ((double)n * hw);
+    assert_int_equal(stk_bn_sums(be, x, n, c, hw, NULL, inv, mean, &err), 0);
+    assert_int_equal(stk_bn_sums(be, x, n, c, hw, mean, inv, var, &err), 0);
+    assert_int_equal(stk_bn_apply(be, x, y, n, c, hw, mean, var, eps, gamma,
+                                  beta, relu, &err), 0);
+    for (size_t i = 0; i < total; i++) {
+        int ch = (int)(i / hw % c);
+        double z = (x[i] - (double)mean[ch]) / sqrt((double)var[ch] + eps) *
+                       gamma[ch] + beta[ch];
+        want[i] = relu && z < 0 ? 0 : z;
+    }
+    near(y, want, total, 2e-6, "batchnorm y");
+    memcpy(t, x, total * 4); /* in place */
+    assert_int_equal(stk_bn_apply(be, t, t, n, c, hw, mean, var, eps, gamma,
+                                  beta, relu, &err), 0);
+    assert_memory_equal(t, y, total * 4);
+
+    const float *ry = relu ? y : NULL;
+    assert_int_equal(stk_bn_grad_sums(be, g, ry, x, n, c, hw, mean, var, eps,
+                                      sums, &err), 0);
+    assert_int_equal(stk_bn_input_grad(be, g, ry, x, n, c, hw, mean, var, eps,
+                                       gamma, sums, (float)inv, dx, &err), 0);
+    memcpy(t, g, total * 4); /* dx over dy */
+    assert_int_equal(stk_bn_input_grad(be, t, ry, x, n, c, hw, mean, var, eps,
+                                       gamma, sums, (float)inv, t, &err), 0);
+    assert_memory_equal(t, dx, total * 4);
+
+    to_double(x, v, total);
+    to_double(p, v + total, 2 * (size_t)c);
+    bn_ctx b = {n, c, hw, relu, eps, g};
+    numgrad(bn_loss, v, nv, &b, num);
+    near(dx, num, total, 2e-5, "batchnorm dx");
+    near(sums + c, num + total, c, 2e-5, "batchnorm dgamma");
+    near(sums, num + total + c, c, 2e-5, "batchnorm dbeta");
+    free(x), free(y), free(g), free(dx), free(t), free(p);
+    free(v), free(num), free(want);
+}
+
+static void batchnorm_training_matches_fd(void **state)
+{
+    (void)state;
+    for (int relu = 0; relu < 2; relu++) {
+        bn_training_check(3, 4, 5, relu);  /* BatchNorm2d, planes of 5 */
+        bn_training_check(2, 3, 37, relu); /* lanes and a tail */
+        bn_training_check(7, 5, 1, relu);  /* BatchNorm1d */
+    }
+}
+
+/* PyTorch's update in double, rounded once: momentum * stat + (1 -
+ * momentum) * running, the variance unbiased; momentum 0 and 1 exactly. */
+static void bn_running_follows_pytorch(void **state)
+{
+    (void)state;
+    enum { C = 6 };
+    float rm[C], rv[C], m[C], v[C], rm0[C], rv0[C];
+    fill(rm, C, 91);
+    fill(rv, C, 92);
+    fill(m, C, 93);
+    fill(v, C, 94);
+    for (int i = 0; i < C; i++)
+        rv[i] += 1.5f, v[i] += 1.5f;
+    memcpy(rm0, rm, sizeof rm);
+    memcpy(rv0, rv, sizeof rv);
+    stk_err err;
+    float unbias = 8.0f / 7.0f;
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.1f, unbias, &err), 0);
+    for (int i = 0; i < C; i++) {
+        double mo = 0.1f;
+        assert_true(rm[i] == (float)(mo * m[i] + (1 - mo) * rm0[i]));
+        assert_true(rv[i] ==
+                    (float)(mo * ((double)v[i] * unbias) + (1 - mo) * rv0[i]));
+        /* and within float rounding of the exact 0.1 and 8/7 */
+        assert_true(fabs(rm[i] - (0.1 * m[i] + 0.9 * rm0[i])) < 1e-7);
+        assert_true(fabs(rv[i] - (0.1 * v[i] * 8 / 7 + 0.9 * rv0[i])) <
+                    3e-7 * rv[i]);
+    }
+    memcpy(rm0, rm, sizeof rm);
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.0f, unbias, &err), 0);
+    assert_memory_equal(rm, rm0, sizeof rm);
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 1.0f, 1.0f, &err), 0);
+    assert_memory_equal(rm, m, sizeof rm);
+    assert_memory_equal(rv, v, sizeof rv);
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 1.5f, unbias, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "momentum 1.5"));
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.1f, 0.5f, &err),
+                     STK_EINVAL);
+    assert_int_equal(stk_bn_apply(be, m, m, 1, C, 1, m, v, 0.0f, m, m, false,
+                                  &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "eps"));
+    assert_int_equal(stk_bn_sums(be, m, 1, 0, 1, NULL, 1.0, v, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "batchnorm sums"));
+    assert_int_equal(stk_bn_input_grad(be, m, NULL, m, 1, C, 1, m, v, 1e-5f,
+                                       NULL, m, 1.0f, v, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "gamma is NULL"));
+}
+
+/* Every new op on 1, 2 and 3 threads: the same bytes. The shapes split
+ * channels, planes and rows across threads (BatchNorm1d's channel blocks
+ * included). */
+typedef struct {
+    float *mean, *var, *y, *sums, *dx, *pool, *dpool;
+} bn_outs;
+
+static void bn_run_all(stk_backend *b, const float *x, const float *g,
+                       const float *p, int n, int c, int hw, bn_outs *o)
+{
+    stk_err err;
+    double inv = 1.0 / ((double)n * hw);
+    const float *gamma = p, *beta = p + c;
+    assert_int_equal(stk_bn_sums(b, x, n, c, hw, NULL, inv, o->mean, &err), 0);
+    assert_int_equal(stk_bn_sums(b, x, n, c, hw, o->mean, inv, o->var, &err), 0);
+    assert_int_equal(stk_bn_apply(b, x, o->y, n, c, hw, o->mean, o->var,
+                                  1e-5f, gamma, beta, true, &err), 0);
+    assert_int_equal(stk_bn_grad_sums(b, g, o->y, x, n, c, hw, o->mean,
+                                      o->var, 1e-5f, o->sums, &err), 0);
+    assert_int_equal(stk_bn_input_grad(b, g, o->y, x, n, c, hw, o->mean,
+                                       o->var, 1e-5f, gamma, o->sums,
+                                       (float)inv, o->dx, &err), 0);
+    if (hw > 1) { /* planes of 50 x hw/50, a 3x3 stride 2 pool */
+        int h = 50, w = hw / 50, oh = (h - 3) / 2 + 1, ow = (w - 3) / 2 + 1;
+        assert_int_equal(stk_avgpool_fwd(b, x, n * c, h, w, 3, 3, 2, 2,
+                                         o->pool, &err), 0);
+        assert_int_equal(stk_avgpool_bwd(b, g, n * c, h, w, 3, 3, 2, 2,
+                                         o->dpool, &err), 0);
+        (void)oh, (void)ow;
+    }
+}
+
+static void bn_outs_alloc(bn_outs *o, size_t total, int c)
+{
+    o->mean = malloc(c * 4), o->var = malloc(c * 4), o->sums = malloc(2 * c * 4);
+    o->y = malloc(total * 4), o->dx = malloc(total * 4);
+    o->pool = calloc(total, 4), o->dpool = calloc(total, 4);
+}
+
+static void bn_outs_free(bn_outs *o)
+{
+    free(o->mean), free(o->var), free(o->sums), free(o->y), free(o->dx);
+    free(o->pool), free(o->dpool);
+}
+
+static void bn_same_on_1_2_3_threads(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {{4, 7, 50 * 60}, {3000, 300, 1}};
+    for (int s = 0; s < 2; s++) {
+        int n = shapes[s][0], c = shapes[s][1], hw = shapes[s][2];
+        size_t total = (size_t)n * c * hw;
+        float *x = malloc(total * 4), *g = malloc(total * 4),
+              *p = malloc(2 * c * 4);
+        fill(x, total, 101);
+        fill(g, total, 102);
+        fill(p, 2 * c, 103);
+        bn_outs o[3];
+        for (int t = 0; t < 3; t++) {
+            stk_backend *b;
+            stk_err err;
+            assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, t + 1, &b, &err), 0);
+            bn_outs_alloc(&o[t], total, c);
+            bn_run_all(b, x, g, p, n, c, hw, &o[t]);
+            stk_backend_destroy(b);
+        }
+        for (int t = 1; t < 3; t++) {
+            assert_memory_equal(o[t].mean, o[0].mean, c * 4);
+            assert_memory_equal(o[t].var, o[0].var, c * 4);
+            assert_memory_equal(o[t].sums, o[0].sums, 2 * c * 4);
+            assert_memory_equal(o[t].y, o[0].y, total * 4);
+            assert_memory_equal(o[t].dx, o[0].dx, total * 4);
+            assert_memory_equal(o[t].pool, o[0].pool, total * 4);
+            assert_memory_equal(o[t].dpool, o[0].dpool, total * 4);
+        }
+        for (int t = 0; t < 3; t++)
+            bn_outs_free(&o[t]);
+        free(x), free(g), free(p);
+    }
+}
+
+/* ---- label smoothing ----------------------------------------------------------- */
+
+/* PyTorch's definition: the target q = (1 - e) onehot(label) + e / C, the
+ * loss -sum q log softmax(z) per row, averaged over the rows. */
+typedef struct { int n, c; const int32_t *labels; double e; } smooth_ctx;
+static double smooth_loss(const double *z, void *ctx)
+{
+    const smooth_ctx *s = ctx;
+    double L = 0;
+    for (int r = 0; r < s->n; r++) {
+        const double *zr = z + r * s->c;
+        double m = -INFINITY, sum = 0;
+        for (int j = 0; j < s->c; j++)
+            m = zr[j] > m ? zr[j] : m;
+        for (int j = 0; j < s->c; j++)
+            sum += exp(zr[j] - m);
+        for (int j = 0; j < s->c; j++) {
+            double q = (j == s->labels[r] ? 1 - s->e : 0) + s->e / s->c;
+            L -= q * (zr[j] - m - log(sum));
+        }
+    }
+    return L / s->n;
+}
+
+static void xent_label_smoothing_matches_pytorch_and_fd(void **state)
+{
+    (void)state;
+    enum { N = 5, C = 7 };
+    static const float es[] = {0.1f, 0.3f, 1.0f};
+    float z[N * C], dz[N * C], loss;
+    int32_t labels[N] = {0, 6, 3, 3, 1};
+    fill(z, N * C, 111);
+    for (int i = 0; i < N * C; i++)
+        z[i] *= 4;
+    double zd[N * C], num[N * C];
+    stk_err err;
+    for (int t = 0; t < 3; t++) {
+        assert_int_equal(stk_xent(be, z, labels, N, C, es[t], &loss, dz, &err), 0);
+        to_double(z, zd, N * C);
+        smooth_ctx s = {N, C, labels, es[t]};
+        double want = smooth_loss(zd, &s);
+        if (!(fabs(loss - want) < 2e-6 * (1 + fabs(want))))
+            fail_msg("smoothing %g: loss %.9g, expected %.9g", (double)es[t],
+                     (double)loss, want);
+        /* the gradient, directly: (softmax - q) / n */
+        double direct[N * C];
+        for (int r = 0; r < N; r++) {
+            double m = -INFINITY, sum = 0;
+            for (int j = 0; j < C; j++)
+                m = zd[r * C + j] > m ? zd[r * C + j] : m;
+            for (int j = 0; j < C; j++)
+                sum += exp(zd[r * C + j] - m);
+            for (int j = 0; j < C; j++)
+                direct[r * C + j] =
+                    (exp(zd[r * C + j] - m) / sum -
+                     ((j == labels[r] ? 1 - s.e : 0) + s.e / C)) / N;
+        }
+        near(dz, direct, N * C, 1e-6, "smoothed dlogits");
+        numgrad(smooth_loss, zd, N * C, &s, num);
+        near(dz, num, N * C, 1e-5, "smoothed dlogits (fd)");
+    }
+    assert_int_equal(stk_xent(be, z, labels, N, C, 1.5f, &loss, dz, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "label smoothing"));
+}
+
 static void dropout_rates_and_groups(void **state)
 {
     (void)state;
@@ -959,6 +1364,12 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(maxpool_backward_matches_fd),
     cmocka_unit_test(maxpool_gather_equals_scatter),
     cmocka_unit_test(xent_matches_reference_and_fd),
+    cmocka_unit_test(xent_label_smoothing_matches_pytorch_and_fd),
+    cmocka_unit_test(avgpool_matches_naive_and_fd),
+    cmocka_unit_test(add_and_device_copy),
+    cmocka_unit_test(batchnorm_training_matches_fd),
+    cmocka_unit_test(bn_running_follows_pytorch),
+    cmocka_unit_test(bn_same_on_1_2_3_threads),
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
     cmocka_unit_test(optimizers_follow_pytorch_rules),
