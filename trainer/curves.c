@@ -14,8 +14,9 @@
 #include <unistd.h>
 
 enum { TRAIN_LOSS, TEST_LOSS, TRAIN_ACC, TEST_ACC, NSERIES };
-/* an epoch line's number beyond this is no epoch of a real run */
-enum { MAX_EPOCHS = 1000000 };
+/* an epoch line's number beyond train's --epochs range is no real epoch;
+ * the lr panel draws at most MAX_LR_POINTS points */
+enum { MAX_EPOCHS = 100000, MAX_LR_POINTS = 1000 };
 
 static const char *const series_key[NSERIES] = {"train_loss", "test_loss",
                                                 "train_acc", "test_acc"};
@@ -147,22 +148,26 @@ static void sort_lr(history *h)
     h->nlr = n;
 }
 
-/* Where step s lies in epochs: within the first epoch that ended at or
- * after it, by its share of that epoch's steps; -1 past the last epoch
- * drawn (steps of an epoch not finished yet). */
-static double step_x(const history *h, double s)
+/* A walk through the epochs along rates sorted by step. */
+typedef struct epoch_walk {
+    int e, prev;     /* the epoch looked at, the last one passed */
+    double prev_end; /* where the last one passed ended */
+} epoch_walk;
+
+/* Where step s (at or after the steps asked before) lies in epochs:
+ * within the first epoch that ended at or after it, by its share of that
+ * epoch's steps; -1 past the last epoch drawn (an epoch not finished). */
+static double step_x(const history *h, epoch_walk *w, double s)
 {
-    double prev_end = 0;
-    int prev = 0;
-    for (int e = 1; e <= h->nep; e++) {
-        const epoch_row *r = &h->ep[e - 1];
-        if (!r->seen || isnan(r->end_step))
-            continue;
-        if (s <= r->end_step && r->end_step > prev_end)
-            return prev + (double)(e - prev) * (s - prev_end) /
-                              (r->end_step - prev_end);
-        prev_end = r->end_step;
-        prev = e;
+    for (; w->e <= h->nep; w->e++) {
+        const epoch_row *r = &h->ep[w->e - 1];
+        if (!r->seen || isnan(r->end_step) || r->end_step <= w->prev_end)
+            continue; /* not logged, or out of order: no landmark */
+        if (s <= r->end_step)
+            return w->prev + (double)(w->e - w->prev) * (s - w->prev_end) /
+                                 (r->end_step - w->prev_end);
+        w->prev_end = r->end_step;
+        w->prev = w->e;
     }
     return -1;
 }
@@ -341,20 +346,32 @@ static void draw_pair(FILE *f, const history *h, panel *p, int train, int test,
     fputs("</g>\n", f);
 }
 
-/* The learning-rate panel: every rate logged, placed in epochs. */
+/* The learning-rate panel: every rate logged, placed in epochs; of more
+ * than MAX_LR_POINTS (more than the panel has pixels), every k-th and the
+ * last. */
 static void draw_lr(FILE *f, const history *h, panel *p, double *xy)
 {
     size_t n = 0;
     double hi = 0;
+    epoch_walk w = {1, 0, 0};
     for (size_t i = 0; i < h->nlr; i++) {
-        double x = step_x(h, h->lr[i].step);
+        double x = step_x(h, &w, h->lr[i].step);
         if (x < 0)
-            continue;
+            break; /* the rest are later still */
         xy[2 * n] = x;
         xy[2 * n + 1] = h->lr[i].lr;
         hi = fmax(hi, h->lr[i].lr);
         n++;
     }
+    size_t k = (n + MAX_LR_POINTS - 1) / MAX_LR_POINTS, kept = 0;
+    for (size_t i = 0; k > 1 && i < n; i++)
+        if (i % k == 0 || i == n - 1) {
+            xy[2 * kept] = xy[2 * i];
+            xy[2 * kept + 1] = xy[2 * i + 1];
+            kept++;
+        }
+    if (k > 1)
+        n = kept;
     p->y = fit_axis(0, hi > 0 ? hi : 1);
     draw_frame(f, p, "learning rate", "lr");
     draw_legend(f, p, 0, color_lr, "lr");
