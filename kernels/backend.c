@@ -315,16 +315,15 @@ static int check_ptrs(const char *op, const char *names,
 }
 
 #define CHECK_PTRS(op, names, ...)                                            \
-    check_ptrs(op, names, (const void *const[]){__VA_ARGS__},                 \
-               (int)(sizeof((const void *[]){__VA_ARGS__}) /                  \
-                     sizeof(const void *)),                                   \
-               err)
+    check_ptrs(                                                               \
+        op, names, (const void *const[]){__VA_ARGS__},                        \
+        (int)(sizeof((const void *[]){__VA_ARGS__}) / sizeof(const void *)),  \
+        err)
 
 static int check_avgpool(int planes, int h, int w, int kh, int kw, int sh,
                          int sw, stk_err *err)
 {
-    if (planes < 1 || kh < 1 || kw < 1 || sh < 1 || sw < 1 || h < kh ||
-        w < kw)
+    if (planes < 1 || kh < 1 || kw < 1 || sh < 1 || sw < 1 || h < kh || w < kw)
         return stk_fail(err, STK_EINVAL,
                         "avg-pool: a %dx%d kernel of stride %dx%d over %d "
                         "planes of %dx%d (a kernel within the plane, sizes "
@@ -344,16 +343,15 @@ int stk_avgpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
                                      err);
 }
 
-int stk_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
-                    int w, int kh, int kw, int sh, int sw, float *dx,
-                    stk_err *err)
+int stk_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h, int w,
+                    int kh, int kw, int sh, int sw, float *dx, stk_err *err)
 {
     int rc = check_avgpool(planes, h, w, kh, kw, sh, sw, err);
     if (!rc)
         rc = CHECK_PTRS("avg-pool backward", "dy dx", dy, dx);
     return rc ? rc
-              : be->ops->avgpool_bwd(be, dy, planes, h, w, kh, kw, sh, sw,
-                                     dx, err);
+              : be->ops->avgpool_bwd(be, dy, planes, h, w, kh, kw, sh, sw, dx,
+                                     err);
 }
 
 int stk_add(stk_backend *be, const float *a, const float *b, float *y,
@@ -404,12 +402,13 @@ int stk_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
     const char *op = "batchnorm sums";
     int rc = check_bn(op, n, c, hw, err);
     if (!rc && !(scale > 0.0 && isfinite(scale)))
-        rc = stk_fail(err, STK_EINVAL,
-                      "%s: scale %g (a finite number > 0 expected)", op,
-                      scale);
+        rc =
+            stk_fail(err, STK_EINVAL,
+                     "%s: scale %g (a finite number > 0 expected)", op, scale);
     if (!rc)
         rc = CHECK_PTRS(op, "x sums", x, sums);
-    return rc ? rc : be->ops->bn_sums(be, x, n, c, hw, shift, scale, sums, err);
+    return rc ? rc
+              : be->ops->bn_sums(be, x, n, c, hw, shift, scale, sums, err);
 }
 
 int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
@@ -472,12 +471,11 @@ int stk_bn_running(stk_backend *be, float *run_mean, float *run_var,
 {
     const char *op = "batchnorm running stats";
     if (c < 1)
-        return stk_fail(err, STK_EINVAL, "%s: %d channels (>= 1 expected)",
-                        op, c);
+        return stk_fail(err, STK_EINVAL, "%s: %d channels (>= 1 expected)", op,
+                        c);
     if (!(momentum >= 0.0f && momentum <= 1.0f))
-        return stk_fail(err, STK_EINVAL,
-                        "%s: momentum %g is not in [0, 1]", op,
-                        (double)momentum);
+        return stk_fail(err, STK_EINVAL, "%s: momentum %g is not in [0, 1]",
+                        op, (double)momentum);
     if (!(unbias >= 1.0f) || isinf(unbias))
         return stk_fail(err, STK_EINVAL,
                         "%s: unbias %g (count/(count - 1) >= 1 of a batch of "

@@ -879,7 +879,7 @@ static void wino_output_part(void *v, size_t b, size_t e)
     size_t nt = (size_t)j->n * j->tiles, ms = stk_wino_stride(j->ch * nt);
     float t[STK_WINO_P * LANES_MAX], o[STK_WINO_M * STK_WINO_M * LANES_MAX];
     for (size_t q = b; q < e; q++) {
-        float *plane = j->dst + q * s->oh * s->ow, 
+        float *plane = j->dst + q * s->oh * s->ow,
               bias = j->bias ? j->bias[q % j->ch] : 0.0f; /* NULL: none */
         const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
         for (int t0 = 0; t0 < j->tiles; t0 += LANES_MAX) {
@@ -1011,7 +1011,8 @@ static int cpu_maxpool_bwd(stk_backend *be, const float *dy,
     return 0;
 }
 
-/* ---- average pool ------------------------------------------------------------------ */
+/* ---- average pool --------------------------------------------------------
+ */
 
 typedef struct avgpool_job {
     const float *x; /* x (forward) or dy (backward) */
@@ -1019,11 +1020,11 @@ typedef struct avgpool_job {
     int h, w, kh, kw, sh, sw, oh, ow;
 } avgpool_job;
 
-static avgpool_job avgpool_plan(const float *x, float *y, int h, int w,
-                                int kh, int kw, int sh, int sw)
+static avgpool_job avgpool_plan(const float *x, float *y, int h, int w, int kh,
+                                int kw, int sh, int sw)
 {
-    avgpool_job j = {x, y, h, w, kh, kw, sh, sw, (h - kh) / sh + 1,
-                     (w - kw) / sw + 1};
+    avgpool_job j = {
+        x, y, h, w, kh, kw, sh, sw, (h - kh) / sh + 1, (w - kw) / sw + 1};
     return j;
 }
 
@@ -1037,8 +1038,8 @@ static void avgpool_fwd_part(void *v, size_t b, size_t e)
         float *y = j->y + p * out;
         for (int oy = 0; oy < j->oh; oy++, y += j->ow)
             for (int ox = 0; ox < j->ow; ox++)
-                y[ox] = stk_avgpool_at(x, j->w, j->kh, j->kw, j->sh, j->sw,
-                                       oy, ox);
+                y[ox] = stk_avgpool_at(x, j->w, j->kh, j->kw, j->sh, j->sw, oy,
+                                       ox);
     }
 }
 
@@ -1069,9 +1070,9 @@ static void avgpool_bwd_part(void *v, size_t b, size_t e)
     }
 }
 
-static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes,
-                           int h, int w, int kh, int kw, int sh, int sw,
-                           float *dx, stk_err *err)
+static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
+                           int w, int kh, int kw, int sh, int sw, float *dx,
+                           stk_err *err)
 {
     (void)err;
     avgpool_job j = avgpool_plan(dy, dx, h, w, kh, kw, sh, sw);
@@ -1081,7 +1082,8 @@ static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes,
     return 0;
 }
 
-/* ---- residual add and device copies ----------------------------------------------- */
+/* ---- residual add and device copies --------------------------------------
+ */
 
 static void add_part(void *v, size_t b, size_t e)
 {
@@ -1107,7 +1109,8 @@ static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
     return cpu_copy(be, dst, src, n * sizeof *dst, 1, err);
 }
 
-/* ---- batch normalisation ------------------------------------------------------------ */
+/* ---- batch normalisation -------------------------------------------------
+ */
 
 /* x [n, c, hw] channel by channel. Each channel's sums are taken by one
  * thread in an order fixed by the shape alone, so they do not depend on
@@ -1214,8 +1217,13 @@ static int cpu_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                        stk_err *err)
 {
     (void)err;
-    bn_job j = {.x = x, .shift = shift, .out = sums, .n = n, .c = c,
-                .hw = hw, .scale = scale};
+    bn_job j = {.x = x,
+                .shift = shift,
+                .out = sums,
+                .n = n,
+                .c = c,
+                .hw = hw,
+                .scale = scale};
     bn_channels(be, &j, bn_sums_part);
     return 0;
 }
@@ -1239,7 +1247,8 @@ static void bn_apply_part(void *v, size_t b, size_t e)
             for (size_t r = b; r < e; r++) {
                 size_t at = r * j->c + c0;
                 for (size_t c = 0; c < nc; c++)
-                    j->out[at + c] = stk_bn_apply1(j->x[at + c], k[c], j->relu);
+                    j->out[at + c] =
+                        stk_bn_apply1(j->x[at + c], k[c], j->relu);
             }
         }
         return;
@@ -1263,8 +1272,16 @@ static int cpu_bn_apply(stk_backend *be, const float *x, float *y, int n,
                         bool relu, stk_err *err)
 {
     (void)err;
-    bn_job j = {.x = x, .out = y, .n = n, .c = c, .hw = hw, .mean = mean,
-                .var = var, .eps = eps, .gamma = gamma, .beta = beta,
+    bn_job j = {.x = x,
+                .out = y,
+                .n = n,
+                .c = c,
+                .hw = hw,
+                .mean = mean,
+                .var = var,
+                .eps = eps,
+                .gamma = gamma,
+                .beta = beta,
                 .relu = relu};
     bn_planes(be, &j, bn_apply_part);
     return 0;
@@ -1339,8 +1356,16 @@ static int cpu_bn_grad_sums(stk_backend *be, const float *dy,
                             float eps, float *sums, stk_err *err)
 {
     (void)err;
-    bn_job j = {.dy = dy, .relu_y = relu_y, .x = x, .n = n, .c = c, .hw = hw,
-                .mean = mean, .var = var, .eps = eps, .out = sums};
+    bn_job j = {.dy = dy,
+                .relu_y = relu_y,
+                .x = x,
+                .n = n,
+                .c = c,
+                .hw = hw,
+                .mean = mean,
+                .var = var,
+                .eps = eps,
+                .out = sums};
     bn_channels(be, &j, bn_grad_sums_part);
     return 0;
 }
@@ -1364,9 +1389,9 @@ static void bn_input_grad_part(void *v, size_t b, size_t e)
             for (size_t r = b; r < e; r++) {
                 size_t at = r * j->c + c0;
                 for (size_t c = 0; c < nc; c++)
-                    j->out[at + c] = stk_bn_dx1(
-                        stk_bn_g1(j->dy, j->relu_y, at + c), j->x[at + c],
-                        k[c]);
+                    j->out[at + c] =
+                        stk_bn_dx1(stk_bn_g1(j->dy, j->relu_y, at + c),
+                                   j->x[at + c], k[c]);
             }
         }
         return;
@@ -1387,9 +1412,19 @@ static int cpu_bn_input_grad(stk_backend *be, const float *dy,
                              float inv_count, float *dx, stk_err *err)
 {
     (void)err;
-    bn_job j = {.dy = dy, .relu_y = relu_y, .x = x, .n = n, .c = c, .hw = hw,
-                .mean = mean, .var = var, .eps = eps, .gamma = gamma,
-                .sums = sums, .inv_count = inv_count, .out = dx};
+    bn_job j = {.dy = dy,
+                .relu_y = relu_y,
+                .x = x,
+                .n = n,
+                .c = c,
+                .hw = hw,
+                .mean = mean,
+                .var = var,
+                .eps = eps,
+                .gamma = gamma,
+                .sums = sums,
+                .inv_count = inv_count,
+                .out = dx};
     bn_planes(be, &j, bn_input_grad_part);
     return 0;
 }
@@ -1403,8 +1438,8 @@ static int cpu_bn_running(stk_backend *be, float *run_mean, float *run_var,
     (void)err;
     for (int ch = 0; ch < c; ch++) {
         run_mean[ch] = stk_bn_running1(run_mean[ch], mean[ch], momentum);
-        run_var[ch] = stk_bn_running1(run_var[ch],
-                                      (double)var[ch] * unbias, momentum);
+        run_var[ch] =
+            stk_bn_running1(run_var[ch], (double)var[ch] * unbias, momentum);
     }
     return 0;
 }

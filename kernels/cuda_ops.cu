@@ -5,7 +5,9 @@
 //
 // State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
 // handle bound to it, and a small device scratch buffer that grows for the
-// reductions (cross-entropy, sum of squares). Every op is queued on the
+// reductions (cross-entropy, sum of squares) and holds the batchnorm passes'
+// per-channel coefficients (read by kernels queued behind; the buffer is
+// only replaced after a stream sync). Every op is queued on the
 // stream; only xent and sumsq wait, because they return a host value. One
 // backend is driven by one host thread at a time (the scratch is shared);
 // each op selects the backend's device first, so a thread that never called
@@ -182,9 +184,9 @@ static void cuda_destroy(stk_backend *be)
     be->impl = NULL;
 }
 
-// Makes the scratch at least bytes long. The reductions that use it wait for
-// the stream before returning, so the old buffer is idle; the sync makes
-// that certain even after a failed call.
+// Makes the scratch at least bytes long. Kernels queued earlier (the
+// batchnorm passes') may still read the old buffer: the sync lets them
+// finish before it is freed.
 static int scratch_reserve(stk_backend *be, size_t bytes, const char *op,
                            stk_err *err)
 {
@@ -669,9 +671,9 @@ static __global__ void avgpool_fwd_kernel(const float *x, int h, int w, int kh,
         y[j] = stk_avgpool1(x, h, w, kh, kw, sh, sw, oh, ow, j);
 }
 
-static int cuda_avgpool_fwd(stk_backend *be, const float *x, int planes,
-                            int h, int w, int kh, int kw, int sh, int sw,
-                            float *y, stk_err *err)
+static int cuda_avgpool_fwd(stk_backend *be, const float *x, int planes, int h,
+                            int w, int kh, int kw, int sh, int sw, float *y,
+                            stk_err *err)
 {
     int oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
     size_t n = (size_t)planes * oh * ow;
@@ -694,8 +696,8 @@ static int cuda_avgpool_bwd(stk_backend *be, const float *dy, int planes,
                             float *dx, stk_err *err)
 {
     size_t n = (size_t)planes * h * w;
-    return launch(be, "cuda avgpool_bwd", n, err, avgpool_bwd_kernel, dy, h,
-                  w, kh, kw, sh, sw, dx, n);
+    return launch(be, "cuda avgpool_bwd", n, err, avgpool_bwd_kernel, dy, h, w,
+                  kh, kw, sh, sw, dx, n);
 }
 
 // ---- residual add and device copies ---------------------------------------
@@ -798,8 +800,8 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                         const float *shift, double scale, float *sums,
                         stk_err *err)
 {
-    return launch_blocks(be, "cuda bn_sums", (size_t)c, err, bn_sums_kernel,
-                         x, n, c, hw, shift, scale, sums);
+    return launch_blocks(be, "cuda bn_sums", (size_t)c, err, bn_sums_kernel, x,
+                         n, c, hw, shift, scale, sums);
 }
 
 static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
@@ -823,13 +825,13 @@ static __global__ void bn_fwd_coef_kernel(const float *mean, const float *var,
                                           stk_bn_fwd_coef *k)
 {
     for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
-        k[ch] = stk_bn_fwd_coef_of(mean[ch], var[ch], eps, gamma[ch],
-                                   beta[ch]);
+        k[ch] =
+            stk_bn_fwd_coef_of(mean[ch], var[ch], eps, gamma[ch], beta[ch]);
 }
 
-static __global__ void bn_apply_kernel(const float *x, float *y, int c,
-                                       int hw, const stk_bn_fwd_coef *k,
-                                       int relu, size_t n)
+static __global__ void bn_apply_kernel(const float *x, float *y, int c, int hw,
+                                       const stk_bn_fwd_coef *k, int relu,
+                                       size_t n)
 {
     for (size_t i = first_index(); i < n; i += index_step())
         y[i] = stk_bn_apply1(x[i], k[i / hw % c], relu);
@@ -845,10 +847,11 @@ static int cuda_bn_apply(stk_backend *be, const float *x, float *y, int n,
     if (!rc)
         rc = scratch_reserve(
             be, ARRAY_OFFSET + (size_t)c * sizeof(stk_bn_fwd_coef), op, err);
+    if (rc)
+        return rc;
     stk_bn_fwd_coef *k = scratch_array<stk_bn_fwd_coef>(be);
-    if (!rc)
-        rc = launch(be, op, (size_t)c, err, bn_fwd_coef_kernel, mean, var, eps,
-                    gamma, beta, c, k);
+    rc = launch(be, op, (size_t)c, err, bn_fwd_coef_kernel, mean, var, eps,
+                gamma, beta, c, k);
     size_t total = (size_t)n * c * hw;
     return rc ? rc
               : launch(be, op, total, err, bn_apply_kernel, x, y, c, hw,
@@ -861,8 +864,8 @@ static __global__ void bn_bwd_coef_kernel(const float *mean, const float *var,
                                           int c, stk_bn_bwd_coef *k)
 {
     for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
-        k[ch] = stk_bn_bwd_coef_of(mean[ch], var[ch], eps, gamma[ch],
-                                   sums[ch], sums[c + ch], inv_count);
+        k[ch] = stk_bn_bwd_coef_of(mean[ch], var[ch], eps, gamma[ch], sums[ch],
+                                   sums[c + ch], inv_count);
 }
 
 static __global__ void bn_input_grad_kernel(const float *dy,
@@ -887,10 +890,11 @@ static int cuda_bn_input_grad(stk_backend *be, const float *dy,
     if (!rc)
         rc = scratch_reserve(
             be, ARRAY_OFFSET + (size_t)c * sizeof(stk_bn_bwd_coef), op, err);
+    if (rc)
+        return rc;
     stk_bn_bwd_coef *k = scratch_array<stk_bn_bwd_coef>(be);
-    if (!rc)
-        rc = launch(be, op, (size_t)c, err, bn_bwd_coef_kernel, mean, var, eps,
-                    gamma, sums, inv_count, c, k);
+    rc = launch(be, op, (size_t)c, err, bn_bwd_coef_kernel, mean, var, eps,
+                gamma, sums, inv_count, c, k);
     size_t total = (size_t)n * c * hw;
     return rc ? rc
               : launch(be, op, total, err, bn_input_grad_kernel, dy, relu_y, x,
@@ -903,8 +907,8 @@ static __global__ void bn_running_kernel(float *run_mean, float *run_var,
 {
     for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
         run_mean[ch] = stk_bn_running1(run_mean[ch], mean[ch], momentum);
-        run_var[ch] = stk_bn_running1(run_var[ch], (double)var[ch] * unbias,
-                                      momentum);
+        run_var[ch] =
+            stk_bn_running1(run_var[ch], (double)var[ch] * unbias, momentum);
     }
 }
 

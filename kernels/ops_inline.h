@@ -487,7 +487,8 @@ STK_HD float stk_maxpool1(const float *x, int h, int w, int k, int st, int oh,
     return stk_maxpool_at(x + plane * (size_t)h * w, h, w, k, st, oy, ox, arg);
 }
 
-/* ---- average pool --------------------------------------------------------- */
+/* ---- average pool --------------------------------------------------------
+ */
 
 /* The divisor of a kh x kw window, as PyTorch's (sum / (kh * kw)). */
 STK_HD float stk_avgpool_div(int kh, int kw)
@@ -510,8 +511,8 @@ STK_HD float stk_avgpool_at(const float *p, int w, int kh, int kw, int sh,
 }
 
 /* Output element j (plane, oy, ox) of an average pool over h x w planes. */
-STK_HD float stk_avgpool1(const float *x, int h, int w, int kh, int kw,
-                          int sh, int sw, int oh, int ow, size_t j)
+STK_HD float stk_avgpool1(const float *x, int h, int w, int kh, int kw, int sh,
+                          int sw, int oh, int ow, size_t j)
 {
     int ox = (int)(j % ow), oy = (int)(j / ow % oh);
     size_t plane = j / ((size_t)ow * oh);
@@ -557,9 +558,13 @@ STK_HD float stk_avgpool_grad1(const float *dy, int h, int w, int kh, int kw,
 }
 
 /* The residual add. */
-STK_HD float stk_add1(float a, float b) { return a + b; }
+STK_HD float stk_add1(float a, float b)
+{
+    return a + b;
+}
 
-/* ---- batch normalisation ---------------------------------------------------- */
+/* ---- batch normalisation -------------------------------------------------
+ */
 
 /* Per-channel values are computed in double from the float statistics and
  * rounded once, so that both backends get the same floats (double
@@ -580,8 +585,7 @@ typedef struct stk_bn_fwd_coef {
 STK_HD stk_bn_fwd_coef stk_bn_fwd_coef_of(float mean, float var, float eps,
                                           float gamma, float beta)
 {
-    stk_bn_fwd_coef c = {mean, (float)(stk_bn_invstd(var, eps) * gamma),
-                         beta};
+    stk_bn_fwd_coef c = {mean, (float)(stk_bn_invstd(var, eps) * gamma), beta};
     return c;
 }
 

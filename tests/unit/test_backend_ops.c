@@ -337,6 +337,9 @@ static void winograd_agrees(void **state)
     wino_agrees(w_input, &c, in, nx, STK_WINO_P * sv, "input");
     wino_agrees(w_input_grad, &c, in, STK_WINO_P * sv, nx, "input_grad");
     wino_agrees(w_output, &c, in, STK_WINO_P * sm, ny, "output");
+    wino_ctx nb = c; /* a convolution without bias (before a batchnorm) */
+    nb.bias = nb.dbias = NULL;
+    wino_agrees(w_output, &nb, in, STK_WINO_P * sm, ny, "output, no bias");
     wino_agrees(w_output_grad, &c, in, ny, STK_WINO_P * sm, "output_grad");
     /* the 16 GEMMs of the three passes: M_p = U_p V_p, dU_p += dM_p V_p^T,
      * dV_p = U_p^T dM_p */
@@ -410,6 +413,150 @@ static void xent_transform_and_optimizers_agree(void **state)
     stk_dev_free(gpu, dm), stk_dev_free(gpu, dv);
 }
 
+/* The average pools, the residual add and the device copy: the same bytes
+ * on both backends (shared bodies; the backward pass a gather on both). */
+static void pools_add_and_copy_agree_exactly(void **state)
+{
+    (void)state;
+    enum { P = 6, H = 9, W = 8, N = P * H * W };
+    static const int cfg[][4] = {{3, 3, 2, 2}, {2, 3, 1, 2}, {H, W, 1, 1}};
+    float x[N], g[N], y[N], dx[N];
+    fill(x, N, 31);
+    fill(g, N, 32);
+    stk_err err;
+    float *dxs = dev_copy(x, sizeof x), *dg = dev_copy(g, sizeof g);
+    float *dy = dev_copy(x, sizeof x), *ddx = dev_copy(x, sizeof x);
+    for (int t = 0; t < 3; t++) {
+        const int *q = cfg[t];
+        int out = P * ((H - q[0]) / q[2] + 1) * ((W - q[1]) / q[3] + 1);
+        assert_int_equal(
+            stk_avgpool_fwd(cpu, x, P, H, W, q[0], q[1], q[2], q[3], y, &err),
+            0);
+        assert_int_equal(stk_avgpool_fwd(gpu, dxs, P, H, W, q[0], q[1], q[2],
+                                         q[3], dy, &err),
+                         0);
+        float *got = host_copy(dy, out * 4);
+        assert_memory_equal(got, y, out * 4);
+        free(got);
+        assert_int_equal(
+            stk_avgpool_bwd(cpu, g, P, H, W, q[0], q[1], q[2], q[3], dx, &err),
+            0);
+        assert_int_equal(stk_avgpool_bwd(gpu, dg, P, H, W, q[0], q[1], q[2],
+                                         q[3], ddx, &err),
+                         0);
+        got = host_copy(ddx, sizeof dx);
+        assert_memory_equal(got, dx, sizeof dx);
+        free(got);
+    }
+    assert_int_equal(stk_add(cpu, x, g, y, N, &err), 0);
+    assert_int_equal(stk_add(gpu, dxs, dg, dy, N, &err), 0);
+    float *got = host_copy(dy, sizeof y);
+    assert_memory_equal(got, y, sizeof y);
+    free(got);
+    assert_int_equal(stk_copy_dev(gpu, ddx, dg, N, &err), 0);
+    got = host_copy(ddx, sizeof g);
+    assert_memory_equal(got, g, sizeof g);
+    free(got);
+    stk_dev_free(gpu, dxs), stk_dev_free(gpu, dg), stk_dev_free(gpu, dy);
+    stk_dev_free(gpu, ddx);
+}
+
+/* One batchnorm training step on both backends. The sums are reductions
+ * in another order (within 1e-6, and the GPU's repeat exactly); the
+ * element-wise passes, given the CPU's statistics, the same bytes. */
+static void bn_agrees(int n, int c, int hw, bool relu)
+{
+    size_t total = (size_t)n * c * hw, bytes = total * 4, cb = (size_t)c * 4;
+    float *x = malloc(bytes), *g = malloc(bytes), *y = malloc(bytes),
+          *dx = malloc(bytes), *p = malloc(2 * cb), *mean = malloc(cb),
+          *var = malloc(cb), *sums = malloc(2 * cb), *rm = malloc(2 * cb);
+    fill(x, total, 41);
+    fill(g, total, 42);
+    fill(p, 2 * (size_t)c, 43);
+    fill(rm, 2 * (size_t)c, 44);
+    for (int i = 0; i < c; i++)
+        rm[c + i] += 2.0f; /* running variances */
+    stk_err err;
+    double inv = 1.0 / ((double)n * hw);
+    float *dx_ = dev_copy(x, bytes), *dg = dev_copy(g, bytes),
+          *dp = dev_copy(p, 2 * cb), *dy = dev_copy(x, bytes),
+          *ddx = dev_copy(x, bytes), *dst = dev_copy(p, 2 * cb),
+          *dsums = dev_copy(p, 2 * cb), *drm = dev_copy(rm, 2 * cb);
+    /* statistics */
+    assert_int_equal(stk_bn_sums(cpu, x, n, c, hw, NULL, inv, mean, &err), 0);
+    assert_int_equal(stk_bn_sums(cpu, x, n, c, hw, mean, inv, var, &err), 0);
+    assert_int_equal(stk_bn_sums(gpu, dx_, n, c, hw, NULL, inv, dst, &err), 0);
+    float *got = host_copy(dst, cb), *again;
+    assert_true(nerr(got, mean, c) < 1e-6);
+    assert_int_equal(stk_bn_sums(gpu, dx_, n, c, hw, NULL, inv, dst, &err), 0);
+    again = host_copy(dst, cb);
+    assert_memory_equal(again, got, cb);
+    free(got), free(again);
+    assert_int_equal(stk_copy_to_dev(gpu, dst, mean, cb, &err), 0);
+    assert_int_equal(stk_bn_sums(gpu, dx_, n, c, hw, dst, inv, dst + c, &err),
+                     0);
+    got = host_copy(dst + c, cb);
+    assert_true(nerr(got, var, c) < 1e-6);
+    free(got);
+    /* the normalisation from the CPU's statistics */
+    assert_int_equal(stk_copy_to_dev(gpu, dst + c, var, cb, &err), 0);
+    assert_int_equal(stk_bn_apply(cpu, x, y, n, c, hw, mean, var, 1e-5f, p,
+                                  p + c, relu, &err),
+                     0);
+    assert_int_equal(stk_bn_apply(gpu, dx_, dy, n, c, hw, dst, dst + c, 1e-5f,
+                                  dp, dp + c, relu, &err),
+                     0);
+    got = host_copy(dy, bytes);
+    assert_memory_equal(got, y, bytes);
+    free(got);
+    /* backward */
+    const float *ry = relu ? y : NULL, *dry = relu ? dy : NULL;
+    assert_int_equal(stk_bn_grad_sums(cpu, g, ry, x, n, c, hw, mean, var,
+                                      1e-5f, sums, &err),
+                     0);
+    assert_int_equal(stk_bn_grad_sums(gpu, dg, dry, dx_, n, c, hw, dst,
+                                      dst + c, 1e-5f, dsums, &err),
+                     0);
+    got = host_copy(dsums, 2 * cb);
+    assert_true(nerr(got, sums, c) < 1e-5);
+    assert_true(nerr(got + c, sums + c, c) < 1e-5);
+    free(got);
+    assert_int_equal(stk_copy_to_dev(gpu, dsums, sums, 2 * cb, &err), 0);
+    assert_int_equal(stk_bn_input_grad(cpu, g, ry, x, n, c, hw, mean, var,
+                                       1e-5f, p, sums, (float)inv, dx, &err),
+                     0);
+    assert_int_equal(stk_bn_input_grad(gpu, dg, dry, dx_, n, c, hw, dst,
+                                       dst + c, 1e-5f, dp, dsums, (float)inv,
+                                       ddx, &err),
+                     0);
+    got = host_copy(ddx, bytes);
+    assert_memory_equal(got, dx, bytes);
+    free(got);
+    /* running statistics */
+    assert_int_equal(
+        stk_bn_running(cpu, rm, rm + c, mean, var, c, 0.1f, 1.25f, &err), 0);
+    assert_int_equal(
+        stk_bn_running(gpu, drm, drm + c, dst, dst + c, c, 0.1f, 1.25f, &err),
+        0);
+    got = host_copy(drm, 2 * cb);
+    assert_memory_equal(got, rm, 2 * cb);
+    free(got);
+    free(x), free(g), free(y), free(dx), free(p), free(mean), free(var);
+    free(sums), free(rm);
+    stk_dev_free(gpu, dx_), stk_dev_free(gpu, dg), stk_dev_free(gpu, dp);
+    stk_dev_free(gpu, dy), stk_dev_free(gpu, ddx), stk_dev_free(gpu, dst);
+    stk_dev_free(gpu, dsums), stk_dev_free(gpu, drm);
+}
+
+static void batchnorm_agrees(void **state)
+{
+    (void)state;
+    bn_agrees(3, 5, 7 * 9, false);
+    bn_agrees(3, 5, 7 * 9, true);
+    bn_agrees(37, 300, 1, true);  /* BatchNorm1d */
+    bn_agrees(3, 4100, 1, false); /* more channels than blocks */
+}
+
 static void pinned_memory_round_trip(void **state)
 {
     (void)state;
@@ -435,6 +582,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(winograd_agrees),
     cmocka_unit_test(im2col_batches_agree),
     cmocka_unit_test(xent_transform_and_optimizers_agree),
+    cmocka_unit_test(pools_add_and_copy_agree_exactly),
+    cmocka_unit_test(batchnorm_agrees),
     cmocka_unit_test(pinned_memory_round_trip),
 };
 

@@ -681,7 +681,8 @@ static void xent_matches_reference_and_fd(void **state)
     assert_non_null(strstr(err.msg, "label 7 of row 2"));
 }
 
-/* ---- average pool, add, copy ----------------------------------------------- */
+/* ---- average pool, add, copy ---------------------------------------------
+ */
 
 /* L = sum g * avgpool(x), windows kh x kw of stride sh x sw. */
 typedef struct {
@@ -689,7 +690,10 @@ typedef struct {
     const float *g;
 } avg_ctx;
 
-static int avg_out(int len, int k, int st) { return (len - k) / st + 1; }
+static int avg_out(int len, int k, int st)
+{
+    return (len - k) / st + 1;
+}
 
 /* The pool in double into y (planes * oh * ow), a naive loop. */
 static void avg_ref(const avg_ctx *c, const double *x, double *y)
@@ -710,7 +714,8 @@ static void avg_ref(const avg_ctx *c, const double *x, double *y)
 static double avg_loss(const double *x, void *ctx)
 {
     const avg_ctx *c = ctx;
-    int n = c->planes * avg_out(c->h, c->kh, c->sh) * avg_out(c->w, c->kw, c->sw);
+    int n =
+        c->planes * avg_out(c->h, c->kh, c->sh) * avg_out(c->w, c->kw, c->sw);
     double y[512], L = 0;
     avg_ref(c, x, y);
     for (int i = 0; i < n; i++)
@@ -741,13 +746,15 @@ static void avgpool_matches_naive_and_fd(void **state)
         int in = P * q[0] * q[1];
         int out = P * avg_out(q[0], q[2], q[4]) * avg_out(q[1], q[3], q[5]);
         assert_int_equal(stk_avgpool_fwd(be, x, P, q[0], q[1], q[2], q[3],
-                                         q[4], q[5], y, &err), 0);
+                                         q[4], q[5], y, &err),
+                         0);
         to_double(x, xd, in);
         avg_ref(&c, xd, yd);
         near(y, yd, out, 1e-6, "avgpool y");
         memset(dx, 0x7f, sizeof dx);
         assert_int_equal(stk_avgpool_bwd(be, g, P, q[0], q[1], q[2], q[3],
-                                         q[4], q[5], dx, &err), 0);
+                                         q[4], q[5], dx, &err),
+                         0);
         numgrad(avg_loss, xd, in, &c, num);
         near(dx, num, in, 1e-6, "avgpool dx");
     }
@@ -780,7 +787,8 @@ static void add_and_device_copy(void **state)
     assert_non_null(strstr(err.msg, "add: b is NULL"));
 }
 
-/* ---- batch normalisation ------------------------------------------------------ */
+/* ---- batch normalisation -------------------------------------------------
+ */
 
 /* Training-mode batchnorm in double: v = x [n, c, hw], then gamma [c],
  * beta [c]; L = sum g * y (y after the ReLU when relu). */
@@ -811,8 +819,8 @@ static double bn_loss(const double *v, void *ctx)
         for (int r = 0; r < b->n; r++)
             for (int i = 0; i < b->hw; i++) {
                 size_t at = ((size_t)r * b->c + ch) * b->hw + i;
-                double y = (v[at] - m) / sqrt(var + b->eps) * gamma[ch] +
-                           beta[ch];
+                double y =
+                    (v[at] - m) / sqrt(var + b->eps) * gamma[ch] + beta[ch];
                 L += b->g[at] * (b->relu && y < 0 ? 0 : y);
             }
     }
@@ -827,8 +835,9 @@ static double bn_loss(const double *v, void *ctx)
 static void bn_training_check(int n, int c, int hw, int relu)
 {
     size_t total = (size_t)n * c * hw, nv = total + 2 * (size_t)c;
-    float *x = malloc(total * 4), *y = malloc(total * 4), *g = malloc(total * 4),
-          *dx = malloc(total * 4), *t = malloc(total * 4), *p = malloc(2 * c * 4);
+    float *x = malloc(total * 4), *y = malloc(total * 4),
+          *g = malloc(total * 4), *dx = malloc(total * 4),
+          *t = malloc(total * 4), *p = malloc(2 * c * 4);
     double *v = malloc(nv * sizeof *v), *num = malloc(nv * sizeof *num),
            *want = malloc(total * sizeof *want);
     float mean[8], var[8], sums[16], eps = 1e-5f;
@@ -845,27 +854,33 @@ static void bn_training_check(int n, int c, int hw, int relu)
     assert_int_equal(stk_bn_sums(be, x, n, c, hw, NULL, inv, mean, &err), 0);
     assert_int_equal(stk_bn_sums(be, x, n, c, hw, mean, inv, var, &err), 0);
     assert_int_equal(stk_bn_apply(be, x, y, n, c, hw, mean, var, eps, gamma,
-                                  beta, relu, &err), 0);
+                                  beta, relu, &err),
+                     0);
     for (size_t i = 0; i < total; i++) {
         int ch = (int)(i / hw % c);
         double z = (x[i] - (double)mean[ch]) / sqrt((double)var[ch] + eps) *
-                       gamma[ch] + beta[ch];
+                       gamma[ch] +
+                   beta[ch];
         want[i] = relu && z < 0 ? 0 : z;
     }
     near(y, want, total, 2e-6, "batchnorm y");
     memcpy(t, x, total * 4); /* in place */
     assert_int_equal(stk_bn_apply(be, t, t, n, c, hw, mean, var, eps, gamma,
-                                  beta, relu, &err), 0);
+                                  beta, relu, &err),
+                     0);
     assert_memory_equal(t, y, total * 4);
 
     const float *ry = relu ? y : NULL;
-    assert_int_equal(stk_bn_grad_sums(be, g, ry, x, n, c, hw, mean, var, eps,
-                                      sums, &err), 0);
+    assert_int_equal(
+        stk_bn_grad_sums(be, g, ry, x, n, c, hw, mean, var, eps, sums, &err),
+        0);
     assert_int_equal(stk_bn_input_grad(be, g, ry, x, n, c, hw, mean, var, eps,
-                                       gamma, sums, (float)inv, dx, &err), 0);
+                                       gamma, sums, (float)inv, dx, &err),
+                     0);
     memcpy(t, g, total * 4); /* dx over dy */
     assert_int_equal(stk_bn_input_grad(be, t, ry, x, n, c, hw, mean, var, eps,
-                                       gamma, sums, (float)inv, t, &err), 0);
+                                       gamma, sums, (float)inv, t, &err),
+                     0);
     assert_memory_equal(t, dx, total * 4);
 
     to_double(x, v, total);
@@ -906,7 +921,8 @@ static void bn_running_follows_pytorch(void **state)
     memcpy(rv0, rv, sizeof rv);
     stk_err err;
     float unbias = 8.0f / 7.0f;
-    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.1f, unbias, &err), 0);
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.1f, unbias, &err),
+                     0);
     for (int i = 0; i < C; i++) {
         double mo = 0.1f;
         assert_true(rm[i] == (float)(mo * m[i] + (1 - mo) * rm0[i]));
@@ -918,7 +934,8 @@ static void bn_running_follows_pytorch(void **state)
                     3e-7 * rv[i]);
     }
     memcpy(rm0, rm, sizeof rm);
-    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.0f, unbias, &err), 0);
+    assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.0f, unbias, &err),
+                     0);
     assert_memory_equal(rm, rm0, sizeof rm);
     assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 1.0f, 1.0f, &err), 0);
     assert_memory_equal(rm, m, sizeof rm);
@@ -928,14 +945,16 @@ static void bn_running_follows_pytorch(void **state)
     assert_non_null(strstr(err.msg, "momentum 1.5"));
     assert_int_equal(stk_bn_running(be, rm, rv, m, v, C, 0.1f, 0.5f, &err),
                      STK_EINVAL);
-    assert_int_equal(stk_bn_apply(be, m, m, 1, C, 1, m, v, 0.0f, m, m, false,
-                                  &err), STK_EINVAL);
+    assert_int_equal(
+        stk_bn_apply(be, m, m, 1, C, 1, m, v, 0.0f, m, m, false, &err),
+        STK_EINVAL);
     assert_non_null(strstr(err.msg, "eps"));
     assert_int_equal(stk_bn_sums(be, m, 1, 0, 1, NULL, 1.0, v, &err),
                      STK_EINVAL);
     assert_non_null(strstr(err.msg, "batchnorm sums"));
     assert_int_equal(stk_bn_input_grad(be, m, NULL, m, 1, C, 1, m, v, 1e-5f,
-                                       NULL, m, 1.0f, v, &err), STK_EINVAL);
+                                       NULL, m, 1.0f, v, &err),
+                     STK_EINVAL);
     assert_non_null(strstr(err.msg, "gamma is NULL"));
 }
 
@@ -953,27 +972,32 @@ static void bn_run_all(stk_backend *b, const float *x, const float *g,
     double inv = 1.0 / ((double)n * hw);
     const float *gamma = p, *beta = p + c;
     assert_int_equal(stk_bn_sums(b, x, n, c, hw, NULL, inv, o->mean, &err), 0);
-    assert_int_equal(stk_bn_sums(b, x, n, c, hw, o->mean, inv, o->var, &err), 0);
-    assert_int_equal(stk_bn_apply(b, x, o->y, n, c, hw, o->mean, o->var,
-                                  1e-5f, gamma, beta, true, &err), 0);
-    assert_int_equal(stk_bn_grad_sums(b, g, o->y, x, n, c, hw, o->mean,
-                                      o->var, 1e-5f, o->sums, &err), 0);
+    assert_int_equal(stk_bn_sums(b, x, n, c, hw, o->mean, inv, o->var, &err),
+                     0);
+    assert_int_equal(stk_bn_apply(b, x, o->y, n, c, hw, o->mean, o->var, 1e-5f,
+                                  gamma, beta, true, &err),
+                     0);
+    assert_int_equal(stk_bn_grad_sums(b, g, o->y, x, n, c, hw, o->mean, o->var,
+                                      1e-5f, o->sums, &err),
+                     0);
     assert_int_equal(stk_bn_input_grad(b, g, o->y, x, n, c, hw, o->mean,
                                        o->var, 1e-5f, gamma, o->sums,
-                                       (float)inv, o->dx, &err), 0);
+                                       (float)inv, o->dx, &err),
+                     0);
     if (hw > 1) { /* planes of 50 x hw/50, a 3x3 stride 2 pool */
         int h = 50, w = hw / 50, oh = (h - 3) / 2 + 1, ow = (w - 3) / 2 + 1;
-        assert_int_equal(stk_avgpool_fwd(b, x, n * c, h, w, 3, 3, 2, 2,
-                                         o->pool, &err), 0);
-        assert_int_equal(stk_avgpool_bwd(b, g, n * c, h, w, 3, 3, 2, 2,
-                                         o->dpool, &err), 0);
+        assert_int_equal(
+            stk_avgpool_fwd(b, x, n * c, h, w, 3, 3, 2, 2, o->pool, &err), 0);
+        assert_int_equal(
+            stk_avgpool_bwd(b, g, n * c, h, w, 3, 3, 2, 2, o->dpool, &err), 0);
         (void)oh, (void)ow;
     }
 }
 
 static void bn_outs_alloc(bn_outs *o, size_t total, int c)
 {
-    o->mean = malloc(c * 4), o->var = malloc(c * 4), o->sums = malloc(2 * c * 4);
+    o->mean = malloc(c * 4), o->var = malloc(c * 4),
+    o->sums = malloc(2 * c * 4);
     o->y = malloc(total * 4), o->dx = malloc(total * 4);
     o->pool = calloc(total, 4), o->dpool = calloc(total, 4);
 }
@@ -1000,7 +1024,8 @@ static void bn_same_on_1_2_3_threads(void **state)
         for (int t = 0; t < 3; t++) {
             stk_backend *b;
             stk_err err;
-            assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, t + 1, &b, &err), 0);
+            assert_int_equal(
+                stk_backend_create(STK_DEV_CPU, 0, t + 1, &b, &err), 0);
             bn_outs_alloc(&o[t], total, c);
             bn_run_all(b, x, g, p, n, c, hw, &o[t]);
             stk_backend_destroy(b);
@@ -1020,11 +1045,16 @@ static void bn_same_on_1_2_3_threads(void **state)
     }
 }
 
-/* ---- label smoothing ----------------------------------------------------------- */
+/* ---- label smoothing -----------------------------------------------------
+ */
 
 /* PyTorch's definition: the target q = (1 - e) onehot(label) + e / C, the
  * loss -sum q log softmax(z) per row, averaged over the rows. */
-typedef struct { int n, c; const int32_t *labels; double e; } smooth_ctx;
+typedef struct {
+    int n, c;
+    const int32_t *labels;
+    double e;
+} smooth_ctx;
 static double smooth_loss(const double *z, void *ctx)
 {
     const smooth_ctx *s = ctx;
@@ -1057,7 +1087,8 @@ static void xent_label_smoothing_matches_pytorch_and_fd(void **state)
     double zd[N * C], num[N * C];
     stk_err err;
     for (int t = 0; t < 3; t++) {
-        assert_int_equal(stk_xent(be, z, labels, N, C, es[t], &loss, dz, &err), 0);
+        assert_int_equal(stk_xent(be, z, labels, N, C, es[t], &loss, dz, &err),
+                         0);
         to_double(z, zd, N * C);
         smooth_ctx s = {N, C, labels, es[t]};
         double want = smooth_loss(zd, &s);
@@ -1075,7 +1106,8 @@ static void xent_label_smoothing_matches_pytorch_and_fd(void **state)
             for (int j = 0; j < C; j++)
                 direct[r * C + j] =
                     (exp(zd[r * C + j] - m) / sum -
-                     ((j == labels[r] ? 1 - s.e : 0) + s.e / C)) / N;
+                     ((j == labels[r] ? 1 - s.e : 0) + s.e / C)) /
+                    N;
         }
         near(dz, direct, N * C, 1e-6, "smoothed dlogits");
         numgrad(smooth_loss, zd, N * C, &s, num);
