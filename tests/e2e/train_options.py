@@ -6,11 +6,14 @@ weights written here (--init-from) is trained through the command line,
 and its last checkpoint (weights and optimizer state) and the lr of every
 metrics line must match a reference computed here in float64 from the
 documented rules: the sampler of docs/loader.md (stoke_test.permutation,
-shared with the PyTorch peer tests), warm-up and the step and
-cosine schedules, --clip (global L2 norm, applied at every step of the SGD
-run and never in the AdamW run), SGD with --momentum, --nesterov and
---weight-decay, AdamW. A run stopped by --max-steps and resumed with
---resume auto ends with the same bytes as an uninterrupted one.
+shared with the PyTorch peer tests), warm-up and the step, cosine, linear
+and onecycle schedules, --clip (global L2 norm, applied at every step of
+the SGD run and never in the AdamW run), SGD with --momentum, --nesterov
+and --weight-decay, AdamW, --label-smoothing (PyTorch's CrossEntropyLoss:
+every step's loss, and the test loss, with the same criterion) and
+--no-decay-norm-bias (the bias not decayed, the weight decayed). A run
+stopped by --max-steps and resumed with --resume auto ends with the same
+bytes as an uninterrupted one.
 Needs no PyTorch: the reference is numpy."""
 import json, os, shutil, struct, subprocess, sys
 import stoke_test as t  # first: it names the package of a missing numpy
@@ -52,18 +55,34 @@ def make_db():
     run(f"{BIN}/prep", "--quiet", "idx", "db")
     r = t.formats_reader()
     env, meta = r["open_stoke"]("db")
-    x = np.stack([r["read_sample"](env, meta, "train", i)[1] for i in range(TR)])
-    y = np.array([r["read_sample"](env, meta, "train", i)[0] for i in range(TR)])
     # the trainer's transform, in float32: (pixel / 255 - mean) * (1 / std)
     st = meta["splits"]["train"]
     mean, inv = np.float32(st["mean"][0]), np.float32(1) / np.float32(st["std"][0])
-    xf = (x.reshape(TR, -1).astype(np.float32) / np.float32(255) - mean) * inv
-    return xf.astype(np.float64), y
+    split = {}
+    for name, n in (("train", TR), ("test", TE)):
+        x = np.stack([r["read_sample"](env, meta, name, i)[1] for i in range(n)])
+        y = np.array([r["read_sample"](env, meta, name, i)[0] for i in range(n)])
+        xf = (x.reshape(n, -1).astype(np.float32) / np.float32(255) - mean) * inv
+        split[name] = (xf.astype(np.float64), y)
+    return split
 
 
 # ---- the reference -----------------------------------------------------------
 
+def onecycle(lr, step, total):
+    """OneCycleLR's defaults written out: pct_start 0.3, cos, div_factor 25,
+    final_div_factor 1e4, three_phase False."""
+    def anneal(a, b, pct):
+        return b + (a - b) / 2 * (np.cos(np.pi * pct) + 1)
+    up, end = 0.3 * total - 1, total - 1
+    if step <= up:
+        return anneal(lr / 25, lr, step / up)
+    return anneal(lr, lr / 25 / 1e4, (step - up) / (end - up))
+
+
 def lr_at(o, step, total, epoch):
+    if o["schedule"] == "onecycle":
+        return onecycle(o["lr"], step, total)
     if step < o["warmup"]:
         return o["lr"] * (step + 1) / o["warmup"]
     if o["schedule"] == "step":
@@ -71,22 +90,40 @@ def lr_at(o, step, total, epoch):
     if o["schedule"] == "cosine":
         span = total - o["warmup"]
         return o["lr"] * 0.5 * (1 + np.cos(np.pi * min(step - o["warmup"], span) / span))
+    if o["schedule"] == "linear":
+        span = total - o["warmup"]
+        return o["lr"] * (1 - min(step - o["warmup"], span) / span)
     return o["lr"]
 
 
+def loss_grad(p, xb, yb, eps):
+    """PyTorch's CrossEntropyLoss(label_smoothing=eps) of a linear model:
+    the mean loss and dloss/dlogits, the target (1 - eps) on the label plus
+    eps / classes on every class."""
+    z = xb @ p[:CLS * HW * HW].reshape(CLS, -1).T + p[CLS * HW * HW:]
+    logp = z - z.max(axis=1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    target = (1 - eps) * np.eye(CLS)[yb] + eps / CLS
+    loss = -(target * logp).sum(axis=1).mean()
+    return loss, (np.exp(logp) - target) / len(yb)
+
+
 def reference(o, x, y, w, b):
-    """Weights, optimizer state, each step's lr and gradient norm."""
+    """Weights, optimizer state, each step's lr, gradient norm and loss."""
     p = np.concatenate([w.ravel(), b])
     s1, s2 = np.zeros_like(p), np.zeros_like(p)
-    total, step, lrs, norms = STEPS * o["epochs"], 0, [], []
+    total, step, lrs, norms, losses = STEPS * o["epochs"], 0, [], [], []
+    # --no-decay-norm-bias: the bias (head.bias) is not decayed
+    decay = np.full_like(p, o["weight_decay"])
+    if o.get("no_decay_norm_bias"):
+        decay[CLS * HW * HW:] = 0
     for epoch in range(o["epochs"]):
         idx = t.permutation(TR, SEED, epoch)
         for k in range(STEPS):
             rows = idx[k * BATCH:(k + 1) * BATCH]
             xb, yb = x[rows], y[rows]
-            z = xb @ p[:CLS * HW * HW].reshape(CLS, -1).T + p[CLS * HW * HW:]
-            e = np.exp(z - z.max(axis=1, keepdims=True))
-            d = (e / e.sum(axis=1, keepdims=True) - np.eye(CLS)[yb]) / BATCH
+            loss, d = loss_grad(p, xb, yb, o.get("label_smoothing", 0))
+            losses.append(loss)
             g = np.concatenate([(d.T @ xb).ravel(), d.sum(axis=0)])
             norm = np.sqrt((g * g).sum())
             norms.append(norm)
@@ -95,17 +132,17 @@ def reference(o, x, y, w, b):
             lr = lr_at(o, step, total, epoch)
             lrs.append(lr)
             if o["optim"] == "sgd":
-                dd = g + o["weight_decay"] * p
+                dd = g + decay * p
                 s1 = dd if step == 0 else o["momentum"] * s1 + dd
                 p = p - lr * (dd + o["momentum"] * s1 if o.get("nesterov") else s1)
             else:
                 t_ = step + 1
-                p = p * (1 - lr * o["weight_decay"])
+                p = p * (1 - lr * decay)
                 s1 = 0.9 * s1 + 0.1 * g
                 s2 = 0.999 * s2 + 0.001 * g * g
                 p = p - lr * (s1 / (1 - 0.9 ** t_)) / (np.sqrt(s2 / (1 - 0.999 ** t_)) + 1e-8)
             step += 1
-    return p, s1, s2, lrs, norms
+    return p, s1, s2, lrs, norms, losses
 
 
 # ---- runs --------------------------------------------------------------------
@@ -119,6 +156,13 @@ def flags(o):
         f += ["--step-size", o["step_size"], "--gamma", o["gamma"]]
     if o.get("clip"):
         f += ["--clip", o["clip"]]
+    if o.get("label_smoothing"):
+        f += ["--label-smoothing", o["label_smoothing"]]
+    if o.get("no_decay_norm_bias"):
+        f += ["--no-decay-norm-bias"]
+    if o["schedule"] == "onecycle":  # its own warm-up: --warmup is refused
+        f.remove("--warmup")
+        f.remove(o["warmup"])
     return f
 
 
@@ -136,8 +180,9 @@ def close(name, got, want):
         fail(f"{name}[{i}] is {got[i]:.9g}, the reference {want[i]:.9g}")
 
 
-def check(out, o, x, y, w, b):
-    p, s1, s2, lrs, norms = reference(o, x, y, w, b)
+def check(out, o, split, w, b):
+    x, y = split["train"]
+    p, s1, s2, lrs, norms, losses = reference(o, x, y, w, b)
     ck = f"{out}/checkpoints/step-{STEPS * o['epochs']:08d}"
     model = {k: v.astype(np.float64) for k, v in
              t.load_safetensors(f"{ck}/model.safetensors")[0].items()}
@@ -152,6 +197,15 @@ def check(out, o, x, y, w, b):
     got_lr = [l["lr"] for l in lines if l["type"] == "step"]
     if len(got_lr) != len(lrs) or not np.allclose(got_lr, lrs, rtol=2e-5, atol=1e-9):
         fail(f"{out}: lr per step {got_lr}, the reference {lrs}")
+    # every step's loss (lines of one step each, printed to 6 decimals)
+    got_loss = [l["loss"] for l in lines if l["type"] == "step"]
+    if not np.allclose(got_loss, losses, rtol=1e-5, atol=2e-6):
+        fail(f"{out}: loss per step {got_loss}, the reference {losses}")
+    # the test loss of the last epoch: the same criterion on the final weights
+    test_loss = loss_grad(p, *split["test"], o.get("label_smoothing", 0))[0]
+    got = [l for l in lines if l["type"] == "epoch"][-1]["test_loss"]
+    if not np.isclose(got, test_loss, rtol=1e-5, atol=2e-6):
+        fail(f"{out}: test loss {got}, the reference {test_loss}")
     return norms
 
 
@@ -160,7 +214,7 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     os.chdir(tmp)
-    x, y = make_db()
+    split = make_db()
     with open("linear.txt", "w") as f:
         f.write("flatten\nhead: linear classes\n")
     rng = np.random.default_rng(5)
@@ -172,7 +226,7 @@ def main():
     sgd = {"optim": "sgd", "lr": 0.2, "momentum": 0.8, "nesterov": True, "weight_decay": 0.05,
            "clip": 0.05, "schedule": "step", "step_size": 2, "gamma": 0.5, "warmup": 2,
            "epochs": 5}
-    norms = check_run("sgd", sgd, x, y, w, b)
+    norms = check_run("sgd", sgd, split, w, b)
     if min(norms) <= 2 * sgd["clip"]:
         fail(f"the SGD run must clip every step: smallest gradient norm {min(norms)}")
     print(f"ok: SGD --momentum --nesterov --weight-decay --clip (every step) --schedule step "
@@ -180,11 +234,24 @@ def main():
 
     adamw = {"optim": "adamw", "lr": 0.05, "weight_decay": 0.1, "clip": 1000,
              "schedule": "cosine", "warmup": 3, "epochs": 4}
-    norms = check_run("adamw", adamw, x, y, w, b)
+    norms = check_run("adamw", adamw, split, w, b)
     if max(norms) >= adamw["clip"]:
         fail(f"the AdamW run must never clip: largest gradient norm {max(norms)}")
     print(f"ok: AdamW --weight-decay --clip (never reached) --schedule cosine --warmup: "
           f"{STEPS * adamw['epochs']} steps as the reference")
+
+    # the recipe flags: label smoothing in loss, gradient and test loss; no
+    # decay on the bias; the linear and onecycle schedules
+    sgd_ls = dict(sgd, label_smoothing=0.2, no_decay_norm_bias=True, schedule="linear",
+                  weight_decay=0.5, clip=0)
+    check_run("sgd-ls", sgd_ls, split, w, b)
+    print(f"ok: SGD --label-smoothing 0.2 --no-decay-norm-bias --schedule linear --warmup: "
+          f"{STEPS * sgd_ls['epochs']} steps, their losses and the test loss as the reference")
+    adamw_ls = dict(adamw, label_smoothing=0.1, no_decay_norm_bias=True,
+                    schedule="onecycle", weight_decay=0.5)
+    check_run("adamw-ls", adamw_ls, split, w, b)
+    print(f"ok: AdamW --label-smoothing 0.1 --no-decay-norm-bias --schedule onecycle: "
+          f"{STEPS * adamw_ls['epochs']} steps, their losses and the test loss as the reference")
 
     # stopped mid-epoch, resumed: the same bytes as the uninterrupted run
     for name, o in (("sgd", sgd), ("adamw", adamw)):
@@ -198,9 +265,9 @@ def main():
           "run (SGD and AdamW)")
 
 
-def check_run(name, o, x, y, w, b):
+def check_run(name, o, split, w, b):
     train(name, o)
-    return check(name, o, x, y, w, b)
+    return check(name, o, split, w, b)
 
 
 if __name__ == "__main__":
