@@ -8,6 +8,14 @@ linear model:
   stepped alike: SequentialLR(LinearLR warm-up, LinearLR to 0 or
   CosineAnnealingLR) and OneCycleLR(max_lr, total_steps,
   cycle_momentum=False), also with --accum 2 (fewer, larger steps);
+- a small conv + batchnorm network (2-d and 1-d batchnorm, a dropout
+  that --no-dropout makes the identity, a conv without bias) trained by
+  SGD with --weight-decay --no-decay-norm-bias --label-smoothing against
+  its PyTorch twin: two param groups (weight_decay 0 for biases and
+  batchnorm weights), CrossEntropyLoss(label_smoothing), the model in
+  training mode (batch statistics) at every step and in eval mode for the
+  test loss: every step's loss, the weights, the running statistics and
+  the test loss alike;
 - RUN_DIR/curves.svg: after a run stopped by --max-steps in its third
   epoch it draws the two finished epochs; after --resume auto all of them
   (the earlier ones kept), with metrics.jsonl lines that do not parse
@@ -90,6 +98,102 @@ def check_schedules():
                  f"{want[per - 1::per]}")
         print(f"ok: --schedule {schedule} --accum {accum}: the lr of all {len(want)} steps "
               f"as PyTorch's scheduler")
+
+
+# ---- batchnorm, no decay on norms and biases, label smoothing: PyTorch's twin ----
+
+BN_MODEL = """conv1: conv 4 3 pad=1 bias=false
+bn1: batchnorm
+relu
+conv2: conv 5 3 pad=1
+dropout 0.5
+globalpool
+flatten
+fc1: linear 6
+bn2: batchnorm
+relu
+fc: linear classes
+"""
+
+
+class Twin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 5, 3, padding=1)
+        self.fc1 = nn.Linear(5, 6)
+        self.bn2 = nn.BatchNorm1d(6)
+        self.fc = nn.Linear(6, opts.CLS)
+
+    def forward(self, x):
+        x = self.conv2(torch.relu(self.bn1(self.conv1(x)))).mean(dim=(2, 3))
+        return self.fc(torch.relu(self.bn2(self.fc1(x))))
+
+
+def check_batchnorm_recipe(split):
+    torch.manual_seed(7)
+    twin = Twin().double()
+    with open("bn.txt", "w") as f:
+        f.write(BN_MODEL)
+    # float32 weights, then float64 in the twin: the reference is exact
+    init = {k: v.float().numpy() for k, v in twin.state_dict().items()
+            if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+    t.save_safetensors("bn-init.safetensors", init)
+    twin.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in init.items()},
+                         strict=False)
+    lr, mom, wd, eps, epochs = 0.1, 0.9, 0.05, 0.1, 2
+    no_decay = [p for n, p in twin.named_parameters() if n.endswith(".bias") or ".bn" in "." + n]
+    decay = [p for n, p in twin.named_parameters() if all(p is not q for q in no_decay)]
+    if len(decay) != 4 or len(no_decay) != 7:
+        fail(f"the twin's groups: {len(decay)} decayed, {len(no_decay)} not")
+    opt = torch.optim.SGD([{"params": decay}, {"params": no_decay, "weight_decay": 0}],
+                          lr=lr, momentum=mom, weight_decay=wd)
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=eps)
+    x, y = split["train"]
+    x = torch.from_numpy(x.reshape(-1, 1, opts.HW, opts.HW))
+    losses = []
+    twin.train()
+    for epoch in range(epochs):
+        idx = t.permutation(opts.TR, opts.SEED, epoch)
+        for k in range(STEPS):
+            rows = idx[k * opts.BATCH:(k + 1) * opts.BATCH]
+            loss = crit(twin(x[rows]), torch.from_numpy(y[rows]).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    twin.eval()
+    xt, yt = split["test"]
+    with torch.no_grad():
+        test_loss = crit(twin(torch.from_numpy(xt.reshape(-1, 1, opts.HW, opts.HW))),
+                         torch.from_numpy(yt).long()).item()
+    run(f"{BIN}/train", "--db", "db", "--model", "bn.txt", "--init-from", "bn-init.safetensors",
+        "--batch", opts.BATCH, "--seed", opts.SEED, "--workers", 1, "--threads", 1, "--quiet",
+        "--log-every", 1, "--out", "bn", "--optim", "sgd", "--lr", lr, "--momentum", mom,
+        "--weight-decay", wd, "--no-decay-norm-bias", "--label-smoothing", eps,
+        "--schedule", "constant", "--warmup", 0, "--no-dropout", "--epochs", epochs)
+    got = [l["loss"] for l in lines("bn") if l["type"] == "step"]
+    if not np.allclose(got, losses, rtol=2e-5, atol=2e-6):
+        fail(f"batchnorm recipe: loss per step {got}, PyTorch's {losses}")
+    got_test = [l for l in lines("bn") if l["type"] == "epoch"][-1]["test_loss"]
+    if not np.isclose(got_test, test_loss, rtol=2e-5, atol=2e-6):
+        fail(f"batchnorm recipe: test loss (eval mode) {got_test}, PyTorch's {test_loss}")
+    ck = t.load_safetensors(f"bn/checkpoints/step-{STEPS * epochs:08d}/model.safetensors")[0]
+    worst = 0
+    for name, want in twin.state_dict().items():
+        want = want.numpy().astype(np.float64)
+        have = ck[name].astype(np.float64)
+        err = np.abs(have - want).max() / (np.abs(want).max() + 1e-3)
+        worst = max(worst, err)
+        if err > 2e-5:
+            fail(f"batchnorm recipe: {name} differs from PyTorch's by {err:.2e} "
+                 f"(relative to its largest value)\n{have}\n{want}")
+    print(f"ok: conv + batchnorm 2-d/1-d, SGD --no-decay-norm-bias --label-smoothing "
+          f"--no-dropout: {len(losses)} losses, weights and running statistics and the "
+          f"eval-mode test loss as PyTorch's two param groups (largest difference "
+          f"{worst:.1e})")
 
 
 # ---- curves.svg ----------------------------------------------------------------
@@ -184,7 +288,7 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     os.chdir(tmp)
-    opts.make_db()
+    split = opts.make_db()
     with open("linear.txt", "w") as f:
         f.write("flatten\nhead: linear classes\n")
     rng = np.random.default_rng(5)
@@ -192,6 +296,7 @@ def main():
                        {"head.weight": rng.uniform(-0.3, 0.3, (opts.CLS, opts.HW * opts.HW)),
                         "head.bias": rng.uniform(-0.3, 0.3, opts.CLS)})
     check_schedules()
+    check_batchnorm_recipe(split)
     check_curves()
 
 
