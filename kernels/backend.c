@@ -453,10 +453,10 @@ int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
     int rc = check_bn(op, n, c, hw, err);
     if (!rc)
         rc = check_eps(op, eps, err);
-    if (!rc && !(inv_count > 0.0f && inv_count <= 1.0f))
+    if (!rc && !(inv_count >= 0.0f && inv_count <= 1.0f))
         rc = stk_fail(err, STK_EINVAL,
-                      "%s: inv_count %g (1/count, in (0, 1], expected)", op,
-                      (double)inv_count);
+                      "%s: inv_count %g (1/count, or 0, in [0, 1], expected)",
+                      op, (double)inv_count);
     if (!rc)
         rc = CHECK_PTRS(op, "dy x mean var gamma sums dx", dy, x, mean, var,
                         gamma, sums, dx);

@@ -218,6 +218,7 @@ int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
  * dx = gamma/sqrt(var + eps) * (g - inv_count * sums[ch]
  *      - xhat * inv_count * sums[c + ch]),
  * xhat = (x - mean)/sqrt(var + eps), g as above, inv_count = 1/(n*hw)
+ * (0: the statistics are constants, evaluation mode's backward)
  * (SyncBatchNorm: sums all-reduced, 1/(world*n*hw)). dx may alias dy. */
 int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
                       const float *x, int n, int c, int hw, const float *mean,
