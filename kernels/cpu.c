@@ -1055,18 +1055,28 @@ static int cpu_avgpool_fwd(stk_backend *be, const float *x, int planes, int h,
     return 0;
 }
 
-/* Planes [b, e), each pixel gathering from its windows. */
+/* Planes [b, e): a scatter in output order, each output's dy / (kh * kw)
+ * added to its window. Every pixel so adds its windows' shares in
+ * ascending output order starting from 0, the sum stk_avgpool_grad1
+ * gathers (what the CUDA kernel runs): the same floats, also where windows
+ * overlap, and a tenth of the gather's work. */
 static void avgpool_bwd_part(void *v, size_t b, size_t e)
 {
     const avgpool_job *j = v;
     size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
+    float div = stk_avgpool_div(j->kh, j->kw);
     for (size_t p = b; p < e; p++) {
         const float *g = j->x + p * out;
         float *dx = j->y + p * in;
-        for (int y = 0; y < j->h; y++, dx += j->w)
-            for (int x = 0; x < j->w; x++)
-                dx[x] = stk_avgpool_grad_at(g, j->oh, j->ow, j->kh, j->kw,
-                                            j->sh, j->sw, y, x);
+        memset(dx, 0, in * sizeof *dx);
+        for (int oy = 0; oy < j->oh; oy++)
+            for (int ox = 0; ox < j->ow; ox++) {
+                float share = g[(size_t)oy * j->ow + ox] / div;
+                float *r = dx + (size_t)oy * j->sh * j->w + (size_t)ox * j->sw;
+                for (int dy = 0; dy < j->kh; dy++, r += j->w)
+                    for (int dx1 = 0; dx1 < j->kw; dx1++)
+                        r[dx1] += share;
+            }
     }
 }
 
@@ -1119,7 +1129,7 @@ static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
  * bias_grad) added up by a fixed tree; with hw = 1 (BatchNorm1d) the rows
  * in order, BN_BLOCK channels side by side along memory. The element-wise
  * passes (apply, input gradient) split planes, or rows when hw = 1. */
-enum { BN_LANES = 16, BN_BLOCK = 256 };
+enum { BN_LANES = 16, BN_BLOCK = 256, BN_PIECE = 256 };
 
 typedef struct bn_job {
     const float *x, *dy, *relu_y, *shift, *mean, *var, *gamma, *beta, *sums;
@@ -1311,23 +1321,48 @@ static void bn_grad_sums_rows(const bn_job *j, size_t b, size_t e)
     }
 }
 
-/* The plane at element `at` into the lanes of sum g and sum g (x - mean). */
+/* g and x (len floats) into the lanes of sum g and sum g (x - mean), kept
+ * in locals meanwhile (the two arrays could alias, for all the compiler
+ * knows, which stops it vectorising). */
+static void grad_lanes(double *sg, double *sgx, const float *g, const float *x,
+                       int len, float mean)
+{
+    double a[BN_LANES], b[BN_LANES];
+    memcpy(a, sg, sizeof a);
+    memcpy(b, sgx, sizeof b);
+    int i = 0;
+    for (; i + BN_LANES <= len; i += BN_LANES)
+        for (int l = 0; l < BN_LANES; l++) {
+            a[l] += g[i + l];
+            b[l] += stk_bn_gx1(g[i + l], x[i + l], mean);
+        }
+    for (; i < len; i++) {
+        a[i % BN_LANES] += g[i];
+        b[i % BN_LANES] += stk_bn_gx1(g[i], x[i], mean);
+    }
+    memcpy(sg, a, sizeof a);
+    memcpy(sgx, b, sizeof b);
+}
+
+/* The plane at element `at`. With a fused ReLU, g (stk_bn_g1) is made in
+ * pieces of BN_PIECE floats first: a multiple of BN_LANES, so every
+ * element lands in the same lane as without pieces, and loops without a
+ * test in them, which the compiler vectorises. */
 static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
                            float mean)
 {
-    const float *dy = j->dy + at, *ry = j->relu_y ? j->relu_y + at : NULL,
-                *x = j->x + at;
-    int i = 0, hw = j->hw;
-    for (; i + BN_LANES <= hw; i += BN_LANES)
-        for (int l = 0; l < BN_LANES; l++) {
-            float g = stk_bn_g1(dy, ry, (size_t)(i + l));
-            sg[l] += g;
-            sgx[l] += stk_bn_gx1(g, x[i + l], mean);
-        }
-    for (; i < hw; i++) {
-        float g = stk_bn_g1(dy, ry, (size_t)i);
-        sg[i % BN_LANES] += g;
-        sgx[i % BN_LANES] += stk_bn_gx1(g, x[i], mean);
+    const float *dy = j->dy + at, *x = j->x + at;
+    if (!j->relu_y) {
+        grad_lanes(sg, sgx, dy, x, j->hw, mean);
+        return;
+    }
+    const float *ry = j->relu_y + at;
+    float g[BN_PIECE];
+    for (int i0 = 0; i0 < j->hw; i0 += BN_PIECE) {
+        int len = j->hw - i0 < BN_PIECE ? j->hw - i0 : BN_PIECE;
+        for (int i = 0; i < len; i++) /* stk_bn_g1 with its ReLU */
+            g[i] = stk_relu_grad1(ry[i0 + i], dy[i0 + i]);
+        grad_lanes(sg, sgx, g, x + i0, len, mean);
     }
 }
 
