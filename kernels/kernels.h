@@ -190,7 +190,11 @@ int stk_copy_dev(stk_backend *be, float *dst, const float *src, size_t n,
 
 /* Over x [n, c, hw] per channel (hw = 1: BatchNorm1d after a linear layer),
  * as PyTorch's BatchNorm2d/1d. Sums accumulate in double, in an order that
- * does not depend on the CPU's thread count.
+ * does not depend on the CPU's thread count (CUDA adds in another fixed
+ * order: its sums repeat run to run and differ from the CPU's in the last
+ * bits). The element-wise passes compute their per-channel factors in
+ * double, rounded to float once (ops_inline.h, stk_bn_*_coef_of), and are
+ * the same floats on both backends.
  *
  * Training: mean = stk_bn_sums(shift NULL, scale 1/(n*hw)), then
  * var = stk_bn_sums(shift mean, same scale) (biased, two passes); a
@@ -201,8 +205,9 @@ int stk_copy_dev(stk_backend *be, float *dst, const float *src, size_t n,
 int stk_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                 const float *shift, double scale, float *sums, stk_err *err);
 /* y = (x - mean[ch]) / sqrt(var[ch] + eps) * gamma[ch] + beta[ch], and
- * then max(y, 0) when relu (a batchnorm with its ReLU in one pass). y may
- * alias x. */
+ * then max(y, 0) when relu (a batchnorm with its ReLU in one pass),
+ * computed as (x - mean) * k + beta with k = gamma / sqrt(var + eps). y
+ * may alias x. */
 int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
                  int hw, const float *mean, const float *var, float eps,
                  const float *gamma, const float *beta, bool relu,

@@ -451,6 +451,14 @@ STK_HD float stk_maxpool_at(const float *p, int h, int w, int k, int st,
     return best;
 }
 
+/* Pools without padding: the outputs o in [*lo, *hi] of one axis (out of them) whose window
+ * [o * st, o * st + k) holds coordinate y. */
+STK_HD void stk_pool_span(int y, int k, int st, int out, int *lo, int *hi)
+{
+    *lo = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
+    *hi = y / st < out - 1 ? y / st : out - 1;
+}
+
 /* Input gradient at element i (plane, y, x) of a max-pool's input: the sum
  * of dy over the windows that contain (y, x) and chose it, taken in
  * ascending output order, which is the order of the CPU's scatter (one add
@@ -463,11 +471,9 @@ STK_HD float stk_maxpool_grad1(const float *dy, const int32_t *arg, int h,
     size_t plane = i / ((size_t)h * w);
     int32_t q = (int32_t)(i % ((size_t)h * w));
     int y = q / w, x = q % w;
-    /* outputs whose window [o*st, o*st + k) holds the coordinate */
-    int oy0 = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
-    int ox0 = x - k + 1 > 0 ? (x - k + 1 + st - 1) / st : 0;
-    int oy1 = y / st < oh - 1 ? y / st : oh - 1;
-    int ox1 = x / st < ow - 1 ? x / st : ow - 1;
+    int oy0, oy1, ox0, ox1;
+    stk_pool_span(y, k, st, oh, &oy0, &oy1);
+    stk_pool_span(x, k, st, ow, &ox0, &ox1);
     const float *g = dy + plane * (size_t)oh * ow;
     const int32_t *a = arg + plane * (size_t)oh * ow;
     float sum = 0.0f;
@@ -518,14 +524,6 @@ STK_HD float stk_avgpool1(const float *x, int h, int w, int kh, int kw, int sh,
     size_t plane = j / ((size_t)ow * oh);
     return stk_avgpool_at(x + plane * (size_t)h * w, w, kh, kw, sh, sw, oy,
                           ox);
-}
-
-/* The outputs o in [*lo, *hi] of one axis (out of them) whose window
- * [o * st, o * st + k) holds coordinate y. */
-STK_HD void stk_pool_span(int y, int k, int st, int out, int *lo, int *hi)
-{
-    *lo = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
-    *hi = y / st < out - 1 ? y / st : out - 1;
 }
 
 /* Input gradient at pixel (y, x) of one plane, g being the plane's output

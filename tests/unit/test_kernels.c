@@ -433,6 +433,13 @@ static void winograd_rows_equal_bodies_on(stk_conv_shape s)
             stk_wino_output1(m + (size_t)co * nt + j, sm, b[co], &s, co, COUT,
                              (size_t)j, y1);
     assert_memory_equal(y, y1, ny * 4);
+    /* no bias (a convolution before a batchnorm): the outputs plus 0 */
+    assert_int_equal(stk_wino_output(be, m, NULL, &s, COUT, N, y, &err), 0);
+    for (int co = 0; co < COUT; co++)
+        for (int j = 0; j < nt; j++)
+            stk_wino_output1(m + (size_t)co * nt + j, sm, 0.0f, &s, co, COUT,
+                             (size_t)j, y1);
+    assert_memory_equal(y, y1, ny * 4);
     /* the input gradient from v as dV: CPU scatter against body + gather */
     memcpy(v1, v, STK_WINO_P * sv * 4);
     assert_int_equal(stk_wino_input_grad(be, v, &s, N, dx, &err), 0);
