@@ -390,6 +390,846 @@ static void winograd_and_im2col_agree(void **state)
     assert_true(differ > 0); /* they are two computations, not one */
 }
 
+/* ---- graphs: residual models, batchnorm, pools ----------------------------
+ */
+
+/* A file of the source tree (models/...), read whole; the tree is found
+ * from this file's path, as the build passes it. */
+static char *source_file(const char *rel)
+{
+    char path[2048];
+    const char *me = __FILE__, *cut = strstr(me, "tests/unit/test_trainer.c");
+    snprintf(path, sizeof path, "%.*s%s", cut ? (int)(cut - me) : 0, me, rel);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        fail_msg("cannot open %s", path);
+    char *text = calloc(1, 1 << 16);
+    size_t n = fread(text, 1, (1 << 16) - 1, f);
+    fclose(f);
+    assert_true(n > 0 && n < (1 << 16) - 1);
+    return text;
+}
+
+/* stk_model_parse's error for text, which must contain `want`. */
+static void expect_parse_error(const char *text, const char *want)
+{
+    stk_model_spec spec;
+    stk_err err;
+    assert_int_equal(stk_model_parse(text, "g.model", &spec, &err),
+                     STK_EINVAL);
+    if (!strstr(err.msg, want))
+        fail_msg("error \"%s\" does not say \"%s\"", err.msg, want);
+}
+
+/* stk_model_create's error for text on c x hw x hw inputs, 4 classes. */
+static void expect_create_error(const char *text, int c, int hw, int max_batch,
+                                const char *want)
+{
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_parse(text, "g.model", &spec, &err), 0);
+    assert_int_equal(
+        stk_model_create(be, &spec, c, hw, hw, 4, max_batch, 1, &m, &err),
+        STK_EINVAL);
+    assert_null(m);
+    if (!strstr(err.msg, want))
+        fail_msg("error \"%s\" does not say \"%s\"", err.msg, want);
+}
+
+/* Inputs by name, with one clear line for each way a graph can be wrong. */
+static void graph_format_and_errors(void **state)
+{
+    (void)state;
+    stk_model_spec spec;
+    stk_err err;
+    const char *text = "a: conv 4 3 pad=1 bias=false\n"
+                       "bn: batchnorm\n"
+                       "r: relu\n"
+                       "b: conv 4 1 from=a\n"
+                       "s: add r\n"    /* the layer before + r */
+                       "add s input\n" /* two names */
+                       "avgpool 2 stride=1\n"
+                       "globalpool\n"
+                       "flatten\n"
+                       "linear classes bias=false\n";
+    assert_int_equal(stk_model_parse(text, "g.model", &spec, &err), 0);
+    assert_int_equal(spec.n, 10);
+    assert_true(spec.layers[0].no_bias && !spec.layers[3].no_bias);
+    assert_true(spec.layers[9].no_bias);
+    assert_int_equal(spec.layers[2].nin, 0); /* reads the layer before */
+    assert_int_equal(spec.layers[3].nin, 1);
+    assert_int_equal(spec.layers[3].in[0], 0);
+    assert_int_equal(spec.layers[4].nin, 2);
+    assert_int_equal(spec.layers[4].in[0], 3);
+    assert_int_equal(spec.layers[4].in[1], 2);
+    assert_int_equal(spec.layers[5].in[0], 4);
+    assert_int_equal(spec.layers[5].in[1], STK_INPUT);
+    assert_int_equal(spec.layers[6].k, 2);
+    assert_int_equal(spec.layers[6].stride, 1);
+    stk_model *m;
+    assert_int_equal(stk_model_create(be, &spec, 4, 6, 6, 4, 2, 1, &m, &err),
+                     0);
+    /* a.weight, bn.weight, bn.bias, b.weight, b.bias, fc1.weight */
+    assert_int_equal(stk_model_nparams(m), 6);
+    expect_param(m, 0, "a.weight", 4, 4, 4, 3, 3);
+    expect_param(m, 1, "bn.weight", 1, 4, 0, 0, 0);
+    expect_param(m, 4, "b.bias", 1, 4, 0, 0, 0);
+    expect_param(m, 5, "fc1.weight", 2, 4, 4, 0, 0);
+    assert_true(
+        stk_model_param(m, 4)->no_decay && stk_model_param(m, 1)->no_decay &&
+        stk_model_param(m, 2)->no_decay && !stk_model_param(m, 0)->no_decay);
+    assert_int_equal(stk_model_nbuffers(m), 2);
+    assert_string_equal(stk_model_buffer(m, 1)->name, "bn.running_var");
+    assert_int_equal(stk_model_ncounters(m), 1);
+    assert_string_equal(stk_model_counter_name(m, 0),
+                        "bn.num_batches_tracked");
+    stk_model_destroy(m);
+
+    expect_parse_error("relu\nadd x\n", "g.model:2: no layer is named 'x'");
+    expect_parse_error("conv 2 1 from=later\nlater: relu\n",
+                       "g.model:1: 'later' is defined later (line 2)");
+    expect_parse_error("x: relu\nadd x y\n\ny: relu\n",
+                       "g.model:2: 'y' is defined later (line 4)");
+    expect_parse_error("me: conv 2 1 from=me\n",
+                       "g.model:1: this layer reads 'me'");
+    expect_parse_error(
+        "a: relu\n# twice\na: flatten\n",
+        "g.model:3: a second layer named 'a' (the first is on line 1)");
+    expect_parse_error("add\n", "g.model:1: add needs the name");
+    expect_parse_error("relu\nadd a b c\n", "g.model:2: unexpected 'c'");
+    expect_parse_error("input: relu\n", "'input' is the model's input");
+    expect_parse_error("conv 2 3 bias=no\n",
+                       "g.model:1: 'bias=no': bias takes true or false");
+    expect_parse_error("relu bias=false\n", "'bias=false' does not apply");
+    expect_parse_error("relu\nadd input from=input\n",
+                       "'from=input' does not apply");
+    expect_parse_error("avgpool\n", "avgpool needs a kernel size");
+    expect_parse_error("globalpool 2\n", "unexpected '2'");
+    expect_parse_error("a/b: relu\n", "'a/b' is not a layer name");
+
+    expect_create_error("conv 4 3\nadd input\nflatten\nlinear classes\n", 2, 6,
+                        2,
+                        "layer 2 (add): adds 4x4x4 (conv1) and 2x6x6 (input): "
+                        "the shapes differ");
+    expect_create_error("s: conv 4 3 stride=2\nr: conv 4 3 from=input\nadd s\n"
+                        "flatten\nlinear classes\n",
+                        4, 9, 2, "adds 4x7x7 (r) and 4x4x4 (s)");
+    expect_create_error(
+        "flatten\nlinear 8\nmid: batchnorm\nlinear classes\n", 1, 4, 1,
+        "mid: a batchnorm over 8x1x1 inputs in batches of at most 1 "
+        "sees one value per channel in training");
+    expect_create_error(
+        "a: conv 2 1\nb: conv 2 1 from=input\nflatten\nlinear classes\n", 2, 3,
+        2, "a: no layer reads its output");
+}
+
+/* Training on one sample of 1x1 planes: PyTorch's "Expected more than 1
+ * value per channel when training"; evaluation is fine. */
+static void batchnorm_refuses_one_value_per_channel(void **state)
+{
+    (void)state;
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(
+        stk_model_parse("flatten\nlinear 5\nbn: batchnorm\nlinear classes\n",
+                        "t", &spec, &err),
+        0);
+    assert_int_equal(stk_model_create(be, &spec, 1, 3, 3, 4, 4, 1, &m, &err),
+                     0);
+    float x[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const float *logits;
+    assert_int_equal(stk_model_forward(m, x, 1, true, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg,
+                           "bn: a batchnorm in training over a 1x5x1x1 "
+                           "input sees one value per channel"));
+    assert_int_equal(stk_model_forward(m, x, 1, false, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    stk_model_destroy(m);
+    /* 2-d: one sample of 2x2 planes is four values per channel */
+    assert_int_equal(stk_model_parse("batchnorm\nflatten\nlinear classes\n",
+                                     "t", &spec, &err),
+                     0);
+    assert_int_equal(stk_model_create(be, &spec, 1, 2, 2, 4, 1, 1, &m, &err),
+                     0);
+    assert_int_equal(stk_model_forward(m, x, 1, true, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    stk_model_destroy(m);
+}
+
+/* The parameter names and count of a built-in on c x hw x hw inputs. */
+static size_t builtin_params(const char *name, int c, int hw, int classes,
+                             char names[][STK_NAME_MAX + 32], int *np)
+{
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_builtin(name, &spec, &err), 0);
+    assert_int_equal(
+        stk_model_create(be, &spec, c, hw, hw, classes, 2, 1, &m, &err), 0);
+    *np = stk_model_nparams(m);
+    for (int i = 0; i < *np; i++)
+        snprintf(names[i], sizeof names[i], "%s", stk_model_param(m, i)->name);
+    size_t total = stk_model_param_count(m);
+    stk_model_destroy(m);
+    return total;
+}
+
+/* models/NAME.model is the built-in NAME, field for field; the built-ins
+ * keep their parameter names and counts. */
+static void model_files_are_the_builtins(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"cnn", "mlp", "resnet20", "resnet18"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        stk_model_spec *file = malloc(sizeof *file),
+                       *builtin = malloc(sizeof *builtin);
+        char rel[64];
+        stk_err err;
+        snprintf(rel, sizeof rel, "models/%s.model", names[i]);
+        char *text = source_file(rel);
+        assert_int_equal(stk_model_parse(text, rel, file, &err), 0);
+        assert_int_equal(stk_model_builtin(names[i], builtin, &err), 0);
+        if (memcmp(file, builtin, sizeof *file))
+            fail_msg("%s differs from the built-in %s", rel, names[i]);
+        free(text);
+        free(file);
+        free(builtin);
+    }
+    static char got[2 * STK_MAX_LAYERS][STK_NAME_MAX + 32];
+    int np;
+    assert_int_equal(builtin_params("mlp", 1, 28, 10, got, &np),
+                     784 * 256 + 256 + 256 * 128 + 128 + 1290);
+    assert_int_equal(np, 6);
+    assert_string_equal(got[5], "fc3.bias");
+    assert_int_equal(builtin_params("cnn", 1, 28, 10, got, &np), CNN_PARAMS);
+    assert_int_equal(np, 8);
+    assert_string_equal(got[3], "conv2.bias");
+    /* resnet20 with option B shortcuts: 16/32/64 channels; Fashion-MNIST
+     * sizes work (28 -> 14 -> 7) */
+    size_t r20 =
+        16 * 1 * 9 + 32 + /* stem */
+        6 * (16 * 16 * 9 + 32) + (32 * 16 * 9 + 64 + 32 * 32 * 9 + 64) +
+        4 * (32 * 32 * 9 + 64) + (32 * 16 + 64) + /* downsample of layer2 */
+        (64 * 32 * 9 + 128 + 64 * 64 * 9 + 128) + 4 * (64 * 64 * 9 + 128) +
+        (64 * 32 + 128) + 64 * 10 + 10;
+    assert_int_equal(builtin_params("resnet20", 1, 28, 10, got, &np), r20);
+    assert_string_equal(got[0], "conv1.weight");
+    assert_string_equal(got[3], "layer1.0.conv1.weight");
+    assert_string_equal(got[np - 1], "fc.bias");
+}
+
+/* torchvision's resnet18 state dict (CIFAR stem: conv1 3x3 on 3 channels,
+ * no max-pool), written out by PyTorch: parameters (P), running
+ * statistics (B) and num_batches_tracked (C), in order. */
+static const struct {
+    const char *name;
+    char kind;
+    int ndim, shape[4];
+} resnet18_state[] = {
+    {"conv1.weight", 'P', 4, {64, 3, 3, 3}},
+    {"bn1.weight", 'P', 1, {64, 0, 0, 0}},
+    {"bn1.bias", 'P', 1, {64, 0, 0, 0}},
+    {"bn1.running_mean", 'B', 1, {64, 0, 0, 0}},
+    {"bn1.running_var", 'B', 1, {64, 0, 0, 0}},
+    {"bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer1.0.conv1.weight", 'P', 4, {64, 64, 3, 3}},
+    {"layer1.0.bn1.weight", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn1.bias", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn1.running_mean", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn1.running_var", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer1.0.conv2.weight", 'P', 4, {64, 64, 3, 3}},
+    {"layer1.0.bn2.weight", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn2.bias", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn2.running_mean", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn2.running_var", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.0.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer1.1.conv1.weight", 'P', 4, {64, 64, 3, 3}},
+    {"layer1.1.bn1.weight", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn1.bias", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn1.running_mean", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn1.running_var", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer1.1.conv2.weight", 'P', 4, {64, 64, 3, 3}},
+    {"layer1.1.bn2.weight", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn2.bias", 'P', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn2.running_mean", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn2.running_var", 'B', 1, {64, 0, 0, 0}},
+    {"layer1.1.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer2.0.conv1.weight", 'P', 4, {128, 64, 3, 3}},
+    {"layer2.0.bn1.weight", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn1.bias", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn1.running_mean", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn1.running_var", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer2.0.conv2.weight", 'P', 4, {128, 128, 3, 3}},
+    {"layer2.0.bn2.weight", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn2.bias", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn2.running_mean", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn2.running_var", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer2.0.downsample.0.weight", 'P', 4, {128, 64, 1, 1}},
+    {"layer2.0.downsample.1.weight", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.downsample.1.bias", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.0.downsample.1.running_mean", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.downsample.1.running_var", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.0.downsample.1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer2.1.conv1.weight", 'P', 4, {128, 128, 3, 3}},
+    {"layer2.1.bn1.weight", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn1.bias", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn1.running_mean", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn1.running_var", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer2.1.conv2.weight", 'P', 4, {128, 128, 3, 3}},
+    {"layer2.1.bn2.weight", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn2.bias", 'P', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn2.running_mean", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn2.running_var", 'B', 1, {128, 0, 0, 0}},
+    {"layer2.1.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer3.0.conv1.weight", 'P', 4, {256, 128, 3, 3}},
+    {"layer3.0.bn1.weight", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn1.bias", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn1.running_mean", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn1.running_var", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer3.0.conv2.weight", 'P', 4, {256, 256, 3, 3}},
+    {"layer3.0.bn2.weight", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn2.bias", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn2.running_mean", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn2.running_var", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer3.0.downsample.0.weight", 'P', 4, {256, 128, 1, 1}},
+    {"layer3.0.downsample.1.weight", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.downsample.1.bias", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.0.downsample.1.running_mean", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.downsample.1.running_var", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.0.downsample.1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer3.1.conv1.weight", 'P', 4, {256, 256, 3, 3}},
+    {"layer3.1.bn1.weight", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn1.bias", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn1.running_mean", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn1.running_var", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer3.1.conv2.weight", 'P', 4, {256, 256, 3, 3}},
+    {"layer3.1.bn2.weight", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn2.bias", 'P', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn2.running_mean", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn2.running_var", 'B', 1, {256, 0, 0, 0}},
+    {"layer3.1.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer4.0.conv1.weight", 'P', 4, {512, 256, 3, 3}},
+    {"layer4.0.bn1.weight", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn1.bias", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn1.running_mean", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn1.running_var", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer4.0.conv2.weight", 'P', 4, {512, 512, 3, 3}},
+    {"layer4.0.bn2.weight", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn2.bias", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn2.running_mean", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn2.running_var", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer4.0.downsample.0.weight", 'P', 4, {512, 256, 1, 1}},
+    {"layer4.0.downsample.1.weight", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.downsample.1.bias", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.0.downsample.1.running_mean", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.downsample.1.running_var", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.0.downsample.1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer4.1.conv1.weight", 'P', 4, {512, 512, 3, 3}},
+    {"layer4.1.bn1.weight", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn1.bias", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn1.running_mean", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn1.running_var", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn1.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"layer4.1.conv2.weight", 'P', 4, {512, 512, 3, 3}},
+    {"layer4.1.bn2.weight", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn2.bias", 'P', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn2.running_mean", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn2.running_var", 'B', 1, {512, 0, 0, 0}},
+    {"layer4.1.bn2.num_batches_tracked", 'C', 0, {0, 0, 0, 0}},
+    {"fc.weight", 'P', 2, {10, 512, 0, 0}},
+    {"fc.bias", 'P', 1, {10, 0, 0, 0}},
+};
+
+static void resnet18_has_torchvision_names(void **state)
+{
+    (void)state;
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_builtin("resnet18", &spec, &err), 0);
+    assert_int_equal(
+        stk_model_create(be, &spec, 3, 32, 32, 10, 2, 1, &m, &err), 0);
+    int ip = 0, ib = 0, ic = 0;
+    for (size_t i = 0; i < sizeof resnet18_state / sizeof *resnet18_state;
+         i++) {
+        const char *want = resnet18_state[i].name;
+        const stk_param *p = NULL;
+        if (resnet18_state[i].kind == 'C') {
+            assert_true(ic < stk_model_ncounters(m));
+            assert_string_equal(stk_model_counter_name(m, ic++), want);
+            continue;
+        }
+        if (resnet18_state[i].kind == 'P') {
+            assert_true(ip < stk_model_nparams(m));
+            p = stk_model_param(m, ip++);
+        } else {
+            assert_true(ib < stk_model_nbuffers(m));
+            p = stk_model_buffer(m, ib++);
+        }
+        assert_string_equal(p->name, want);
+        assert_int_equal(p->ndim, resnet18_state[i].ndim);
+        for (int d = 0; d < p->ndim; d++)
+            assert_int_equal(p->shape[d], resnet18_state[i].shape[d]);
+    }
+    assert_int_equal(ip, stk_model_nparams(m));
+    assert_int_equal(ib, stk_model_nbuffers(m));
+    assert_int_equal(ic, stk_model_ncounters(m));
+    assert_int_equal(stk_model_param_count(m), 11173962); /* PyTorch's count */
+    /* new statistics: running_mean 0, running_var 1; bn weight 1, bias 0 */
+    const float *b = stk_model_buffers(m), *w = stk_model_weights(m);
+    const stk_param *rv = stk_model_buffer(m, 1), *bw = stk_model_param(m, 1),
+                    *bb = stk_model_param(m, 2);
+    assert_true(b[0] == 0.0f && b[rv->offset] == 1.0f &&
+                b[rv->offset + 63] == 1.0f);
+    assert_true(w[bw->offset] == 1.0f && w[bb->offset + 5] == 0.0f);
+    assert_int_equal(*stk_model_counter(m, 0), 0);
+    stk_model_destroy(m);
+}
+
+/* Cross-entropy of logits [n, classes] in double, and its gradient. */
+static double xent_double(const float *logits, const int32_t *y, int n,
+                          int classes, float *dlogits)
+{
+    double loss = 0;
+    for (int i = 0; i < n; i++) {
+        const float *z = logits + i * classes;
+        double mx = z[0], sum = 0;
+        for (int j = 1; j < classes; j++)
+            mx = z[j] > mx ? z[j] : mx;
+        for (int j = 0; j < classes; j++)
+            sum += exp(z[j] - mx);
+        loss += (log(sum) + mx - z[y[i]]) / n;
+        for (int j = 0; dlogits && j < classes; j++)
+            dlogits[i * classes + j] =
+                (float)((exp(z[j] - mx) / sum - (j == y[i])) / n);
+    }
+    return loss;
+}
+
+/* The training-mode loss of m on a fixed batch. */
+static double train_loss(stk_model *m, const float *x, const int32_t *y, int n,
+                         int classes)
+{
+    const float *logits;
+    stk_err err;
+    assert_int_equal(stk_model_forward(m, x, n, true, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    return xent_double(logits, y, n, classes, NULL);
+}
+
+/* The whole backward of a residual model in training mode (batchnorm's
+ * gradient through the batch statistics, 2-d and 1-d; a projection
+ * shortcut of stride 2 beside a strided 3x3 conv; a fan-out whose
+ * gradients add up; a Winograd conv; average and global pools; layers
+ * without bias) against central differences of the loss, computed in
+ * double from the float logits, on every parameter. */
+static void residual_backward_matches_fd(void **state)
+{
+    (void)state;
+    const char *text = "c1: conv 8 3 pad=1 bias=false\n"
+                       "b1: batchnorm\n"
+                       "r1: relu\n"
+                       "c2: conv 8 3 stride=2 pad=1 bias=false\n"
+                       "b2: batchnorm\n"
+                       "relu\n"
+                       "c3: conv 8 3 pad=1 bias=false\n" /* Winograd */
+                       "b3: batchnorm\n"
+                       "d0: conv 8 1 stride=2 bias=false from=r1\n"
+                       "d1: batchnorm\n"
+                       "add b3\n"
+                       "r2: relu\n"
+                       "pooled: avgpool 2 stride=1\n"
+                       "add pooled pooled\n" /* one output read twice */
+                       "globalpool\n"
+                       "flatten\n"
+                       "fc1: linear 6\n"
+                       "bn1d: batchnorm\n"
+                       "relu\n"
+                       "fc2: linear classes\n";
+    enum { N = 4, C = 3, H = 8, K = 4 };
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
+    assert_int_equal(stk_model_create(be, &spec, C, H, H, K, N, 3, &m, &err),
+                     0);
+    float x[N * C * H * H], dl[N * K];
+    int32_t y[N] = {1, 3, 0, 2};
+    for (int i = 0; i < N * C * H * H; i++)
+        x[i] = sinf((float)i * 0.37f) + 0.2f * cosf((float)i * 1.3f);
+    const float *logits;
+    assert_int_equal(stk_model_forward(m, x, N, true, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    xent_double(logits, y, N, K, dl);
+    assert_int_equal(stk_model_backward(m, dl, N, (stk_philox_key){0, 0}, 0,
+                                        false, NULL, NULL, &err),
+                     0);
+    size_t np = stk_model_param_count(m);
+    float *g = malloc(np * sizeof *g), *w = stk_model_weights(m);
+    memcpy(g, stk_model_grads(m), np * sizeof *g);
+    /* the loss at w[i] + k h, k = -2..2; the four slopes between them
+     * agree where the loss is smooth, and differ where a ReLU switches
+     * (every unit after a batchnorm lies near 0 with some probability):
+     * such a point is a kink, and only smooth points are compared */
+    int bad = 0, kinks = 0;
+    for (size_t i = 0; i < np; i++) {
+        float keep = w[i],
+              h = 1e-3f * (fabsf(keep) > 0.5f ? fabsf(keep) : 0.5f);
+        double at[5], slope[4], lo = 1e30, hi = -1e30;
+        for (int k = 0; k < 5; k++) {
+            w[i] = keep + (float)(k - 2) * h;
+            at[k] = train_loss(m, x, y, N, K);
+        }
+        w[i] = keep;
+        for (int k = 0; k < 4; k++) {
+            slope[k] = (at[k + 1] - at[k]) / h;
+            lo = slope[k] < lo ? slope[k] : lo;
+            hi = slope[k] > hi ? slope[k] : hi;
+        }
+        double num = (at[3] - at[1]) / (2 * h);
+        double scale = fabs(num) > 1e-2 ? fabs(num) : 1e-2;
+        if (hi - lo > 0.02 * scale + 1e-3) { /* float noise: about 3e-4 */
+            kinks++;
+        } else if (fabs(num - g[i]) > 0.02 * scale + 5e-4) {
+            print_message("param %zu: backward %.6g, differences %.6g\n", i,
+                          g[i], num);
+            bad++;
+        }
+    }
+    if (bad || kinks > (int)np / 4)
+        fail_msg(
+            "%d of %zu parameter gradients disagree with finite differences "
+            "at smooth points (%d kinks)",
+            bad, np, kinks);
+    free(g);
+    stk_model_destroy(m);
+}
+
+/* One training step of the model in `text` (forward in training mode,
+ * backward of the double cross-entropy) on b: logits and gradients; the
+ * parameter count. */
+static size_t graph_step(stk_backend *b, const char *text, int c, int hw,
+                         int n, float *logits_out, float *grads_out,
+                         float *buffers_out)
+{
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
+    assert_int_equal(stk_model_create(b, &spec, c, hw, hw, 5, n, 11, &m, &err),
+                     0);
+    float *x = malloc((size_t)n * c * hw * hw * sizeof *x), dl[64 * 5];
+    int32_t y[64];
+    for (int i = 0; i < n * c * hw * hw; i++)
+        x[i] = sinf((float)i * 0.29f) + 0.5f * cosf((float)i * 0.071f);
+    for (int i = 0; i < n; i++)
+        y[i] = (i * 3) % 5;
+    const float *logits;
+    assert_int_equal(stk_model_forward(m, x, n, true, (stk_philox_key){3, 4},
+                                       2, &logits, &err),
+                     0);
+    memcpy(logits_out, logits, (size_t)n * 5 * sizeof(float));
+    xent_double(logits, y, n, 5, dl);
+    assert_int_equal(stk_model_backward(m, dl, n, (stk_philox_key){3, 4}, 2,
+                                        false, NULL, NULL, &err),
+                     0);
+    size_t np = stk_model_param_count(m);
+    memcpy(grads_out, stk_model_grads(m), np * sizeof(float));
+    if (buffers_out)
+        memcpy(buffers_out, stk_model_buffers(m),
+               stk_model_buffer_count(m) * sizeof(float));
+    free(x);
+    stk_model_destroy(m);
+    return np;
+}
+
+/* An output read by two layers gets the sum of their gradients: with the
+ * add, h + h = 2h feeds fc2, which is fc2 with doubled weights on h (the
+ * doubling is exact in float): every gradient below fc2 is the same to
+ * the bit, and fc2's weight gradient is twice the plain one. */
+static void fan_out_gradients_add_up(void **state)
+{
+    (void)state;
+    enum { N = 6, PX = 2 * 5 * 5 };
+    stk_model_spec sa, sb;
+    stk_err err;
+    stk_model *a, *b;
+    const char *fanned = "c: conv 3 3 pad=1\nfc1: linear 7\nh: relu\nadd h "
+                         "h\nfc2: linear classes\n";
+    const char *plain =
+        "c: conv 3 3 pad=1\nfc1: linear 7\nh: relu\nfc2: linear classes\n";
+    assert_int_equal(stk_model_parse(fanned, "a", &sa, &err), 0);
+    assert_int_equal(stk_model_parse(plain, "b", &sb, &err), 0);
+    assert_int_equal(stk_model_create(be, &sa, 2, 5, 5, 5, N, 1, &a, &err), 0);
+    assert_int_equal(stk_model_create(be, &sb, 2, 5, 5, 5, N, 1, &b, &err), 0);
+    size_t np = stk_model_param_count(a);
+    assert_int_equal(np, stk_model_param_count(b));
+    const stk_param *w2 = stk_model_param(b, 4);
+    assert_string_equal(w2->name, "fc2.weight");
+    for (size_t i = 0; i < w2->count; i++)
+        stk_model_weights(b)[w2->offset + i] *= 2;
+    float x[N * PX], la[N * 5], lb[N * 5], dl[N * 5];
+    int32_t y[N] = {0, 1, 2, 3, 4, 0};
+    for (int i = 0; i < N * PX; i++)
+        x[i] = cosf((float)i * 0.53f);
+    stk_model *ms[2] = {a, b};
+    float *ls[2] = {la, lb};
+    for (int k = 0; k < 2; k++) {
+        const float *logits;
+        assert_int_equal(stk_model_forward(ms[k], x, N, true,
+                                           (stk_philox_key){0, 0}, 0, &logits,
+                                           &err),
+                         0);
+        memcpy(ls[k], logits, sizeof la);
+        xent_double(logits, y, N, 5, dl);
+        assert_int_equal(stk_model_backward(ms[k], dl, N,
+                                            (stk_philox_key){0, 0}, 0, false,
+                                            NULL, NULL, &err),
+                         0);
+    }
+    assert_memory_equal(la, lb, sizeof la);
+    const float *ga = stk_model_grads(a), *gb = stk_model_grads(b);
+    assert_memory_equal(ga, gb, w2->offset * sizeof(float)); /* c, fc1 */
+    for (size_t i = 0; i < w2->count; i++)
+        assert_true(ga[w2->offset + i] == 2 * gb[w2->offset + i]);
+    bool nonzero = false;
+    for (size_t i = 0; i < w2->offset; i++)
+        nonzero |= ga[i] != 0;
+    assert_true(nonzero);
+    stk_model_destroy(a);
+    stk_model_destroy(b);
+}
+
+/* Training forward: the running statistics move by PyTorch's rule
+ * (momentum 0.1, unbiased variance) and num_batches_tracked counts;
+ * evaluation normalises with the running statistics: logits equal the
+ * formula, computed here in double. */
+static void batchnorm_eval_uses_running_stats(void **state)
+{
+    (void)state;
+    enum { N = 5, C = 3, HW = 4, K = 5 };
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(
+        stk_model_parse("bn: batchnorm\nflatten\nfc: linear classes\n", "t",
+                        &spec, &err),
+        0);
+    assert_int_equal(stk_model_create(be, &spec, C, 2, 2, K, N, 7, &m, &err),
+                     0);
+    float x[N * C * HW];
+    for (int i = 0; i < N * C * HW; i++)
+        x[i] = 2.0f * sinf((float)i * 0.7f) + (float)(i % 3);
+    float *w = stk_model_weights(m), *run = stk_model_buffers(m);
+    const float *logits;
+    for (int step = 0; step < 2; step++)
+        assert_int_equal(stk_model_forward(m, x, N, true,
+                                           (stk_philox_key){0, 0}, 0, &logits,
+                                           &err),
+                         0);
+    assert_int_equal(*stk_model_counter(m, 0), 2);
+    for (int c = 0; c < C; c++) {
+        double s = 0, ss = 0, cnt = N * HW;
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < HW; i++)
+                s += x[(n * C + c) * HW + i];
+        double mean = s / cnt;
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < HW; i++)
+                ss += pow(x[(n * C + c) * HW + i] - mean, 2);
+        double var = ss / (cnt - 1), rm = 0, rv = 1;
+        for (int step = 0; step < 2; step++) {
+            rm = 0.9 * rm + 0.1 * mean;
+            rv = 0.9 * rv + 0.1 * var;
+        }
+        assert_float_equal(run[c], rm, 1e-5 * (1 + fabs(rm)));
+        assert_float_equal(run[C + c], rv, 1e-5 * (1 + fabs(rv)));
+    }
+    /* gamma and beta of our choosing; evaluation */
+    const stk_param *gw = stk_model_param(m, 0), *gb = stk_model_param(m, 1),
+                    *fw = stk_model_param(m, 2), *fb = stk_model_param(m, 3);
+    for (int c = 0; c < C; c++) {
+        w[gw->offset + c] = 0.5f + (float)c;
+        w[gb->offset + c] = 0.25f * (float)c - 0.3f;
+    }
+    assert_int_equal(stk_model_forward(m, x, N, false, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    assert_int_equal(*stk_model_counter(m, 0), 2); /* eval does not count */
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) {
+            double z = w[fb->offset + k];
+            for (int c = 0; c < C; c++)
+                for (int i = 0; i < HW; i++) {
+                    double v = (x[(n * C + c) * HW + i] - run[c]) /
+                                   sqrt((double)run[C + c] + 1e-5) *
+                                   w[gw->offset + c] +
+                               w[gb->offset + c];
+                    z += v * w[fw->offset + k * C * HW + c * HW + i];
+                }
+            assert_float_equal(logits[n * K + k], z, 1e-5 * (1 + fabs(z)));
+        }
+    stk_model_destroy(m);
+}
+
+/* A small residual network with batchnorm (2-d fused with its ReLU, 1-d,
+ * a projection shortcut, average and global pools) gives the same bytes
+ * on 1, 2 and 3 threads: logits, gradients, running statistics. */
+static const char graph_net[] =
+    "conv1: conv 16 3 pad=1 bias=false\n"
+    "bn1: batchnorm\n"
+    "stem: relu\n"
+    "b.conv1: conv 16 3 pad=1 bias=false\n"
+    "b.bn1: batchnorm\n"
+    "relu\n"
+    "b.conv2: conv 16 3 pad=1 bias=false\n"
+    "b.bn2: batchnorm\n"
+    "add stem\n"
+    "b: relu\n"
+    "c.conv1: conv 32 3 stride=2 pad=1 bias=false\n"
+    "c.bn1: batchnorm\n"
+    "relu\n"
+    "c.conv2: conv 32 3 pad=1 bias=false\n"
+    "c.bn2: batchnorm\n"
+    "c.down: conv 32 1 stride=2 bias=false from=b\n"
+    "c.dbn: batchnorm\n"
+    "add c.bn2\n"
+    "relu\n"
+    "avgpool 2\n"
+    "globalpool\n"
+    "flatten\n"
+    "fc1: linear 24\n"
+    "bn: batchnorm\n"
+    "relu\n"
+    "fc2: linear classes\n";
+
+static void graph_results_do_not_depend_on_threads(void **state)
+{
+    (void)state;
+    enum { N = 12, C = 3, HW = 20, MAXP = 40000 };
+    static float l[3][N * 5], g[3][MAXP], b[3][512];
+    size_t np = 0;
+    for (int t = 0; t < 3; t++) {
+        stk_backend *bt;
+        stk_err err;
+        assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, t + 1, &bt, &err),
+                         0);
+        np = graph_step(bt, graph_net, C, HW, N, l[t], g[t], b[t]);
+        stk_backend_destroy(bt);
+        assert_true(np <= MAXP);
+    }
+    for (int t = 1; t < 3; t++) {
+        assert_memory_equal(l[0], l[t], sizeof l[0]);
+        assert_memory_equal(g[0], g[t], np * sizeof(float));
+        assert_memory_equal(b[0], b[t], sizeof b[0]);
+    }
+}
+
+/* A batchnorm fused with its ReLU computes what the two layers compute
+ * apart (a dropout of p 0 between them, the identity, keeps them apart):
+ * the same logits, gradients and running statistics, to the bit. */
+static void bn_relu_fusion_matches_unfused(void **state)
+{
+    (void)state;
+    enum { N = 12, C = 3, HW = 20, MAXP = 40000 };
+    static float l[2][N * 5], g[2][MAXP], b[2][512];
+    char *apart = malloc(2 * sizeof graph_net);
+    /* every "batchnorm\nrelu" of graph_net gets a dropout between */
+    const char *from = graph_net;
+    char *to = apart;
+    for (const char *at; (at = strstr(from, "batchnorm\n"));) {
+        size_t len = (size_t)(at - from) + strlen("batchnorm\n");
+        memcpy(to, from, len);
+        to += len;
+        from += len;
+        if (!strncmp(from, "relu", 4) || !strncmp(from, "stem: relu", 10) ||
+            !strncmp(from, "b: relu", 7))
+            to += sprintf(to, "dropout 0\n");
+    }
+    strcpy(to, from);
+    size_t n1 = graph_step(be, graph_net, C, HW, N, l[0], g[0], b[0]);
+    size_t n2 = graph_step(be, apart, C, HW, N, l[1], g[1], b[1]);
+    free(apart);
+    assert_int_equal(n1, n2);
+    assert_memory_equal(l[0], l[1], sizeof l[0]);
+    assert_memory_equal(g[0], g[1], n1 * sizeof(float));
+    assert_memory_equal(b[0], b[1], sizeof b[0]);
+}
+
+/* Backward reports every parameter once, layer by layer from the last
+ * (DDP reduces the buckets at the end of the buffer while backward runs
+ * on). */
+typedef struct ready_log {
+    int order[2 * STK_MAX_LAYERS], n;
+} ready_log;
+
+static void log_ready(int param, void *arg)
+{
+    ready_log *r = arg;
+    r->order[r->n++] = param;
+}
+
+static void backward_reports_last_layers_first(void **state)
+{
+    (void)state;
+    stk_model_spec spec;
+    stk_err err;
+    stk_model *m;
+    assert_int_equal(stk_model_builtin("resnet20", &spec, &err), 0);
+    assert_int_equal(stk_model_create(be, &spec, 1, 8, 8, 10, 2, 1, &m, &err),
+                     0);
+    float x[2 * 64];
+    for (int i = 0; i < 2 * 64; i++)
+        x[i] = sinf((float)i);
+    const float *logits;
+    int32_t y[2] = {3, 8};
+    float dl[2 * 10];
+    assert_int_equal(stk_model_forward(m, x, 2, true, (stk_philox_key){0, 0},
+                                       0, &logits, &err),
+                     0);
+    xent_double(logits, y, 2, 10, dl);
+    ready_log r = {.n = 0};
+    assert_int_equal(stk_model_backward(m, dl, 2, (stk_philox_key){0, 0}, 0,
+                                        false, log_ready, &r, &err),
+                     0);
+    int np = stk_model_nparams(m);
+    assert_int_equal(r.n, np);
+    bool seen[2 * STK_MAX_LAYERS] = {false};
+    for (int i = 0; i < np; i++) {
+        assert_false(seen[r.order[i]]);
+        seen[r.order[i]] = true;
+        /* a later-reported parameter lies lower in the buffer, unless it
+         * is the bias of the same layer as the weight before it */
+        if (i) {
+            const stk_param *a = stk_model_param(m, r.order[i - 1]),
+                            *b = stk_model_param(m, r.order[i]);
+            size_t prefix = strlen(a->name) - strlen("weight");
+            bool same_layer = !strncmp(a->name, b->name, prefix) &&
+                              strlen(b->name) == prefix + strlen("bias");
+            assert_true(b->offset < a->offset || same_layer);
+        }
+    }
+    stk_model_destroy(m);
+}
+
 /* ---- the learning rate, step by step ----------------------------------- */
 
 /* stk_train_lr against values worked out by hand: warm-up ramps
@@ -892,6 +1732,16 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(fused_pool_equals_layer_by_layer),
     cmocka_unit_test(cnn_results_do_not_depend_on_threads),
     cmocka_unit_test(pieces_add_up_to_the_batch),
+    cmocka_unit_test(graph_format_and_errors),
+    cmocka_unit_test(batchnorm_refuses_one_value_per_channel),
+    cmocka_unit_test(model_files_are_the_builtins),
+    cmocka_unit_test(resnet18_has_torchvision_names),
+    cmocka_unit_test(residual_backward_matches_fd),
+    cmocka_unit_test(fan_out_gradients_add_up),
+    cmocka_unit_test(batchnorm_eval_uses_running_stats),
+    cmocka_unit_test(graph_results_do_not_depend_on_threads),
+    cmocka_unit_test(bn_relu_fusion_matches_unfused),
+    cmocka_unit_test(backward_reports_last_layers_first),
     cmocka_unit_test(lr_schedules_step_by_step),
     cmocka_unit_test(sgd_momentum_decay_warmup_match_reference),
     cmocka_unit_test(sgd_nesterov_step_schedule_match_reference),
