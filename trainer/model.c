@@ -113,8 +113,7 @@ static const char *kind_name(stk_layer_kind k)
     return kinds[k];
 }
 
-/* ---- shapes and parameters ------------------------------------------------
- */
+/* ---- shapes and parameters --------------------------------------------- */
 
 static void add_param(stk_param *list, int *np, size_t *total,
                       const char *prefix, const char *suffix, int ndim,
@@ -927,31 +926,46 @@ float *stk_model_dlogits(stk_model *m)
     return m->dlogits;
 }
 
-/* "3x32x32 -> conv:conv1 16x32x32 -> ... -> add(<-stem) 16x32x32 -> ..."
- * (an input other than the layer before is named after "<-"). */
-void stk_model_describe(const stk_model *m, char *buf, size_t n)
+/* Layer i as "kind:name(<-inputs) CxHxW", inputs other than the layer
+ * before named after "<-". */
+static void describe_layer(const stk_model *m, int i, char *buf, size_t n)
 {
-    size_t used = (size_t)snprintf(buf, n, "%dx%dx%d", m->ic, m->ih, m->iw);
-    for (int i = 0; i < m->nl && used < n; i++) {
-        const layer *l = &m->l[i];
-        char from[2 * (STK_NAME_MAX + 32) + 16] = "", a[STK_NAME_MAX + 32];
-        for (int k = 0; k < l->nin; k++)
-            if (l->in[k] != i - 1)
-                snprintf(from + strlen(from), sizeof from - strlen(from),
-                         "%s%s", *from ? "," : "(<-",
-                         input_label(m, l->in[k], a, sizeof a));
-        if (*from)
-            strcat(from, ")");
-        used += (size_t)snprintf(buf + used, n - used, " -> %s%s%s%s %dx%dx%d",
-                                 kind_name(l->s.kind), *l->s.name ? ":" : "",
-                                 l->s.name, from, l->oc, l->oh, l->ow);
-    }
-    if (used < n)
-        snprintf(buf + used, n - used, " (%zu parameters)", m->total);
+    const layer *l = &m->l[i];
+    char from[2 * (STK_NAME_MAX + 32) + 16] = "", a[STK_NAME_MAX + 32];
+    for (int k = 0; k < l->nin; k++)
+        if (l->in[k] != i - 1)
+            snprintf(from + strlen(from), sizeof from - strlen(from), "%s%s",
+                     *from ? "," : "(<-",
+                     input_label(m, l->in[k], a, sizeof a));
+    snprintf(buf, n, " -> %s%s%s%s%s %dx%dx%d", kind_name(l->s.kind),
+             *l->s.name ? ":" : "", l->s.name, from, *from ? ")" : "", l->oc,
+             l->oh, l->ow);
 }
 
-/* ---- forward
- * ------------------------------------------------------------------ */
+/* "1x28x28 -> conv:conv1 32x26x26 -> ... (824326 parameters)": the
+ * layers as far as they fit in n, then " ...", and the count always. */
+void stk_model_describe(const stk_model *m, char *buf, size_t n)
+{
+    char tail[64], one[3 * (STK_NAME_MAX + 32) + 64];
+    size_t t =
+        (size_t)snprintf(tail, sizeof tail, " (%zu parameters)", m->total);
+    if (n <= t + 16) {
+        snprintf(buf, n, "%s", tail + 1);
+        return;
+    }
+    size_t room = n - t - 4; /* " ..." */
+    size_t used = (size_t)snprintf(buf, room, "%dx%dx%d", m->ic, m->ih, m->iw);
+    int i = 0;
+    for (; i < m->nl; i++) {
+        describe_layer(m, i, one, sizeof one);
+        if (used + strlen(one) >= (i == m->nl - 1 ? room + 4 : room))
+            break;
+        used += (size_t)snprintf(buf + used, n - used, "%s", one);
+    }
+    snprintf(buf + used, n - used, "%s%s", i < m->nl ? " ..." : "", tail);
+}
+
+/* ---- forward ---------------------------------------------------------- */
 
 /* Dropout's Philox stream for layer `layer` at training step `stream`.
  * Layers 0..63 keep the keys of when a model had at most 64 layers
@@ -1193,8 +1207,7 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
     return 0;
 }
 
-/* ---- backward --------------------------------------------------------------
- */
+/* ---- backward ---------------------------------------------------------- */
 
 /* The layer's gradients are final: tells the backward's listener. */
 static void report(stk_model *m, const layer *l)
