@@ -1,7 +1,7 @@
 """Helpers for the end-to-end tests: the Python reader of docs/formats.md
 (executed from the document itself, so the documented code is what we test),
 an independent IDX reader, image generators, the training order of
-docs/loader.md and an F32 safetensors reader/writer (numpy only, so that
+docs/loader.md and a safetensors reader/writer (F32 and I64) (numpy only, so that
 tests without PyTorch use them too); need() for the Python modules the
 tests use."""
 import gzip, importlib, json, os, re, struct, sys
@@ -60,13 +60,19 @@ def permutation(n, seed, epoch):
     return perm
 
 
+# safetensors dtypes: F32 for every float tensor, I64 for integer ones
+# (batchnorm's num_batches_tracked, a 0-dim int64 in PyTorch's state dict).
+DTYPES = {"F32": "<f4", "I64": "<i8"}
+
+
 def save_safetensors(path, arrays, metadata=None):
-    """arrays: {name: numpy array}, written as F32 in the given order, the
-    header padded to 8 bytes."""
+    """arrays: {name: numpy array}, written in the given order as I64 if
+    integer, else F32, the header padded to 8 bytes."""
     header, blobs, off = {"__metadata__": metadata or {"format": "pt"}}, [], 0
     for name, v in arrays.items():
-        a = np.ascontiguousarray(v, dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape),
+        kind = "I64" if np.issubdtype(np.asarray(v).dtype, np.integer) else "F32"
+        a = np.array(v, dtype=DTYPES[kind], order="C")  # 0-dim stays 0-dim
+        header[name] = {"dtype": kind, "shape": list(a.shape),
                         "data_offsets": [off, off + a.nbytes]}
         blobs.append(a.tobytes())
         off += a.nbytes
@@ -77,16 +83,19 @@ def save_safetensors(path, arrays, metadata=None):
 
 
 def load_safetensors(path):
-    """({name: float32 numpy array (read-only view)}, the metadata dict)."""
+    """({name: float32 or int64 numpy array (read-only view)}, the metadata
+    dict)."""
     data = open(path, "rb").read()
     (n,) = struct.unpack_from("<Q", data, 0)
     header = json.loads(data[8:8 + n])
     meta = header.pop("__metadata__", {})
     out = {}
     for name, e in header.items():
-        assert e["dtype"] == "F32", (path, name, e["dtype"])
+        assert e["dtype"] in DTYPES, (path, name, e["dtype"])
+        dt = np.dtype(DTYPES[e["dtype"]])
         b, en = e["data_offsets"]
-        out[name] = np.frombuffer(data, "<f4", (en - b) // 4, 8 + n + b).reshape(e["shape"])
+        out[name] = np.frombuffer(data, dt, (en - b) // dt.itemsize,
+                                  8 + n + b).reshape(e["shape"])
     return out, meta
 
 

@@ -53,10 +53,67 @@ class MLP(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-MODELS = {"cnn": CNN, "mlp": MLP}
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: conv3x3 (stride) - bn - relu - conv3x3 - bn,
+    plus the input, or its 1x1 projection with stride when the shape changes
+    (downsample.0 conv, downsample.1 bn), then relu."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
-# ---- safetensors (F32 only) --------------------------------------------------
+class ResNet(nn.Module):
+    """A CIFAR-style ResNet: 3x3 stem (conv1, bn1, relu; no max-pool), one
+    stage per width (layer1, layer2, ...: `blocks` BasicBlocks, the first of
+    every stage after the first with stride 2), global average pool, fc."""
+
+    def __init__(self, widths, blocks, classes=10, channels=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, widths[0], 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            stage = []
+            for b in range(blocks):
+                stage.append(BasicBlock(cin, w, 2 if i > 0 and b == 0 else 1))
+                cin = w
+            setattr(self, f"layer{i + 1}", nn.Sequential(*stage))
+        self.stages = len(widths)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        for i in range(self.stages):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet20(classes=10, channels=1, dropout=True):
+    """He et al.'s CIFAR ResNet-20, as stoke's built-in "resnet20"."""
+    return ResNet((16, 32, 64), 3, classes, channels)
+
+
+def resnet18(classes=10, channels=1, dropout=True):
+    """The CIFAR variant of ResNet-18, as stoke's built-in "resnet18"."""
+    return ResNet((64, 128, 256, 512), 2, classes, channels)
+
+
+MODELS = {"cnn": CNN, "mlp": MLP, "resnet20": resnet20, "resnet18": resnet18}
+
+
+# ---- safetensors (F32; I64 for num_batches_tracked) --------------------------
 
 def save_safetensors(path, tensors, metadata=None):
     """tensors: {name: torch or numpy array}; stoke_test.save_safetensors."""
@@ -65,7 +122,7 @@ def save_safetensors(path, tensors, metadata=None):
 
 
 def load_safetensors(path):
-    """{name: torch.float32 tensor} and the metadata dict."""
+    """{name: torch tensor (float32, or int64 for I64)} and the metadata dict."""
     arrays, meta = t.load_safetensors(path)
     return {k: torch.from_numpy(a.copy()) for k, a in arrays.items()}, meta
 
