@@ -730,78 +730,148 @@ static int cuda_copy_dev(stk_backend *be, float *dst, const float *src,
 
 // ---- batch normalisation ---------------------------------------------------
 
-// Element k (sample k / hw, position k % hw) of channel ch in x [n, c, hw].
-static __device__ size_t bn_at(size_t k, int ch, int c, int hw)
+// The per-channel reductions, in two passes (stk_bn_parts): a block per
+// (channel, range of samples) adds its range into partial[block] (thread t
+// takes elements t, t + THREADS, ... of the range, block_sum adds the
+// threads in a fixed tree), then a thread per channel adds the ranges in
+// order. Every run gives the same floats (not the CPU's: another order).
+
+// Block b's channel, its first sample and its range's element count.
+typedef struct bn_range {
+    int ch, r0;
+    unsigned count;
+} bn_range;
+
+static __device__ bn_range bn_range_of(size_t b, int n, int hw, int parts)
 {
-    return (k / hw * c + ch) * hw + k % hw;
+    bn_range g;
+    int r1;
+    g.ch = (int)(b / parts);
+    stk_bn_part(n, parts, (int)(b % parts), &g.r0, &r1);
+    g.count = (unsigned)(r1 - g.r0) * (unsigned)hw;
+    return g;
 }
 
-// The per-channel reductions: one block per channel (striding over the
-// channels past MAX_BLOCKS); thread t sums elements t, t + THREADS, ... of
-// its channel in that order, and block_sum adds the threads up in a fixed
-// tree, so every run gives the same floats (not the CPU's: another order).
-static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
-                                      const float *shift, double scale,
-                                      float *sums)
+// Element f of range g in x [n, c, hw]: sample r0 + f / hw, position f % hw.
+static __device__ size_t bn_range_at(bn_range g, unsigned f, int c, int hw)
 {
-    size_t count = (size_t)n * hw;
-    for (int ch = blockIdx.x; ch < c; ch += gridDim.x) {
-        float s = shift ? shift[ch] : 0.0f;
+    unsigned r = f / (unsigned)hw, i = f % (unsigned)hw;
+    return ((size_t)(g.r0 + r) * c + g.ch) * hw + i;
+}
+
+static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
+                                      const float *shift, int parts,
+                                      double *partial)
+{
+    for (size_t b = blockIdx.x; b < (size_t)c * parts; b += gridDim.x) {
+        bn_range g = bn_range_of(b, n, hw, parts);
+        float s = shift ? shift[g.ch] : 0.0f;
         double acc = 0.0;
-        for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
-            float v = x[bn_at(k, ch, c, hw)];
+        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
+            float v = x[bn_range_at(g, f, c, hw)];
             acc += shift ? stk_bn_sq1(v, s) : (double)v;
         }
         acc = block_sum(acc);
         if (threadIdx.x == 0)
-            sums[ch] = (float)(acc * scale);
+            partial[b] = acc;
     }
 }
 
+static __global__ void bn_sums_total_kernel(const double *partial, int c,
+                                            int parts, double scale,
+                                            float *sums)
+{
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
+        double s = 0.0;
+        for (int p = 0; p < parts; p++)
+            s += partial[ch * parts + p];
+        sums[ch] = (float)(s * scale);
+    }
+}
+
+// partial: c * parts sums of g, then c * parts of g * (x - mean).
 static __global__ void bn_grad_sums_kernel(const float *dy,
                                            const float *relu_y, const float *x,
                                            int n, int c, int hw,
-                                           const float *mean, const float *var,
-                                           float eps, float *sums)
+                                           const float *mean, int parts,
+                                           double *partial)
 {
-    size_t count = (size_t)n * hw;
-    for (int ch = blockIdx.x; ch < c; ch += gridDim.x) {
+    size_t blocks = (size_t)c * parts;
+    for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+        bn_range g = bn_range_of(b, n, hw, parts);
+        float m = mean[g.ch];
         double sg = 0.0, sgx = 0.0;
-        for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
-            size_t i = bn_at(k, ch, c, hw);
-            float g = stk_bn_g1(dy, relu_y, i);
-            sg += g;
-            sgx += stk_bn_gx1(g, x[i], mean[ch]);
+        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
+            size_t i = bn_range_at(g, f, c, hw);
+            float gi = stk_bn_g1(dy, relu_y, i);
+            sg += gi;
+            sgx += stk_bn_gx1(gi, x[i], m);
         }
         sg = block_sum(sg);
         sgx = block_sum(sgx);
         if (threadIdx.x == 0) {
-            sums[ch] = (float)sg;
-            sums[c + ch] = (float)(sgx * stk_bn_invstd(var[ch], eps));
+            partial[b] = sg;
+            partial[blocks + b] = sgx;
         }
     }
 }
 
+static __global__ void bn_grad_total_kernel(const double *partial, int c,
+                                            int parts, const float *var,
+                                            float eps, float *sums)
+{
+    size_t blocks = (size_t)c * parts;
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
+        double sg = 0.0, sgx = 0.0;
+        for (int p = 0; p < parts; p++) {
+            sg += partial[ch * parts + p];
+            sgx += partial[blocks + ch * parts + p];
+        }
+        sums[ch] = (float)sg;
+        sums[c + ch] = (float)(sgx * stk_bn_invstd(var[ch], eps));
+    }
+}
+
 // Launches kernel with one block per item, up to MAX_BLOCKS (the kernel
-// strides over the rest).
+// strides over the rest), on the device the caller selected.
 template <typename... P, typename... A>
 static int launch_blocks(stk_backend *be, const char *op, size_t items,
                          stk_err *err, void (*kernel)(P...), A... args)
 {
-    int rc = use_device(be, op, err);
-    if (rc)
-        return rc;
     unsigned blocks = (unsigned)(items < MAX_BLOCKS ? items : MAX_BLOCKS);
     kernel<<<blocks, THREADS, 0, impl(be)->stream>>>(args...);
     return launched(op, err);
+}
+
+// Selects the device and makes room for `per_block` doubles per (channel,
+// range) block in the scratch; *partial points there.
+static int bn_partials(stk_backend *be, const char *op, size_t blocks,
+                       int per_block, double **partial, stk_err *err)
+{
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(
+            be, ARRAY_OFFSET + blocks * per_block * sizeof(double), op, err);
+    if (!rc)
+        *partial = scratch_array<double>(be);
+    return rc;
 }
 
 static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                         const float *shift, double scale, float *sums,
                         stk_err *err)
 {
-    return launch_blocks(be, "cuda bn_sums", (size_t)c, err, bn_sums_kernel, x,
-                         n, c, hw, shift, scale, sums);
+    const char *op = "cuda bn_sums";
+    int parts = stk_bn_parts(n, hw);
+    size_t blocks = (size_t)c * parts;
+    double *partial = NULL;
+    int rc = bn_partials(be, op, blocks, 1, &partial, err);
+    if (!rc)
+        rc = launch_blocks(be, op, blocks, err, bn_sums_kernel, x, n, c, hw,
+                           shift, parts, partial);
+    return rc ? rc
+              : launch(be, op, (size_t)c, err, bn_sums_total_kernel,
+                       (const double *)partial, c, parts, scale, sums);
 }
 
 static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
@@ -809,9 +879,17 @@ static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
                              int hw, const float *mean, const float *var,
                              float eps, float *sums, stk_err *err)
 {
-    return launch_blocks(be, "cuda bn_grad_sums", (size_t)c, err,
-                         bn_grad_sums_kernel, dy, relu_y, x, n, c, hw, mean,
-                         var, eps, sums);
+    const char *op = "cuda bn_grad_sums";
+    int parts = stk_bn_parts(n, hw);
+    size_t blocks = (size_t)c * parts;
+    double *partial = NULL;
+    int rc = bn_partials(be, op, blocks, 2, &partial, err);
+    if (!rc)
+        rc = launch_blocks(be, op, blocks, err, bn_grad_sums_kernel, dy,
+                           relu_y, x, n, c, hw, mean, parts, partial);
+    return rc ? rc
+              : launch(be, op, (size_t)c, err, bn_grad_total_kernel,
+                       (const double *)partial, c, parts, var, eps, sums);
 }
 
 // The element-wise passes take their per-channel coefficients (computed in
@@ -819,6 +897,15 @@ static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
 // fills, c threads' work instead of a square root per element. The scratch
 // is reused by the next op only behind this one on the stream, and grows
 // only after a stream sync (scratch_reserve).
+// The channel of element i of a tensor [*, c, hw] of n elements: in 32
+// bits where n allows (a 64-bit division takes many instructions on the GPU).
+static __device__ size_t bn_channel(size_t i, int c, int hw, size_t n)
+{
+    if (n <= UINT_MAX)
+        return (unsigned)i / (unsigned)hw % (unsigned)c;
+    return i / hw % c;
+}
+
 static __global__ void bn_fwd_coef_kernel(const float *mean, const float *var,
                                           float eps, const float *gamma,
                                           const float *beta, int c,
@@ -834,7 +921,7 @@ static __global__ void bn_apply_kernel(const float *x, float *y, int c, int hw,
                                        size_t n)
 {
     for (size_t i = first_index(); i < n; i += index_step())
-        y[i] = stk_bn_apply1(x[i], k[i / hw % c], relu);
+        y[i] = stk_bn_apply1(x[i], k[bn_channel(i, c, hw, n)], relu);
 }
 
 static int cuda_bn_apply(stk_backend *be, const float *x, float *y, int n,
@@ -875,7 +962,8 @@ static __global__ void bn_input_grad_kernel(const float *dy,
                                             float *dx, size_t n)
 {
     for (size_t i = first_index(); i < n; i += index_step())
-        dx[i] = stk_bn_dx1(stk_bn_g1(dy, relu_y, i), x[i], k[i / hw % c]);
+        dx[i] = stk_bn_dx1(stk_bn_g1(dy, relu_y, i), x[i],
+                           k[bn_channel(i, c, hw, n)]);
 }
 
 static int cuda_bn_input_grad(stk_backend *be, const float *dy,

@@ -451,8 +451,8 @@ STK_HD float stk_maxpool_at(const float *p, int h, int w, int k, int st,
     return best;
 }
 
-/* Pools without padding: the outputs o in [*lo, *hi] of one axis (out of them) whose window
- * [o * st, o * st + k) holds coordinate y. */
+/* Pools without padding: the outputs o in [*lo, *hi] of one axis (out of them)
+ * whose window [o * st, o * st + k) holds coordinate y. */
 STK_HD void stk_pool_span(int y, int k, int st, int out, int *lo, int *hi)
 {
     *lo = y - k + 1 > 0 ? (y - k + 1 + st - 1) / st : 0;
@@ -636,6 +636,34 @@ STK_HD stk_bn_bwd_coef stk_bn_bwd_coef_of(float mean, float var, float eps,
 STK_HD float stk_bn_dx1(float g, float x, stk_bn_bwd_coef c)
 {
     return (g - c.gm - (x - c.mean) * c.proj) * c.k;
+}
+
+/* CUDA's per-channel sums run in two passes: each channel's samples split
+ * into `parts` ranges, one block per (channel, range), then the ranges'
+ * sums added in order. The split depends on the shape alone (so do the
+ * floats): about 8192 elements a range, at most n ranges (of whole
+ * samples) and 256 (more only where a range would reach 2^31 elements:
+ * a block walks its range with 32-bit divisions). */
+enum { STK_BN_PART_ELEMS = 8192, STK_BN_MAX_PARTS = 256 };
+
+STK_HD int stk_bn_parts(int n, int hw)
+{
+    size_t count = (size_t)n * hw, parts = count / STK_BN_PART_ELEMS;
+    parts = parts < 1 ? 1 : parts;
+    parts =
+        parts > (size_t)STK_BN_MAX_PARTS ? (size_t)STK_BN_MAX_PARTS : parts;
+    parts = parts > (size_t)n ? (size_t)n : parts;
+    while (parts < (size_t)n &&
+           ((size_t)n + parts - 1) / parts * hw >= ((size_t)1 << 31))
+        parts++;
+    return (int)parts;
+}
+
+/* Range p of `parts` over n samples: samples [*r0, *r1). */
+STK_HD void stk_bn_part(int n, int parts, int p, int *r0, int *r1)
+{
+    *r0 = (int)((int64_t)n * p / parts);
+    *r1 = (int)((int64_t)n * (p + 1) / parts);
 }
 
 /* PyTorch's running statistic update, in double as its CPU kernel:

@@ -553,8 +553,10 @@ static void batchnorm_agrees(void **state)
     (void)state;
     bn_agrees(3, 5, 7 * 9, false);
     bn_agrees(3, 5, 7 * 9, true);
-    bn_agrees(37, 300, 1, true);  /* BatchNorm1d */
-    bn_agrees(3, 4100, 1, false); /* more channels than blocks */
+    bn_agrees(37, 300, 1, true);     /* BatchNorm1d */
+    bn_agrees(3, 4100, 1, false);    /* more channels than blocks */
+    bn_agrees(24, 3, 33 * 31, true); /* two ranges of samples a channel */
+    bn_agrees(50000, 3, 1, false);   /* six */
 }
 
 static void pinned_memory_round_trip(void **state)

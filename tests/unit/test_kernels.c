@@ -977,6 +977,34 @@ static void bn_running_follows_pytorch(void **state)
     assert_non_null(strstr(err.msg, "gamma is NULL"));
 }
 
+/* The ranges CUDA's batchnorm sums split a channel's samples into: whole
+ * samples, covering the batch in order, none empty, each under 2^31
+ * elements, at most 256 unless that bound forces more. */
+static void bn_cuda_ranges_cover_the_batch(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{128, 1024},  {2, 50176},     {1, 1},
+                                    {3000, 1},    {7, 37},        {1000000, 1},
+                                    {4, 1 << 30}, {3000, 1 << 20}};
+    for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
+        int n = shapes[t][0], hw = shapes[t][1];
+        int parts = stk_bn_parts(n, hw), next = 0;
+        assert_true(parts >= 1 && parts <= n);
+        assert_true(parts <= STK_BN_MAX_PARTS ||
+                    (size_t)n / STK_BN_MAX_PARTS * hw >= (size_t)1 << 31);
+        for (int p = 0; p < parts; p++) {
+            int r0, r1;
+            stk_bn_part(n, parts, p, &r0, &r1);
+            assert_int_equal(r0, next);
+            assert_true(r1 > r0);
+            assert_true((size_t)(r1 - r0) * hw < (size_t)1 << 31);
+            next = r1;
+        }
+        assert_int_equal(next, n);
+    }
+    assert_int_equal(stk_bn_parts(128, 1024), 16); /* 8192 elements each */
+}
+
 /* Every new op on 1, 2 and 3 threads: the same bytes. The shapes split
  * channels, planes and rows across threads (BatchNorm1d's channel blocks
  * included). */
@@ -1421,6 +1449,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(batchnorm_training_matches_fd),
     cmocka_unit_test(bn_running_follows_pytorch),
     cmocka_unit_test(bn_same_on_1_2_3_threads),
+    cmocka_unit_test(bn_cuda_ranges_cover_the_batch),
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
     cmocka_unit_test(optimizers_follow_pytorch_rules),
