@@ -138,7 +138,8 @@ static int by_step_then_line(const void *a, const void *b)
 /* Sorts the rates by step, keeping the last line's at each step. */
 static void sort_lr(history *h)
 {
-    qsort(h->lr, h->nlr, sizeof *h->lr, by_step_then_line);
+    if (h->nlr > 1)
+        qsort(h->lr, h->nlr, sizeof *h->lr, by_step_then_line);
     size_t n = 0;
     for (size_t i = 0; i < h->nlr; i++) {
         if (n && h->lr[n - 1].step == h->lr[i].step)
@@ -185,6 +186,10 @@ typedef struct axis {
 /* Widens [lo, hi] to whole ticks of a 1, 2 or 5 step, about five. */
 static axis fit_axis(double lo, double hi)
 {
+    if (!isfinite(hi - lo)) { /* values near DBL_MAX: a span that fits */
+        lo = fmax(lo, -1e307);
+        hi = fmin(hi, 1e307);
+    }
     if (!(hi > lo)) {
         double pad = fabs(lo) > 0 ? fabs(lo) * 0.5 : 1.0;
         lo -= lo > 0 && lo - pad < 0 ? lo : pad; /* stay at or above 0 */
