@@ -7,6 +7,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -423,10 +424,19 @@ static int write_svg(const history *h, const char *svg_path, stk_err *err)
         free(xy);
         return stk_fail(err, STK_ERANGE, "%s: path too long", svg_path);
     }
-    FILE *f = stk_fopen_output(tmp, err);
+    /* the temporary name is ours: whatever is there (a FIFO even) goes,
+     * and the file is created anew, never opened */
+    unlink(tmp);
+    int fd = stk_open_output(tmp, O_WRONLY | O_CREAT | O_EXCL, err);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "w");
     if (!f) {
+        int rc = fd < 0 ? fd
+                        : stk_fail(err, stk_from_errno(errno), "%s: %s", tmp,
+                                   strerror(errno));
+        if (fd >= 0)
+            close(fd);
         free(xy);
-        return err->code ? err->code : STK_EIO;
+        return rc;
     }
     draw(f, h, xy);
     free(xy);

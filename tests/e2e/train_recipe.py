@@ -279,8 +279,19 @@ def check_curves():
         f.write('{"type":"epoch","epoch":\n[1,2]\n\x00garbage\n' + json.dumps(again) + "\n")
     train("curves", *flags, "--resume", "auto")
     check_svg("curves", 5)
+    # a FIFO where curves.svg or its temporary file go never blocks a run
+    # (resumed from epoch 5 for a sixth)
+    shutil.copytree("curves/checkpoints", "curves-ck")
+    for name in ("curves.svg", "curves.svg.tmp"):
+        shutil.rmtree("curves/checkpoints")
+        shutil.copytree("curves-ck", "curves/checkpoints")
+        os.remove("curves/curves.svg")
+        os.mkfifo(f"curves/{name}")
+        train("curves", *flags, "--epochs", 6, "--resume", "auto")
+        if not os.path.isfile("curves/curves.svg") or os.path.exists("curves/curves.svg.tmp"):
+            fail(f"a FIFO at {name}: curves.svg is not a regular file, or the .tmp stayed")
     print(f"ok: curves.svg after --resume auto: all 5 epochs (the first 2 kept, epoch 2 "
-          f"as its later line), lines that do not parse skipped")
+          f"as its later line), lines that do not parse skipped; a FIFO at curves.svg or its .tmp never blocks")
 
 
 def main():
