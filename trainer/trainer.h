@@ -75,7 +75,9 @@ typedef struct stk_model_spec {
 int stk_model_builtin(const char *name, stk_model_spec *out, stk_err *err);
 
 /* Parses the text format of docs/models.md (one layer per line; inputs by
- * name). A name read before it is defined is an error naming the line. */
+ * name, resolved to indices in stk_layer_spec.in). A malformed line, a
+ * name read before it is defined (or never), two layers of one name: an
+ * error naming FILE:LINE. The built-ins are such texts (models/). */
 int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
                     stk_err *err);
 
@@ -94,8 +96,12 @@ typedef struct stk_model stk_model;
 /* Builds spec for inputs of shape c x h x w and nclasses outputs on the
  * backend, for batches of up to max_batch samples, initialised as PyTorch
  * does (kaiming_uniform_(a=sqrt(5)) weights, U(+-1/sqrt(fan_in)) biases)
- * from seed. A spec that does not fit the shape is an error naming the
- * layer and the shapes. */
+ * from seed; batchnorm weight 1, bias 0, running mean 0, variance 1. A
+ * spec that does not fit the shape (a kernel larger than its input, an
+ * add of two shapes, a batchnorm that can only see one value per channel
+ * in training: 1x1 planes and max_batch 1), reads a later layer, or has
+ * an output no layer reads (but the last) is an error naming the layer
+ * and the shapes. */
 int stk_model_create(stk_backend *be, const stk_model_spec *spec, int c,
                      int h, int w, int nclasses, int max_batch, uint64_t seed,
                      stk_model **out, stk_err *err);
@@ -154,7 +160,9 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
 typedef void (*stk_grads_ready_fn)(int param, void *arg);
 
 /* Backward from dlogits (device, n x classes) into the gradient buffer:
- * zeroed first, or added to when accumulate (gradient accumulation). */
+ * zeroed first, or added to when accumulate (gradient accumulation), in
+ * the mode of the last forward (after an evaluation forward, batchnorm's
+ * statistics are constants). key and stream must be the forward's. */
 int stk_model_backward(stk_model *m, const float *dlogits, int n,
                        stk_philox_key key, uint64_t stream, bool accumulate,
                        stk_grads_ready_fn ready, void *arg, stk_err *err);

@@ -99,7 +99,7 @@ names = sorted(k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
 assert names == ["conv1.bias", "conv1.weight", "conv2.bias", "conv2.weight", "fc1.bias", "fc1.weight"], names
 PY
 printf 'a: conv 4 3\na: conv 4 3\nflatten\nlinear classes\n' > same.txt
-expect_fail 1 "two layers are named \"a\"" "$T" --db db --model same.txt --out x
+expect_fail 1 "same.txt:2: a second layer named 'a' \\(the first is on line 1\\)" "$T" --db db --model same.txt --out x
 printf 'conv 8 3\nwobble\n' > typo.txt
 expect_fail 1 "typo.txt:2: unknown layer 'wobble'" "$T" --db db --model typo.txt --out x
 printf 'conv 8 3\npool 2 pad=1\nflatten\nlinear classes\n' > padpool.txt
