@@ -8,7 +8,9 @@
 // reductions (cross-entropy, sum of squares) and holds the batchnorm passes'
 // per-channel coefficients (read by kernels queued behind; the buffer is
 // only replaced after a stream sync). Every op is queued on the
-// stream; only xent and sumsq wait, because they return a host value. One
+// stream; only xent and sumsq wait, because they return a host value, and
+// a reduction whose scratch must grow (once per new, larger shape: the
+// batchnorm sums reserve what their backward will need). One
 // backend is driven by one host thread at a time (the scratch is shared);
 // each op selects the backend's device first, so a thread that never called
 // cudaSetDevice still works on the right GPU.
@@ -839,6 +841,8 @@ static int launch_blocks(stk_backend *be, const char *op, size_t items,
                          stk_err *err, void (*kernel)(P...), A... args)
 {
     unsigned blocks = (unsigned)(items < MAX_BLOCKS ? items : MAX_BLOCKS);
+    if (!blocks) /* a grid of 0 blocks is cudaErrorInvalidConfiguration */
+        return 0;
     kernel<<<blocks, THREADS, 0, impl(be)->stream>>>(args...);
     return launched(op, err);
 }
@@ -865,7 +869,12 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
     int parts = stk_bn_parts(n, hw);
     size_t blocks = (size_t)c * parts;
     double *partial = NULL;
-    int rc = bn_partials(be, op, blocks, 1, &partial, err);
+    /* room for 2 doubles per block although the sums use 1: that is what
+     * the backward's bn_grad_sums needs for the same shape (and more than
+     * bn_apply's and bn_input_grad's coefficients), so the first training
+     * step's backward never grows the scratch (a stream sync and a
+     * cudaFree, which waits for every stream, DDP's NCCL one included) */
+    int rc = bn_partials(be, op, blocks, 2, &partial, err);
     if (!rc)
         rc = launch_blocks(be, op, blocks, err, bn_sums_kernel, x, n, c, hw,
                            shift, parts, partial);

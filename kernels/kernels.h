@@ -172,9 +172,9 @@ int stk_maxpool_bwd(stk_backend *be, const float *dy, const int32_t *arg,
  * over planes [planes, h, w] (global average pooling: kh = h, kw = w). */
 int stk_avgpool_fwd(stk_backend *be, const float *x, int planes, int h, int w,
                     int kh, int kw, int sh, int sw, float *y, stk_err *err);
-/* dx (planes*h*w, overwritten): each pixel gathers dy / (kh*kw) from the
- * windows that hold it (a gather, so the floats do not depend on the
- * thread count). */
+/* dx (planes*h*w, overwritten): each pixel gets dy / (kh*kw) from every
+ * window that holds it, added in window order (CUDA gathers, the CPU
+ * scatters plane by plane: the same floats, whatever the thread count). */
 int stk_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
                     int w, int kh, int kw, int sh, int sw, float *dx,
                     stk_err *err);
