@@ -3,11 +3,13 @@
 # in one run on this machine:
 #
 # - Fashion-MNIST train split (60000 x 1x28x28 uint8, a stoke database made
-#   by `prep`), models cnn at batch 128 and mlp at batch 256, 1 and 2 threads,
-#   SGD with momentum 0.9 (lr 0.02, no weight decay) in both, dropout on.
+#   by `prep`), models cnn at batch 128, mlp at batch 256 (issue 4) and
+#   resnet20 at batch 128 (issue 14), 1 and 2 threads, SGD with momentum 0.9
+#   (lr 0.02, no weight decay) in both, dropout on (cnn, mlp).
 #   stoke:   `train --db FM --model M --batch B --threads T --workers W
 #             --optim sgd --epochs 1000 --max-steps N --log-every K --quiet`
-#            with W = 1 (the numbers the targets use) and W = 2; N is chosen
+#            with W = 1 (the numbers the targets use) and W = 2 (not for
+#            resnet20, which waits for no batch); N is chosen
 #            for about SECONDS s of steps (from the rate of the last run of
 #            the same configuration). Samples/s and data stall come from
 #            RUN/metrics.jsonl (bench/train_peers.py stoke): the first 2 log
@@ -28,6 +30,11 @@
 #   2048^3 cblas_sgemm at 1 and 2 threads, best of 7 calls, once per round.
 # - GFLOP/s of a training step = analytic conv/linear FLOPs of a forward pass
 #   x 3 x samples/s (bench/train_peers.py flops).
+# - Peak memory (each round, 1 thread, --workers 1, glibc's malloc as is):
+#   each tool trains the same number of samples (MEM_SAMPLES) at the
+#   model's batch and at batch MEM_SMALL; ru_maxrss of the process (stoke:
+#   /usr/bin/time -f %M, PyTorch: resource.getrusage at its end); per sample =
+#   the difference of the peaks / the difference of the batches.
 # train is copied to WORK_DIR first (a rebuild of build/ meanwhile cannot mix
 # binaries). Every (configuration, tool) runs in a fresh process, REPS rounds, the order
 # rotating each round so that noise hits every tool alike; the tables show
@@ -36,9 +43,11 @@
 # functions where its time goes.
 #
 # usage: bench/train_bench.sh [WORK_DIR]    (default /tmp/stoke-train-bench)
-# environment: REPS (default 3), SECONDS_PER_RUN (timed seconds per run,
-#   default 8), PROFILE (1: profile when a target is missed (default),
-#   0: never, 2: always), PROFILE_SECONDS (default 6), PREP, TRAIN
+# environment: MODELS (default "cnn mlp resnet20"; MODELS=resnet20 runs only
+#   issue 14's part), REPS (default 3), SECONDS_PER_RUN (timed seconds per run,
+#   default 8), MEM_SMALL (default 16), MEM_SAMPLES (default 512), PROFILE
+#   (1: profile the models with a missed target (default), 0: never,
+#   2: always), PROFILE_SECONDS (default 6), PREP, TRAIN
 #   (binaries, default build/bin/*, built when missing), IDX_DIR (default
 #   /usr/share/datasets/fashion-mnist).
 # Raw results go to WORK_DIR/results.jsonl, the report (markdown) to stdout
@@ -48,8 +57,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BENCH=$ROOT/bench
 WORK=${1:-/tmp/stoke-train-bench}
+MODELS=${MODELS:-cnn mlp resnet20}
 REPS=${REPS:-3}
 SECS=${SECONDS_PER_RUN:-8}
+MEM_SMALL=${MEM_SMALL:-16}
+MEM_SAMPLES=${MEM_SAMPLES:-512}
 PROFILE=${PROFILE:-1}
 PROFILE_SECONDS=${PROFILE_SECONDS:-6}
 IDX_DIR=${IDX_DIR:-/usr/share/datasets/fashion-mnist}
@@ -97,8 +109,11 @@ case "$alt" in
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3" ;;
 esac
 
-declare -A RATE=([cnn1]=1300 [cnn2]=2500 [mlp1]=42000 [mlp2]=50000)
-declare -A BATCH=([cnn]=128 [mlp]=256) LOGK=([cnn]=10 [mlp]=25)
+declare -A RATE=([cnn1]=1300 [cnn2]=2500 [mlp1]=42000 [mlp2]=50000 [resnet201]=80
+    [resnet202]=150)
+# resnet20 logs every step: a step takes a second or more
+declare -A BATCH=([cnn]=128 [mlp]=256 [resnet20]=128) LOGK=([cnn]=10 [mlp]=25 [resnet20]=1)
+for m in $MODELS; do [ -n "${BATCH[$m]:-}" ] || die "MODELS: no model $m (cnn, mlp, resnet20)"; done
 
 add() { # json, then key=value pairs (numbers or strings) -> a line of RESULTS
     "$PY" -c '
@@ -140,6 +155,23 @@ run_torch() { # rep model threads blas_threads [keep]
     say "rep $rep $m T=$t torch BLAS threads $bt ${5:-}: $(tail -n1 "$RESULTS" | "$PY" -c 'import json, sys; d = json.load(sys.stdin); print("%.0f samples/s on %s %s" % (d["samples_per_s"], d["blas_kind"], d["blas_libs"]))')"
 }
 
+run_mem() { # rep tool model batch: peak RSS over MEM_SAMPLES samples, 1 thread
+    local rep=$1 tool=$2 m=$3 b=$4 steps=$((MEM_SAMPLES / $4)) line
+    if [ "$tool" = stoke ]; then
+        rm -rf "$RUN"
+        OPENBLAS_NUM_THREADS=1 /usr/bin/time -f %M -o "$WORK/maxrss" "$TRAIN" --db "$FM" \
+            --model "$m" --batch "$b" --threads 1 --workers 1 --optim sgd --epochs 1000 \
+            --max-steps "$steps" --log-every "$steps" --seed "$rep" --out "$RUN" --quiet \
+            >/dev/null 2>"$WORK/train.err" || die "train failed: $(cat "$WORK/train.err")"
+        line=$("$PY" "$PEERS" maxrss "$WORK/maxrss")
+    else
+        line=$("$PY" "$PEERS" torch "$m" "$b" 1 "$FM" --steps "$steps" --warmup 0 \
+            --seed "$rep") || die "torch memory $m $b failed"
+    fi
+    add "$line" model="$m" batch="$b" threads=1 rep="$rep" steps="$steps"
+    say "rep $rep $m memory $tool batch $b: $(tail -n1 "$RESULTS" | "$PY" -c 'import json, sys; print("%.0f MiB" % (json.load(sys.stdin)["maxrss_kb"] / 1024))')"
+}
+
 run_peak() { # rep
     for t in 1 2; do
         add "$("$PEAK" --n 2048 --threads "$t" --reps 7)" tool=sgemm rep="$1"
@@ -150,9 +182,13 @@ run_peak() { # rep
 # ------------------------------------------------------------------- runs
 : >"$RESULTS"
 JOBS=()
-for m in cnn mlp; do
+for m in $MODELS; do
+    JOBS+=("mem stoke $m ${BATCH[$m]}" "mem torch $m ${BATCH[$m]}" "mem stoke $m $MEM_SMALL"
+        "mem torch $m $MEM_SMALL")
     for t in 1 2; do
-        JOBS+=("stoke $m $t 1" "stoke $m $t 2" "torch $m $t $t")
+        JOBS+=("stoke $m $t 1")
+        [ "$m" = resnet20 ] || JOBS+=("stoke $m $t 2")
+        JOBS+=("torch $m $t $t")
         [ "$t" = 2 ] && JOBS+=("torch $m $t 1")
         JOBS+=("torch $m $t 1 keep") # PyTorch's faster BLAS setting, malloc keeping memory
     done
@@ -166,7 +202,11 @@ for ((rep = 1; rep <= REPS; rep++)); do
         j=$(((i + (rep - 1) * (n / 3 + 1)) % n))
         read -r -a job <<<"${JOBS[$j]}"
         set -- "${job[@]}"
-        if [ "$1" = stoke ]; then run_stoke "$rep" "$2" "$3" "$4"; else run_torch "$rep" "${@:2}"; fi
+        case $1 in
+        stoke) run_stoke "$rep" "$2" "$3" "$4" ;;
+        mem) run_mem "$rep" "$2" "$3" "$4" ;;
+        *) run_torch "$rep" "${@:2}" ;;
+        esac
     done
 done
 
@@ -176,36 +216,37 @@ table=$("$PY" "$PEERS" report "$RESULTS")
 
 # ---------------------------------------------------------------- profile
 prof=""
-if [ "$PROFILE" = 2 ] || { [ "$PROFILE" = 1 ] && grep -q 'NOT met' <<<"$table"; }; then
-    for m in cnn mlp; do
-        for t in 1 2; do
-            b=${BATCH[$m]}
-            steps=$("$PY" -c "import math; print(math.ceil($PROFILE_SECONDS * ${RATE[$m$t]} / $b))")
-            rm -rf "$RUN"
-            OPENBLAS_NUM_THREADS=$t perf record -q -g -o "$WORK/perf-$m$t.data" -- \
-                "$TRAIN" --db "$FM" --model "$m" --batch "$b" --threads "$t" --workers 1 \
-                --optim sgd --epochs 1000 --max-steps "$steps" --log-every 50 --out "$RUN" \
-                --quiet >/dev/null 2>&1 || die "perf record failed"
-            # self time per function (all threads), per thread, and in the kernel
-            top=$(perf report -i "$WORK/perf-$m$t.data" --no-children -F overhead,dso,sym \
-                --stdio -g none --percent-limit 1 2>/dev/null |
-                awk '/^ +[0-9.]+%/ { printf "| %s | %s | %s %s |\n", $1, $2, $3, $4 }' | head -n 20)
-            thr=$(perf report -i "$WORK/perf-$m$t.data" --no-children -s pid --stdio -g none \
-                2>/dev/null | awk '/^ +[0-9.]+%/ && n++ < 4 { printf "%s %s, ", $2, $1 }')
-            thrtop=$(perf report -i "$WORK/perf-$m$t.data" --no-children -s pid,sym --stdio \
-                -g none 2>/dev/null | awk '/^ +[0-9.]+%/ && n < 4 { if (!($2 in seen)) { seen[$2] = 1; n++;
-                printf "%s: %s %s %s; ", $2, $3, $4, $1 } }')
-            kern=$(perf report -i "$WORK/perf-$m$t.data" --no-children -F overhead,sym --stdio \
-                -g none 2>/dev/null | awk '/^ +[0-9.]+% +\[k\]/ { sub(/%/, "", $1); s += $1 }
-                END { printf "%.1f%%", s }')
-            prof+=$'\n'"### $m, batch $b, --threads $t --workers 1 ($steps steps)"$'\n\n'
-            prof+="Samples per thread (tid:name, cpu-clock; the 4 busiest): ${thr%, }; in the kernel: $kern."
-            prof+=" Each thread's biggest function: ${thrtop%; }."$'\n\n'
-            prof+="| self | object | function |"$'\n'"|---:|---|---|"$'\n'"$top"$'\n'
-            say "profiled $m T=$t"
-        done
+for m in $MODELS; do
+    # the models with a missed target (PROFILE=1) or all (PROFILE=2)
+    [ "$PROFILE" = 2 ] || { [ "$PROFILE" = 1 ] && grep -q "^- $m, .*NOT met" <<<"$table"; } ||
+        continue
+    for t in 1 2; do
+        b=${BATCH[$m]}
+        steps=$("$PY" -c "import math; print(math.ceil($PROFILE_SECONDS * ${RATE[$m$t]} / $b))")
+        rm -rf "$RUN"
+        OPENBLAS_NUM_THREADS=$t perf record -q -g -o "$WORK/perf-$m$t.data" -- \
+            "$TRAIN" --db "$FM" --model "$m" --batch "$b" --threads "$t" --workers 1 \
+            --optim sgd --epochs 1000 --max-steps "$steps" --log-every 50 --out "$RUN" \
+            --quiet >/dev/null 2>&1 || die "perf record failed"
+        # self time per function (all threads), per thread, and in the kernel
+        top=$(perf report -i "$WORK/perf-$m$t.data" --no-children -F overhead,dso,sym \
+            --stdio -g none --percent-limit 1 2>/dev/null |
+            awk '/^ +[0-9.]+%/ { printf "| %s | %s | %s %s |\n", $1, $2, $3, $4 }' | head -n 20)
+        thr=$(perf report -i "$WORK/perf-$m$t.data" --no-children -s pid --stdio -g none \
+            2>/dev/null | awk '/^ +[0-9.]+%/ && n++ < 4 { printf "%s %s, ", $2, $1 }')
+        thrtop=$(perf report -i "$WORK/perf-$m$t.data" --no-children -s pid,sym --stdio \
+            -g none 2>/dev/null | awk '/^ +[0-9.]+%/ && n < 4 { if (!($2 in seen)) { seen[$2] = 1; n++;
+            printf "%s: %s %s %s; ", $2, $3, $4, $1 } }')
+        kern=$(perf report -i "$WORK/perf-$m$t.data" --no-children -F overhead,sym --stdio \
+            -g none 2>/dev/null | awk '/^ +[0-9.]+% +\[k\]/ { sub(/%/, "", $1); s += $1 }
+            END { printf "%.1f%%", s }')
+        prof+=$'\n'"### $m, batch $b, --threads $t --workers 1 ($steps steps)"$'\n\n'
+        prof+="Samples per thread (tid:name, cpu-clock; the 4 busiest): ${thr%, }; in the kernel: $kern."
+        prof+=" Each thread's biggest function: ${thrtop%; }."$'\n\n'
+        prof+="| self | object | function |"$'\n'"|---:|---|---|"$'\n'"$top"$'\n'
+        say "profiled $m T=$t"
     done
-fi
+done
 
 # ------------------------------------------------------------------ report
 ver() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || echo '?'; }
@@ -224,7 +265,7 @@ $(awk -F= '/^CMAKE_BUILD_TYPE:/ { print $2 }' "$ROOT/build/CMakeCache.txt" 2>/de
 train links $(ldd "$TRAIN" | awk '/openblas/ { print $3 }')
 libblas.so.3 alternative: $alt ($(update-alternatives --query libblas.so.3-x86_64-linux-gnu | awk '/^Status:/ { print $2 }') mode)
 Load average (1, 5, 15 min): $load_before before, $load_after after. $elapsed s for the \
-timed rounds ($REPS rounds, $SECS s timed per run).
+timed rounds ($REPS rounds, $SECS s timed per run; models $MODELS).
 
 $table
 EOF

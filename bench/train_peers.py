@@ -3,30 +3,65 @@ the helpers that turn stoke's metrics.jsonl and the runs into the report.
 
   train_peers.py torch MODEL BATCH THREADS DB [--seconds S] [--warmup N]
                  [--blas-threads N] [--no-mkldnn]
-      trains tests/e2e/torch_ref.py's MODEL (cnn | mlp) on the train split of
-      the stoke database DB with PyTorch on the CPU, T threads, and prints one
-      JSON line: steady-state samples/s and the BLAS library the process maps.
+      trains tests/e2e/torch_ref.py's MODEL (cnn | mlp | resnet20) on the
+      train split of the stoke database DB with PyTorch on the CPU, T threads,
+      and prints one JSON line: steady-state samples/s, the BLAS library the
+      process maps and its peak RSS (ru_maxrss). --steps N times exactly N
+      steps instead of --seconds (the memory runs).
   train_peers.py stoke RUN_DIR BATCH SKIP_STEPS [--train-count N]
       one JSON line: steady-state samples/s and data stall of a stoke run,
       from RUN_DIR/metrics.jsonl, the first SKIP_STEPS steps left out.
   train_peers.py flops MODEL
       forward FLOPs per sample of MODEL (analytic), as JSON.
+  train_peers.py maxrss FILE
+      one JSON line of a stoke memory run: FILE holds /usr/bin/time -f %M's
+      peak RSS in KiB.
   train_peers.py report RESULTS.jsonl
       the markdown tables and the target verdicts.
 
 Run with Debian's interpreter (/usr/bin/python3: python3-torch, numpy, lmdb).
 """
-import argparse, collections, json, os, re, statistics, sys, time
+import argparse, collections, json, os, re, resource, statistics, sys, time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 # ---- FLOPs ---------------------------------------------------------------------
 
+def conv_flops(cout, cin, k, hout):
+    return 2 * cout * cin * k * k * hout * hout
+
+
+def resnet_layers(widths, blocks, size=28, channels=1, classes=10):
+    """The conv and linear FLOPs of tests/e2e/torch_ref.py's ResNet (stoke's
+    resnet20/resnet18): 3x3 stem, stages of BasicBlocks (two 3x3 convs, a
+    1x1 stride-2 downsample where the shape changes), global pool, fc. A 3x3
+    pad-1 stride-2 convolution maps h to (h + 1) // 2."""
+    layers = {"conv1": conv_flops(widths[0], channels, 3, size)}
+    cin, h = widths[0], size
+    for i, w in enumerate(widths):
+        for b in range(blocks):
+            stride = 2 if i > 0 and b == 0 else 1
+            ho = (h + 1) // 2 if stride == 2 else h
+            name = "layer%d.%d." % (i + 1, b)
+            layers[name + "conv1"] = conv_flops(w, cin, 3, ho)
+            layers[name + "conv2"] = conv_flops(w, w, 3, ho)
+            if stride != 1 or cin != w:
+                layers[name + "downsample.0"] = conv_flops(w, cin, 1, ho)
+            cin, h = w, ho
+    layers["fc"] = 2 * cin * classes
+    return layers
+
+
 def forward_flops(model):
     """Multiply-adds x 2 of the conv and linear layers of one sample's forward
-    pass (pooling, activations, dropout, bias and loss not counted)."""
-    if model == "cnn":
+    pass (pooling, activations, batchnorm, additions, dropout, bias and loss
+    not counted)."""
+    if model == "resnet20":
+        layers, first = resnet_layers((16, 32, 64), 3), "conv1"
+    elif model == "resnet18":
+        layers, first = resnet_layers((64, 128, 256, 512), 2), "conv1"
+    elif model == "cnn":
         conv1 = 2 * 32 * 1 * 3 * 3 * 26 * 26        # 1x28x28 -> 32x26x26
         conv2 = 2 * 64 * 32 * 3 * 3 * 11 * 11       # 32x13x13 -> 64x11x11
         fc1 = 2 * 1600 * 500                        # 64x5x5 -> 500
@@ -139,7 +174,7 @@ def run_torch(a):
         step()
         steps += 1
         el = time.perf_counter() - t0
-        if el >= a.seconds:
+        if (a.steps and steps >= a.steps) or (not a.steps and el >= a.seconds):
             break
     out = {"tool": ("torch" if bt == a.threads else "torch-blas%d" % bt) +
            ("-nomkldnn" if a.no_mkldnn else ""), "blas_threads": bt,
@@ -148,7 +183,10 @@ def run_torch(a):
            "warmup_steps": a.warmup, "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(),
            "mkldnn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
-           "optimizer": "SGD(lr=0.02, momentum=0.9)"}
+           "optimizer": "SGD(lr=0.02, momentum=0.9)",
+           "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    if a.steps:
+        out["kind"] = "memory"
     out.update(blas_in_process())
     print(json.dumps(out))
 
@@ -210,14 +248,19 @@ def report(a):
     med = statistics.median
     R = collections.defaultdict(list)
     peak = collections.defaultdict(list)
+    mem = collections.defaultdict(list)
     for r in rows:
-        if r["tool"] == "sgemm":
+        if r.get("kind") == "memory":
+            mem[r["tool"], r["model"], r["batch"]].append(r["maxrss_kb"])
+        elif r["tool"] == "sgemm":
             peak[r["threads"]].append(r["best_gflops"])
         else:
             R[r["tool"], r.get("workers"), r["model"], r["threads"]].append(r)
     pk = {t: max(v) for t, v in peak.items()}
     pkmed = {t: med(v) for t, v in peak.items()}
-    models = [("cnn", 128), ("mlp", 256)]
+    # the models in the results, in the order of the issues
+    batch = {k[2]: v[0]["batch"] for k, v in R.items() if k[0] == "stoke"}
+    models = [(m, batch[m]) for m in ("cnn", "mlp", "resnet20", "resnet18") if m in batch]
     threads = sorted({k[3] for k in R})
     reps = max(len(v) for v in R.values())
     fl = {m: forward_flops(m) for m, _ in models}
@@ -294,6 +337,8 @@ def report(a):
         print("|---|---:|---:|---:|---:|---:|---:|")
         for m, b in models:
             for t in threads:
+                if not R.get(("stoke", 2, m, t)):
+                    continue
                 s1, s2 = sps("stoke", 1, m, t), sps("stoke", 2, m, t)
                 print("| %s | %d | %s | %s | %.2f | %.2f%% | %.2f%% |" % (
                     m, t, rng("stoke", 1, m, t), rng("stoke", 2, m, t), s2 / s1,
@@ -316,6 +361,9 @@ def report(a):
               min(r["windows"] for r in st), max(r["windows"] for r in st),
               min(r["seconds"] for r in tr), max(r["seconds"] for r in tr)))
 
+    if mem:
+        memory_table(mem, models)
+
     print("\n## Targets\n")
     for m, t, s, p, gs, stall in verdict:
         if m == "cnn":
@@ -326,6 +374,14 @@ def report(a):
             print("- mlp, %d thread%s: stoke >= PyTorch: %.2fx (%.0f vs %.0f samples/s), %s"
                   % (t, "s" if t > 1 else "", s / p, s, p, "met" if s >= p else "NOT met"))
     for m, t, s, p, gs, stall in verdict:
+        if m.startswith("resnet"):
+            print("- %s, %d thread%s: stoke >= 1.5x PyTorch: %.2fx (%.0f vs %.0f samples/s), %s; "
+                  "%.0f%% of the SGEMM peak over the whole step (%.1f of %.1f GFLOP/s)"
+                  % (m, t, "s" if t > 1 else "", s / p, s, p,
+                     "met" if s >= 1.5 * p else "NOT met", 100 * gs / pk[t], gs, pk[t]))
+    for m, t, s, p, gs, stall in verdict:
+        if m.startswith("resnet"):
+            continue  # issue 4's 40% target is the cnn's and the mlp's
         print("- %s, %d thread%s: >= 40%% of the SGEMM peak over the whole step: %.0f%% "
               "(%.1f of %.1f GFLOP/s), %s" % (m, t, "s" if t > 1 else "", 100 * gs / pk[t], gs,
                                               pk[t], "met" if gs >= 0.4 * pk[t] else "NOT met"))
@@ -334,15 +390,46 @@ def report(a):
             m, t, "s" if t > 1 else "", 100 * stall, "met" if stall < 0.02 else "NOT met"))
 
 
+def memory_table(mem, models):
+    """Peak RSS (ru_maxrss) of the memory runs: each tool at 1 thread, the
+    same number of samples at a large and a small batch; per sample =
+    (peak at the large batch - peak at the small) / (batch difference), which
+    leaves out what does not grow with the batch (code, libraries, PyTorch's
+    copy of the split, stoke's LMDB pages: the same samples are read)."""
+    med = statistics.median
+    print("\nPeak memory, 1 thread, ru_maxrss of the process (stoke: /usr/bin/time -f %%M of "
+          "train; PyTorch: resource.getrusage in the peer, glibc's malloc as is), median of "
+          "%d runs; per sample = (peak at the large batch - peak at the small) / (batch "
+          "difference), both runs over the same number of samples:\n"
+          % max(len(v) for v in mem.values()))
+    print("| model | batches | stoke peak MiB | PyTorch peak MiB | stoke KiB/sample "
+          "| PyTorch KiB/sample | stoke / PyTorch |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for m, _ in models:
+        bs = sorted({k[2] for k in mem if k[1] == m})
+        if len(bs) < 2 or not all(mem.get((tool, m, b)) for tool in ("stoke", "torch")
+                                  for b in bs):
+            continue
+        lo, hi = bs[0], bs[-1]
+        pk = {tool: med(mem[tool, m, hi]) for tool in ("stoke", "torch")}
+        per = {tool: (pk[tool] - med(mem[tool, m, lo])) / (hi - lo) for tool in ("stoke", "torch")}
+        print("| %s | %d - %d | %.0f (%.0f at %d) | %.0f (%.0f at %d) | %.1f | %.1f | %.2f |" % (
+            m, hi, lo, pk["stoke"] / 1024, med(mem["stoke", m, lo]) / 1024, lo,
+            pk["torch"] / 1024, med(mem["torch", m, lo]) / 1024, lo,
+            per["stoke"], per["torch"], per["stoke"] / per["torch"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("torch")
-    p.add_argument("model", choices=["cnn", "mlp"])
+    p.add_argument("model", choices=["cnn", "mlp", "resnet20", "resnet18"])
     p.add_argument("batch", type=int)
     p.add_argument("threads", type=int)
     p.add_argument("db")
     p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--steps", type=int, default=0,
+                   help="time exactly this many steps (default: --seconds)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--blas-threads", type=int, default=0,
@@ -356,6 +443,8 @@ def main():
     p.add_argument("--train-count", type=int, default=60000)
     p = sub.add_parser("flops")
     p.add_argument("model")
+    p = sub.add_parser("maxrss")
+    p.add_argument("file")
     p = sub.add_parser("report")
     p.add_argument("results")
     a = ap.parse_args()
@@ -363,6 +452,9 @@ def main():
         run_torch(a)
     elif a.cmd == "stoke":
         stoke_steady(a)
+    elif a.cmd == "maxrss":
+        kb = int(open(a.file).read().split()[-1])
+        print(json.dumps({"tool": "stoke", "kind": "memory", "maxrss_kb": kb}))
     elif a.cmd == "flops":
         print(json.dumps(forward_flops(a.model)))
     else:
