@@ -127,8 +127,9 @@ static int bn_batch_stats(stk_model *m, layer *l, const float *x, int n,
     return rc;
 }
 
-/* Batch statistics in training (refusing one value per channel, as
- * PyTorch), the running ones otherwise; the ReLU after it in the same
+/* Batch statistics in training (refusing one value per channel over the
+ * group, as PyTorch's BatchNorm and SyncBatchNorm), the running ones
+ * otherwise; the ReLU after it in the same
  * pass when fused. */
 static int bn_forward(stk_model *m, int i, const float *x, int n, bool train,
                       stk_err *err)
@@ -137,7 +138,7 @@ static int bn_forward(stk_model *m, int i, const float *x, int n, bool train,
     int c = l->c, hw = l->h * l->w;
     const float *mean = m->bufs + m->bp[2 * l->bn].offset, *var = mean + c;
     char name[STK_NAME_MAX + 32];
-    if (train && (int64_t)n * hw == 1)
+    if (train && (int64_t)m->world * n * hw == 1)
         return stk_fail(
             err, STK_EINVAL,
             "model: %s: a batchnorm in training over a %dx%dx%dx%d "

@@ -339,12 +339,14 @@ int stk_model_parse(const char *text, const char *file, stk_model_spec *out,
         line = trim(line);
         if (!*line)
             continue;
-        raw_layer *r = &raw[out->n];
-        r->line = lineno;
-        if (out->n == STK_MAX_LAYERS)
+        if (out->n == STK_MAX_LAYERS) { /* before raw[out->n] is touched */
             rc = stk_fail(err, STK_EINVAL, "%s:%d: more than %d layers", file,
                           lineno, STK_MAX_LAYERS);
-        else if (parse_line(line, &out->layers[out->n++], r, why, sizeof why))
+            break;
+        }
+        raw_layer *r = &raw[out->n];
+        r->line = lineno;
+        if (parse_line(line, &out->layers[out->n++], r, why, sizeof why))
             rc = stk_fail(err, STK_EINVAL,
                           "%s:%d: %s (see docs/models.md for the format)",
                           file, lineno, why);

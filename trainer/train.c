@@ -475,15 +475,22 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
 }
 
 /* Rank 0, which writes metrics.jsonl, redraws RUN_DIR/curves.svg from it. */
-static int draw_curves(run_state *r, stk_err *err)
+/* Rank 0 redraws RUN_DIR/curves.svg after the epoch's checkpoint. A
+ * picture that cannot be drawn (a full disk, a directory in its place) is
+ * a warning: it must not stop the training it shows. */
+static void draw_curves(run_state *r)
 {
     char metrics[4200], svg[4200];
+    stk_err e = {0};
     if (!r->metrics)
-        return 0;
+        return;
     if (stk_path_join(metrics, sizeof metrics, r->o->out, "metrics.jsonl") ||
         stk_path_join(svg, sizeof svg, r->o->out, "curves.svg"))
-        return stk_fail(err, STK_ERANGE, "--out %s: path too long", r->o->out);
-    return stk_curves_write(metrics, svg, err);
+        stk_fail(&e, STK_ERANGE, "--out %s: path too long", r->o->out);
+    else
+        stk_curves_write(metrics, svg, &e);
+    if (*e.msg) /* also under --quiet: it is no progress line */
+        fprintf(stderr, "train: warning: curves.svg not drawn: %s\n", e.msg);
 }
 
 /* Rank 0 alone writes checkpoints, with its running statistics. */
@@ -547,8 +554,6 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
                     r->train_acc, tl, ta, (unsigned long long)r->eval_seen, r->lr,
                     st.samples_per_s * r->rank.world, st.stall, stk_now() - t0,
                     r->rank.world, (unsigned long long)differ);
-        if (!differ)
-            rc = draw_curves(r, err);
         if (differ)
             rc = stk_fail(err, STK_EPEER,
                           "after epoch %d, %llu parameters differ between the ranks; "
@@ -569,6 +574,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         r->epoch_steps[r->epoch] = r->step - r->epoch_first_step;
         r->epoch_first_step = r->step;
         rc = save(r, ta >= r->best_acc, err);
+        if (!rc)
+            draw_curves(r);
         if (stopped) { /* at an epoch boundary: evaluated and saved */
             res->stopped = true;
             r->epoch++;

@@ -507,6 +507,15 @@ static void graph_format_and_errors(void **state)
     expect_parse_error("avgpool\n", "avgpool needs a kernel size");
     expect_parse_error("globalpool 2\n", "unexpected '2'");
     expect_parse_error("a/b: relu\n", "'a/b' is not a layer name");
+    /* one layer past the limit: refused at its line, nothing written past
+     * the parser's per-layer table (ASan checks) */
+    char *many = malloc(5 * (STK_MAX_LAYERS + 1) + 1);
+    assert_non_null(many);
+    for (int i = 0; i <= STK_MAX_LAYERS; i++)
+        memcpy(many + 5 * i, "relu\n", 5);
+    many[5 * (STK_MAX_LAYERS + 1)] = '\0';
+    expect_parse_error(many, "g.model:257: more than 256 layers");
+    free(many);
 
     expect_create_error("conv 4 3\nadd input\nflatten\nlinear classes\n", 2, 6,
                         2,
