@@ -374,7 +374,8 @@ static int load_params(run_state *r, float *dev, const char *path,
  * buffers: the statistics start at 0 and 1, as in a new model, which a
  * line says), never some of them (another model); num_batches_tracked
  * that it lacks is 0, as PyTorch loads a state dict from before the
- * counter existed. A negative count is refused. */
+ * counter existed. A negative count or variance is refused (either would
+ * make every later evaluation meaningless without an error). */
 static int check_bn_state(run_state *r, const char *path, const model_state *s,
                           bool strict, bool *with_buffers, stk_err *err)
 {
@@ -389,6 +390,17 @@ static int check_bn_state(run_state *r, const char *path, const model_state *s,
                             "%s: no tensor \"%s\" (the file holds %d of the "
                             "model's %d batchnorm running statistics)",
                             path, buf[i].name, found, s->nb);
+    for (int i = 0; i < s->nb; i++) {
+        size_t len = strlen(buf[i].name), k = strlen(".running_var");
+        bool var = len > k && !strcmp(buf[i].name + len - k, ".running_var");
+        const float *v = buf[i].data; /* running statistics are F32 */
+        for (size_t j = 0; var && buf[i].found && j < buf[i].count; j++)
+            if (v[j] < 0)
+                return stk_fail(err, STK_EFORMAT,
+                                "%s: \"%s\" element %zu is %g, a variance "
+                                "(>= 0)",
+                                path, buf[i].name, j, (double)v[j]);
+    }
     for (int i = 0; i < s->nc; i++) {
         if (!cnt[i].found && strict)
             return stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"", path,

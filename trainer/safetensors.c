@@ -167,7 +167,7 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
     size_t bytes = t->count * elem_size(t->dtype);
     double b = cJSON_GetArrayItem(off, 0) ? cJSON_GetArrayItem(off, 0)->valuedouble : -1;
     double en = cJSON_GetArrayItem(off, 1) ? cJSON_GetArrayItem(off, 1)->valuedouble : -1;
-    if (b < 0 || en - b != (double)bytes || en > (double)dlen)
+    if (b < 0 || b != floor(b) || en - b != (double)bytes || en > (double)dlen)
         return stk_fail(err, STK_EFORMAT, "%s: \"%s\" has a bad byte range",
                         path, t->name);
     memcpy(t->data, data + (size_t)b, bytes);

@@ -47,6 +47,7 @@ typedef struct raw_layer {
     int line;
     int nin; /* names read: 0 = the layer before */
     char in[2][STK_NAME_MAX];
+    char seen[64]; /* the options given, " stride= pad=": each once */
 } raw_layer;
 
 /* A whole number lo..hi for a layer's field; why says what is wrong with
@@ -107,6 +108,13 @@ static int parse_option(stk_layer_spec *s, raw_layer *r, const char *tok,
         snprintf(why, n, "'%s' does not apply to this layer", tok);
         return -1;
     }
+    char key[16]; /* " stride=": option_applies knows it, so it is short */
+    snprintf(key, sizeof key, " %.*s", (int)(val - tok), tok);
+    if (strstr(r->seen, key)) {
+        snprintf(why, n, "'%s': %s given twice", tok, key + 1);
+        return -1;
+    }
+    strncat(r->seen, key, sizeof r->seen - strlen(r->seen) - 1);
     if (!strncmp(tok, "stride=", 7))
         return whole("stride", tok, val, 1, SPEC_MAX_KERNEL, &s->stride, why,
                      n);

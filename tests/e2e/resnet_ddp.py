@@ -144,6 +144,16 @@ p = subprocess.run([os.path.join(BIN, "train"), "--db", "db", "--out", "init_par
                    capture_output=True, text=True)
 assert p.returncode == 1 and 'no tensor "layer2.1.bn2.running_var" (the file holds 41 of the ' \
     "model's 42 batchnorm running statistics)" in p.stderr, (p.returncode, p.stderr)
+negative = dict(base)
+negative["layer3.0.bn1.running_var"] = base["layer3.0.bn1.running_var"].clone()
+negative["layer3.0.bn1.running_var"][5] = -0.25
+ref.save_safetensors("negative.safetensors", negative)
+p = subprocess.run([os.path.join(BIN, "train"), "--db", "db", "--out", "init_negative",
+                    *COMMON, "--epochs", "1", "--init-from", "negative.safetensors"],
+                   capture_output=True, text=True)
+assert p.returncode == 1 and '"layer3.0.bn1.running_var" element 5 is -0.25, a variance' \
+    in p.stderr, (p.returncode, p.stderr)
 print("ok: --init-from takes a state dict's running statistics and counters, starts them "
-      "fresh from a file without any (saying so), refuses a file with some")
+      "fresh from a file without any (saying so), refuses a file with some or with a "
+      "negative variance")
 print(f"ok: resnet_ddp ({time.time() - t0:.1f} s)")

@@ -507,6 +507,9 @@ static void graph_format_and_errors(void **state)
     expect_parse_error("avgpool\n", "avgpool needs a kernel size");
     expect_parse_error("globalpool 2\n", "unexpected '2'");
     expect_parse_error("a/b: relu\n", "'a/b' is not a layer name");
+    expect_parse_error("a: relu\nb: relu from=a from=input\n",
+                       "g.model:2: 'from=input': from= given twice");
+    expect_parse_error("conv 4 3 pad=1 pad=0\n", "'pad=0': pad= given twice");
     /* one layer past the limit: refused at its line, nothing written past
      * the parser's per-layer table (ASan checks) */
     char *many = malloc(5 * (STK_MAX_LAYERS + 1) + 1);
