@@ -922,7 +922,8 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
                 r.rank.world, stk_backend_name(r.be), stk_backend_threads(r.be),
                 r.rank.source);
     if (!rc && !o->quiet) {
-        char desc[2048];
+        char desc[480]; /* a sequential model whole; a ResNet's first
+                           layers, " ..." and its parameter count */
         stk_model_describe(r.model, desc, sizeof desc);
         fprintf(stderr, "train: %s on %s, %s\n", o->model, stk_backend_name(r.be), desc);
     }
