@@ -63,8 +63,9 @@ static double onecycle_lr(double lr, uint64_t step, uint64_t total)
     double up = 0.3 * (double)total - 1.0, end = (double)total - 1.0;
     if (s <= up && up > 0)
         return cos_anneal(initial, lr, s / up);
-    if (up < 0)
-        up = 0; /* a run of 3 steps or less: no rise (OneCycleLR refuses it) */
+    /* a run of 3 steps or less has up < 0: OneCycleLR then starts its
+     * second phase at that negative step, so its step 0 is already below
+     * max_lr (0.994 lr of 3 steps) */
     double pct = end > up ? (s - up) / (end - up) : 1.0;
     return cos_anneal(lr, min, pct < 1.0 ? pct : 1.0);
 }
