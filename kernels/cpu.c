@@ -1043,16 +1043,25 @@ static void avgpool_fwd_part(void *v, size_t b, size_t e)
     }
 }
 
+/* Runs part over the planes, from src into dst (forward: x into y;
+ * backward: dy into dx), in pieces of about GRAIN input pixels. */
+static int avgpool_run(stk_backend *be, stk_pool_fn part, const float *src,
+                       float *dst, int planes, int h, int w, int kh, int kw,
+                       int sh, int sw)
+{
+    avgpool_job j = avgpool_plan(src, dst, h, w, kh, kw, sh, sw);
+    size_t per = (size_t)h * w;
+    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per, part, &j);
+    return 0;
+}
+
 static int cpu_avgpool_fwd(stk_backend *be, const float *x, int planes, int h,
                            int w, int kh, int kw, int sh, int sw, float *y,
                            stk_err *err)
 {
     (void)err;
-    avgpool_job j = avgpool_plan(x, y, h, w, kh, kw, sh, sw);
-    size_t per = (size_t)h * w;
-    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
-                 avgpool_fwd_part, &j);
-    return 0;
+    return avgpool_run(be, avgpool_fwd_part, x, y, planes, h, w, kh, kw, sh,
+                       sw);
 }
 
 /* Planes [b, e): a scatter in output order, each output's dy / (kh * kw)
@@ -1085,11 +1094,8 @@ static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
                            stk_err *err)
 {
     (void)err;
-    avgpool_job j = avgpool_plan(dy, dx, h, w, kh, kw, sh, sw);
-    size_t per = (size_t)h * w;
-    stk_pool_for(pool(be), (size_t)planes, (GRAIN + per - 1) / per,
-                 avgpool_bwd_part, &j);
-    return 0;
+    return avgpool_run(be, avgpool_bwd_part, dy, dx, planes, h, w, kh, kw, sh,
+                       sw);
 }
 
 /* ---- residual add and device copies --------------------------------------
