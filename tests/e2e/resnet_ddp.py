@@ -18,21 +18,15 @@ a small Fashion-MNIST: 384 training images, 256 test images, CPU ranks):
   step from the default ones, the counter from 1000 to 1001), starts them
   at 0 and 1 from a file that holds none (saying so), and refuses a file
   that holds some but not all, naming the missing tensor."""
-import os, shutil, subprocess, sys, time
+import os, subprocess, time
 import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
 torch = t.need("torch")  # a missing python3-torch fails, it does not skip
 import torch_ref as ref
 
-tmp = os.environ["STK_TMP"]
-shutil.rmtree(tmp, ignore_errors=True)
-os.makedirs(tmp)
-os.chdir(tmp)
 t0 = time.time()
 BIN = os.environ["STK_BIN"]
-subprocess.run([sys.executable, os.path.join(os.environ["STK_SRC"], "tests/e2e/fm_subset.py"),
-                ref.FASHION, "raw", "384", "256"], check=True)
-subprocess.run([os.path.join(BIN, "prep"), "--quiet", "raw", "db"], check=True)
+ref.fresh_subset_db(384, 256)
 COMMON = ["--model", "resnet20", "--threads", "1", "--workers", "1", "--batch", "32",
           "--optim", "sgd", "--lr", "0.05", "--warmup", "0", "--seed", "5"]
 

@@ -38,7 +38,7 @@ Twice: plain cross-entropy with every parameter decayed, and
 --label-smoothing 0.1 --no-decay-norm-bias (PyTorch: label_smoothing=0.1,
 a param group without decay for the biases and batchnorm weights; this
 one stops at 12 steps, past its horizon)."""
-import os, shutil, subprocess, sys, time
+import os, sys, time
 import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
 torch = t.need("torch")  # a missing python3-torch fails, it does not skip
@@ -64,17 +64,11 @@ CASES = [("sgd", [], 0.0, False, STEPS),
          ("smoothing", ["--label-smoothing", 0.1, "--no-decay-norm-bias"], 0.1, True, 12)]
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
-tmp = os.environ["STK_TMP"]
-shutil.rmtree(tmp, ignore_errors=True)
-os.makedirs(tmp)
-os.chdir(tmp)
 torch.set_num_threads(2)
 t0 = time.time()
 failed = []
 
-subprocess.run([sys.executable, os.path.join(os.environ["STK_SRC"], "tests/e2e/fm_subset.py"),
-                ref.FASHION, "raw", str(STEPS * BATCH), str(NTEST)], check=True)
-subprocess.run([os.path.join(os.environ["STK_BIN"], "prep"), "--quiet", "raw", "db"], check=True)
+ref.fresh_subset_db(STEPS * BATCH, NTEST)
 x_train, y_train, meta = ref.load_split("db", "train")
 x_test, y_test, _ = ref.load_split("db", "test")
 CLASSES = len(meta["classes"])

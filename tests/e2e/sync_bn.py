@@ -21,21 +21,15 @@ momentum, many small DDP buckets (reduced amid the batchnorms' sums).
   computations that only sum in another order part as fast.
 - A model without batchnorm trains under --sync-bn, with a line saying it
   has nothing to synchronise."""
-import os, shutil, subprocess, sys, time
+import os, subprocess, time
 import stoke_test as t  # first: it names the package of a missing numpy
 import numpy as np
 import torch_ref as ref
 
-tmp = os.environ["STK_TMP"]
-shutil.rmtree(tmp, ignore_errors=True)
-os.makedirs(tmp)
-os.chdir(tmp)
 t0 = time.time()
 BIN = os.environ["STK_BIN"]
 STEPS, TOL = 20, 1e-4
-subprocess.run([sys.executable, os.path.join(os.environ["STK_SRC"], "tests/e2e/fm_subset.py"),
-                ref.FASHION, "raw", str(STEPS * 128), "128"], check=True)
-subprocess.run([os.path.join(BIN, "prep"), "--quiet", "raw", "db"], check=True)
+ref.fresh_subset_db(STEPS * 128, 128)
 with open("bn.model", "w") as f:
     f.write("conv1: conv 16 3 pad=1 bias=false\nbn1: batchnorm\nrelu\npool 2\n"
             "conv2: conv 32 3 pad=1 bias=false\nbn2: batchnorm\nrelu\npool 2\nflatten\n"

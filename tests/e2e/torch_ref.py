@@ -3,7 +3,7 @@ torch_checkpoint.py): the built-in networks as torch.nn.Modules with the
 same parameter names as stoke's checkpoints, a safetensors reader/writer
 (no safetensors package here), the training sampler of docs/loader.md, and
 the input transform. Uses Debian's python3-torch (CPU)."""
-import json, os, shutil, struct, subprocess
+import json, os, shutil, struct, subprocess, sys
 import numpy as np
 import torch
 import torch.nn as nn
@@ -130,6 +130,20 @@ def load_safetensors(path):
 # ---- data -----------------------------------------------------------------------
 
 permutation = t.permutation  # the training order of docs/loader.md
+
+
+def fresh_subset_db(ntrain, ntest):
+    """Empties the test's STK_TMP, makes it the working directory and
+    writes "db" there: the first ntrain and ntest Fashion-MNIST samples
+    (fm_subset.py, then prep)."""
+    tmp = os.environ["STK_TMP"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    os.chdir(tmp)
+    subprocess.run([sys.executable, os.path.join(os.environ["STK_SRC"], "tests/e2e/fm_subset.py"),
+                    FASHION, "raw", str(ntrain), str(ntest)], check=True)
+    subprocess.run([os.path.join(os.environ["STK_BIN"], "prep"), "--quiet", "raw", "db"],
+                   check=True)
 
 
 def make_db(path):
