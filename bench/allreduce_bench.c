@@ -9,7 +9,7 @@
  * does R (default 300) averaging all-reduces of N floats (default 824326,
  * the cnn's parameters) after 20 untimed ones. Rank 0 prints one JSON
  * line: the median and best milliseconds per all-reduce for each. */
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "tests/fork_ranks.h"
 
 #include <stdio.h>

@@ -205,6 +205,9 @@ static int scratch_reserve(stk_backend *be, size_t bytes, const char *op,
     CUDA_TRY(op, cudaMalloc, (&p, bytes));
     cu->scratch = p;
     cu->scratch_bytes = bytes;
+    // the result header is copied back whole: no byte of it uninitialised
+    // (its padding, or bad_row where a reduction does not set it)
+    CUDA_TRY(op, cudaMemsetAsync, (p, 0, ARRAY_OFFSET, cu->stream));
     return 0;
 }
 

@@ -3,7 +3,7 @@
 #ifndef STK_FORK_RANKS_H
 #define STK_FORK_RANKS_H
 
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 #include <stdio.h>
 #include <sys/wait.h>

@@ -16,7 +16,7 @@
 #define STK_TRAINER_H
 
 #include "common/common.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "kernels/kernels.h"
 
 #include <stdbool.h>

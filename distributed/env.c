@@ -1,6 +1,6 @@
 /* env.c - a rank's identity from its environment: the torchrun variables
  * the launcher sets, or SLURM's when srun starts the ranks itself. */
-#include "dist.h"
+#include "distributed.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -9,7 +9,7 @@
  * outlives it. On several nodes, a launcher whose rank fails tells the
  * others through the store ("launcher/stop/NODE"); each waits for that key
  * on a helper thread. */
-#include "dist.h"
+#include "distributed.h"
 
 #include <signal.h>
 #include <stdarg.h>

@@ -1,9 +1,9 @@
-/* comm_impl.h - private to dist/: the collective backends behind stk_comm
+/* comm_impl.h - private to distributed/: the collective backends behind stk_comm
  * (shared memory in shm.c, NCCL in nccl.c). */
 #ifndef STK_COMM_IMPL_H
 #define STK_COMM_IMPL_H
 
-#include "dist.h"
+#include "distributed.h"
 
 enum { STK_MAX_RANKS = 64 }; /* shared-memory ranks on one machine */
 

@@ -7,7 +7,7 @@
  * CPUs are handed out in topology order (package, core), so that a rank's
  * group keeps hyper-threads of one core together and stays on one socket
  * where it can. */
-#include "dist.h"
+#include "distributed.h"
 
 #include <errno.h>
 #include <sched.h>

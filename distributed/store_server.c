@@ -15,7 +15,7 @@
  * it (a reply's write callback, which libuv also calls for writes a close
  * cancels; a woken or dropped waiter; the closed connection's buffer), so
  * with no client connected, in-flight bytes are 0 (tested). */
-#include "dist.h"
+#include "distributed.h"
 #include "store_wire.h"
 
 #include <signal.h>

@@ -1,6 +1,6 @@
 /* store.c - the rendezvous store's blocking client (the server:
  * store_server.c; the wire format: store_wire.h). */
-#include "dist.h"
+#include "distributed.h"
 #include "store_wire.h"
 
 #include <errno.h>

@@ -1,4 +1,4 @@
-/* dist.h - multi-process data parallelism: who this process is (rank,
+/* distributed.h - multi-process data parallelism: who this process is (rank,
  * world), the rendezvous store the ranks meet through, collectives behind
  * one interface (shared memory between CPU ranks, NCCL between GPUs), the
  * gradient buckets of DDP, and the launcher that starts the ranks.
@@ -8,8 +8,8 @@
  * process per rank with the torchrun variables set. A trainer process that
  * finds RANK/WORLD_SIZE (or SLURM's variables) in its environment is a
  * rank; without them it is a world of one. */
-#ifndef STK_DIST_H
-#define STK_DIST_H
+#ifndef STK_DISTRIBUTED_H
+#define STK_DISTRIBUTED_H
 
 #include "common/common.h"
 #include "kernels/kernels.h"

@@ -1,4 +1,4 @@
-/* test_dist - the rendezvous store (set, get that waits, add, barrier,
+/* test_distributed - the rendezvous store (set, get that waits, add, barrier,
  * timeouts, a taken port, a barrier on a silent store, a hostile client
  * over each of its limits dropped while a good one goes on), the
  * shared-memory collectives between forked
@@ -8,7 +8,7 @@
  * the CPU ranks' binding to disjoint CPUs. */
 #include "unit.h"
 
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "tests/fork_ranks.h"
 
 #include <arpa/inet.h>
