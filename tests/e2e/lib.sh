@@ -2,8 +2,10 @@
 # tools), STK_SRC (the source tree) and STK_TMP (this test's scratch dir).
 set -euo pipefail
 : "${STK_BIN:?run through ctest}" "${STK_SRC:?}" "${STK_TMP:?}"
-PY=/usr/bin/python3
-FASHION=/usr/share/datasets/fashion-mnist
+# Debian's python3 (numpy, torch) and Fashion-MNIST, unless the caller points
+# elsewhere (scripts/gpu_check.sh on a machine without Debian's packages)
+PY=${STK_PYTHON:-/usr/bin/python3}
+FASHION=${STK_FASHION:-/usr/share/datasets/fashion-mnist}
 export PYTHONPATH="$STK_SRC/tests/e2e${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 rm -rf "$STK_TMP" && mkdir -p "$STK_TMP" && cd "$STK_TMP"

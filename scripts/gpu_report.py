@@ -1,0 +1,51 @@
+"""gpu_report.py BENCH_JSON < rows - the benchmark part of gpu_check.sh's
+report (markdown on stdout).
+
+BENCH_JSON is gpu_bench's line; each stdin row is "MODEL BATCH GPUS
+EPOCH_JSON", EPOCH_JSON the last epoch line of that run's metrics.jsonl.
+FLOPs per sample come from bench/train_peers.py (conv and linear
+multiply-adds x 2, a training step 3 x forward)."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from train_peers import forward_flops  # noqa: E402
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    peak = bench["sgemm_tflops"] * 1e12
+    share = bench["loader_share"]
+    print("Uploads (%s, batches of %d bytes, %d loader workers): the loader into its "
+          "pinned ring, each batch uploaded from its slot, **%.2f GB/s**, against "
+          "%.2f GB/s for the same copies from one pinned buffer: **%.0f%%** "
+          "(target >= 80%%: %s); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM "
+          "%d^3: **%.1f TFLOP/s**." % (
+              bench["device"], bench["batch_bytes"], bench["workers"],
+              bench["loader_gbs"], bench["copy_gbs"], 100 * share,
+              "met" if share >= 0.8 else "**not met**", bench["copy_big_gbs"],
+              bench["sgemm_n"], bench["sgemm_tflops"]))
+    print()
+    print("| model | batch per GPU | GPUs | samples/s | data wait (stall) | "
+          "TFLOP/s | % of SGEMM peak | test acc | scaling |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    single = {}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        model, batch, gpus, epoch = line.split(" ", 3)
+        d = json.loads(epoch)
+        sps = d["samples_per_s"]
+        flops = forward_flops(model)["step"] * sps
+        if gpus == "1":
+            single[(model, batch)] = sps
+        base = single.get((model, batch))
+        scale = "%.2fx" % (sps / base) if gpus != "1" and base else ""
+        print("| %s | %s | %s | %.0f | %.2f%% | %.2f | %.1f%% | %.2f%% | %s |" % (
+            model, batch, gpus, sps, 100 * d["stall"], flops / 1e12,
+            100 * flops / peak, 100 * d["test_acc"], scale))
+
+
+if __name__ == "__main__":
+    main()
