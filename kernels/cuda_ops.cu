@@ -30,6 +30,10 @@ static constexpr size_t MAX_BLOCKS = 4096; // grid-stride loops cover the rest
 
 // Device scratch: a result header, then an array from ARRAY_OFFSET on.
 static constexpr size_t ARRAY_OFFSET = 256;
+// Its first size at least: the small reductions (bias_grad's partial sums
+// in the first backward, xent's rows) then never grow it, a stream sync and
+// a cudaFree (which waits for every stream) in the middle of a step.
+static constexpr size_t SCRATCH_MIN = 64 << 10;
 
 typedef struct reduce_result {
     double sum;       // the reduction's total
@@ -201,6 +205,7 @@ static int scratch_reserve(stk_backend *be, size_t bytes, const char *op,
         cu->scratch = NULL;
         cu->scratch_bytes = 0;
     }
+    bytes = bytes > SCRATCH_MIN ? bytes : SCRATCH_MIN;
     void *p = NULL;
     CUDA_TRY(op, cudaMalloc, (&p, bytes));
     cu->scratch = p;
@@ -411,36 +416,6 @@ static int cuda_bias_add(stk_backend *be, float *y, const float *b, int rows,
     size_t n = (size_t)rows * cols * inner;
     return launch(be, "cuda bias_add", n, err, bias_add_kernel, y, b,
                   (size_t)cols, (size_t)inner, n);
-}
-
-// One block per channel c: the sum over rows and inner in double, then
-// db[c] += sum (as the CPU).
-static __global__ void bias_grad_kernel(const float *dy, float *db,
-                                        size_t rows, size_t cols, size_t inner)
-{
-    size_t c = blockIdx.x, per = rows * inner;
-    double s = 0.0;
-    for (size_t j = threadIdx.x; j < per; j += blockDim.x) {
-        size_t r = j / inner, i = j % inner;
-        s += dy[(r * cols + c) * inner + i];
-    }
-    s = block_sum(s);
-    if (threadIdx.x == 0)
-        db[c] += (float)s;
-}
-
-static int cuda_bias_grad(stk_backend *be, const float *dy, float *db,
-                          int rows, int cols, int inner, stk_err *err)
-{
-    if (cols <= 0)
-        return 0;
-    int rc = use_device(be, "cuda bias_grad", err);
-    if (rc)
-        return rc;
-    size_t r = rows > 0 ? (size_t)rows : 0, i = inner > 0 ? (size_t)inner : 0;
-    bias_grad_kernel<<<(unsigned)cols, THREADS, 0, impl(be)->stream>>>(
-        dy, db, r, (size_t)cols, i);
-    return launched("cuda bias_grad", err);
 }
 
 // ---- convolution and pooling -----------------------------------------------
@@ -757,11 +732,33 @@ static __device__ bn_range bn_range_of(size_t b, int n, int hw, int parts)
     return g;
 }
 
-// Element f of range g in x [n, c, hw]: sample r0 + f / hw, position f % hw.
-static __device__ size_t bn_range_at(bn_range g, unsigned f, int c, int hw)
+// A thread's walk through range g of x [n, c, hw]: elements t, t + THREADS,
+// ... of the range, as an offset into x, stepped without a division per
+// element (one division per thread, at the start).
+typedef struct bn_walk {
+    unsigned f, i;           // element of the range, its position in hw
+    size_t at;               // its offset in x
+} bn_walk;
+
+static __device__ bn_walk bn_walk_start(bn_range g, int c, int hw)
 {
-    unsigned r = f / (unsigned)hw, i = f % (unsigned)hw;
-    return ((size_t)(g.r0 + r) * c + g.ch) * hw + i;
+    unsigned r = threadIdx.x / (unsigned)hw, i = threadIdx.x % (unsigned)hw;
+    return {threadIdx.x, i, ((size_t)(g.r0 + r) * c + g.ch) * hw + i};
+}
+
+// Moves w on by THREADS elements: THREADS / hw samples and THREADS % hw
+// positions, carrying one more sample when the position wraps.
+static __device__ void bn_walk_next(bn_walk *w, int c, int hw)
+{
+    unsigned dr = THREADS / (unsigned)hw, di = THREADS % (unsigned)hw;
+    size_t sample = (size_t)c * hw;
+    w->f += THREADS;
+    w->i += di;
+    w->at += dr * sample + di;
+    if (w->i >= (unsigned)hw) {
+        w->i -= hw;
+        w->at += sample - hw;
+    }
 }
 
 static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
@@ -772,8 +769,9 @@ static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
         bn_range g = bn_range_of(b, n, hw, parts);
         float s = shift ? shift[g.ch] : 0.0f;
         double acc = 0.0;
-        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
-            float v = x[bn_range_at(g, f, c, hw)];
+        for (bn_walk w = bn_walk_start(g, c, hw); w.f < g.count;
+             bn_walk_next(&w, c, hw)) {
+            float v = x[w.at];
             acc += shift ? stk_bn_sq1(v, s) : (double)v;
         }
         acc = block_sum(acc);
@@ -782,15 +780,18 @@ static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
     }
 }
 
+// sums[ch] = the ranges' total times scale; with add, sums[ch] += it
+// (bias_grad accumulates into its gradient, as the CPU).
 static __global__ void bn_sums_total_kernel(const double *partial, int c,
-                                            int parts, double scale,
+                                            int parts, double scale, bool add,
                                             float *sums)
 {
     for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
         double s = 0.0;
         for (int p = 0; p < parts; p++)
             s += partial[ch * parts + p];
-        sums[ch] = (float)(s * scale);
+        float total = (float)(s * scale);
+        sums[ch] = add ? sums[ch] + total : total;
     }
 }
 
@@ -806,8 +807,9 @@ static __global__ void bn_grad_sums_kernel(const float *dy,
         bn_range g = bn_range_of(b, n, hw, parts);
         float m = mean[g.ch];
         double sg = 0.0, sgx = 0.0;
-        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
-            size_t i = bn_range_at(g, f, c, hw);
+        for (bn_walk w = bn_walk_start(g, c, hw); w.f < g.count;
+             bn_walk_next(&w, c, hw)) {
+            size_t i = w.at;
             float gi = stk_bn_g1(dy, relu_y, i);
             sg += gi;
             sgx += stk_bn_gx1(gi, x[i], m);
@@ -883,7 +885,7 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                            shift, parts, partial);
     return rc ? rc
               : launch(be, op, (size_t)c, err, bn_sums_total_kernel,
-                       (const double *)partial, c, parts, scale, sums);
+                       (const double *)partial, c, parts, scale, false, sums);
 }
 
 static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
@@ -902,6 +904,27 @@ static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
     return rc ? rc
               : launch(be, op, (size_t)c, err, bn_grad_total_kernel,
                        (const double *)partial, c, parts, var, eps, sums);
+}
+
+// The bias gradient db[ch] += sum of dy [rows, cols, inner] over rows and
+// inner: the batchnorm's two passes (a block per (channel, range of rows)
+// then the ranges in order per channel), so the floats repeat run to run.
+static int cuda_bias_grad(stk_backend *be, const float *dy, float *db,
+                          int rows, int cols, int inner, stk_err *err)
+{
+    if (rows <= 0 || cols <= 0 || inner <= 0)
+        return 0; // an empty sum adds nothing (as on the CPU)
+    const char *op = "cuda bias_grad";
+    int parts = stk_bn_parts(rows, inner);
+    size_t blocks = (size_t)cols * parts;
+    double *partial = NULL;
+    int rc = bn_partials(be, op, blocks, 1, &partial, err);
+    if (!rc)
+        rc = launch_blocks(be, op, blocks, err, bn_sums_kernel, dy, rows, cols,
+                           inner, (const float *)NULL, parts, partial);
+    return rc ? rc
+              : launch(be, op, (size_t)cols, err, bn_sums_total_kernel,
+                       (const double *)partial, cols, parts, 1.0, true, db);
 }
 
 // The element-wise passes take their per-channel coefficients (computed in
@@ -1113,24 +1136,42 @@ static int cuda_xent(stk_backend *be, const float *logits,
 
 // ---- input transform -------------------------------------------------------
 
+// One block per sample (the grid strides over the rest): thread 0 draws the
+// sample's crop and flip once (stk_transform_draw, as the CPU), the block
+// reads it from shared memory and writes the sample, each thread a position
+// of the plane through every channel.
 static __global__ void transform_kernel(const uint8_t *x, const uint64_t *ids,
-                                        stk_transform t, size_t per, float *y,
-                                        size_t n)
+                                        int n, stk_transform t, float *y)
 {
-    for (size_t j = first_index(); j < n; j += index_step())
-        y[j] = stk_transform1(x, &t, ids[j / per], j);
+    __shared__ int draw[3]; // dy, dx, mirror
+    unsigned w = (unsigned)t.w, plane = (unsigned)t.h * w;
+    size_t per = (size_t)plane * t.c;
+    for (size_t s = blockIdx.x; s < (size_t)n; s += gridDim.x) {
+        if (threadIdx.x == 0)
+            stk_transform_draw(&t, ids[s], &draw[0], &draw[1], &draw[2]);
+        __syncthreads();
+        const uint8_t *img = x + s * per;
+        float *out = y + s * per;
+        for (unsigned p = threadIdx.x; p < plane; p += blockDim.x)
+            for (int c = 0; c < t.c; c++)
+                out[(size_t)c * plane + p] =
+                    stk_transform_px(img, &t, c, (int)(p / w), (int)(p % w),
+                                     draw[0], draw[1], draw[2]);
+        __syncthreads(); // every thread has read draw before the next sample
+    }
 }
 
 static int cuda_transform(stk_backend *be, const uint8_t *x,
                           const uint64_t *ids, int n, const stk_transform *t,
                           float *y, stk_err *err)
 {
-    size_t per = (size_t)t->c * t->h * t->w;
-    if (n <= 0 || per == 0)
+    const char *op = "cuda transform";
+    if (n <= 0 || (size_t)t->c * t->h * t->w == 0)
         return 0;
-    size_t total = (size_t)n * per;
-    return launch(be, "cuda transform", total, err, transform_kernel, x, ids,
-                  *t, per, y, total);
+    int rc = use_device(be, op, err);
+    return rc ? rc
+              : launch_blocks(be, op, (size_t)n, err, transform_kernel, x, ids,
+                              n, *t, y);
 }
 
 // ---- vector ops and reductions ---------------------------------------------
