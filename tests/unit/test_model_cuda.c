@@ -19,11 +19,15 @@
 static stk_backend *cpu, *gpu;
 
 /* Tolerances, as errors relative to each tensor's largest magnitude (at
- * least 1 for logits): a rounding difference of float's 6e-8 amplified
- * through about 20 layers and normalisations stays below them. */
-#define TOL_LOGITS 1e-4
-#define TOL_LOSS 1e-5   /* relative */
-#define TOL_GRAD 1e-3   /* each parameter tensor */
+ * least 1 for logits and running statistics). Measured on the CPU with
+ * this test's batch, two stand-ins for the GPU's other summation orders
+ * gave at most 1.6e-6 (logits), 1e-7 (loss), 6.3e-6 (gradients, resnet18)
+ * and 6e-8 (running statistics): im2col in place of Winograd on one side,
+ * and a third of the weights scaled by 1 + 1.2e-7 (an ulp or so). The
+ * tolerances leave a margin of 30 or more over those. */
+#define TOL_LOGITS 5e-5
+#define TOL_LOSS 1e-5 /* relative */
+#define TOL_GRAD 5e-4 /* each parameter tensor */
 #define TOL_RUNNING 1e-5
 
 enum { N = 8, CLASSES = 10 };
@@ -116,7 +120,7 @@ static double grads_err(side *c, side *g, const char **worst_name)
     float *gc = fetch(cpu, stk_model_grads(c->m), np),
           *gg = fetch(gpu, stk_model_grads(g->m), np);
     double worst = 0;
-    *worst_name = "";
+    *worst_name = "-";
     for (int i = 0; i < stk_model_nparams(c->m); i++) {
         const stk_param *p = stk_model_param(c->m, i);
         double e = rel_err(gg + p->offset, gc + p->offset, p->count, 1e-30);
