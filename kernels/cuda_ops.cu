@@ -329,6 +329,30 @@ static int cuda_sync(stk_backend *be, stk_err *err)
 
 // ---- GEMM ------------------------------------------------------------------
 
+// k = 0: C = beta C, as BLAS defines it (beta 0 writes zeros without
+// reading C), for count matrices m x n of row stride ldc, sc apart. cuBLAS's
+// documentation does not say what it does with k = 0, and the API lets a
+// caller pass a row stride of 0 then (cuBLAS wants 1 or more): such a
+// GEMM never reaches cuBLAS.
+static __global__ void gemm_scale_kernel(float *c, float beta, size_t n,
+                                         size_t ldc, size_t per, size_t sc,
+                                         size_t total)
+{
+    for (size_t i = first_index(); i < total; i += index_step()) {
+        float *x = c + i / per * sc + i % per / n * ldc + i % n;
+        *x = beta == 0.0f ? 0.0f : beta * *x;
+    }
+}
+
+static int gemm_scale(stk_backend *be, const char *op, int m, int n,
+                      float beta, float *c, int ldc, size_t sc, int count,
+                      stk_err *err)
+{
+    size_t per = (size_t)m * n;
+    return launch(be, op, per * count, err, gemm_scale_kernel, c, beta,
+                  (size_t)n, (size_t)ldc, per, sc, per * count);
+}
+
 // Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
 // row-major matrix read column-major is its transpose, so compute
 // C^T = op(B)^T op(A)^T: B first with tb's op, A second with ta's op, sizes
@@ -338,13 +362,11 @@ static int cuda_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                      float alpha, const float *a, int lda, const float *b,
                      int ldb, float beta, float *c, int ldc, stk_err *err)
 {
+    if (k == 0)
+        return gemm_scale(be, "cuda gemm", m, n, beta, c, ldc, 0, 1, err);
     int rc = use_device(be, "cuda gemm", err);
     if (rc)
         return rc;
-    // k == 0 lets the API pass a row stride of 0 (nothing is read); cuBLAS
-    // wants every leading dimension >= 1.
-    lda = lda > 0 ? lda : 1;
-    ldb = ldb > 0 ? ldb : 1;
     return blas_check(cublasSgemm(impl(be)->blas,
                                   tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                   ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
@@ -360,11 +382,12 @@ static int cuda_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n,
                              float beta, float *c, int ldc, size_t sc,
                              int count, stk_err *err)
 {
+    if (k == 0)
+        return gemm_scale(be, "cuda gemm_batched", m, n, beta, c, ldc, sc,
+                          count, err);
     int rc = use_device(be, "cuda gemm_batched", err);
     if (rc)
         return rc;
-    lda = lda > 0 ? lda : 1;
-    ldb = ldb > 0 ? ldb : 1;
     return blas_check(
         cublasSgemmStridedBatched(impl(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                   ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,

@@ -669,6 +669,35 @@ static void gemm_k0(bool ta, bool tb, int m, int n)
     stk_dev_free(gpu, da), stk_dev_free(gpu, db);
 }
 
+/* The batched GEMM with k = 0: 3 matrices C_p = 0.5 C_p, a padded row
+ * stride and a gap between them left as they were. */
+static void gemm_batched_k0(bool ta, bool tb, int m, int n)
+{
+    int ldc = n + 2;
+    size_t sc = (size_t)m * ldc + 1, nc = 3 * sc;
+    float one = 1.0f, *c = malloc(nc * 4), *want = malloc(nc * 4);
+    fill(c, nc, 65);
+    memcpy(want, c, nc * 4);
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                want[p * sc + (size_t)i * ldc + j] *= 0.5f;
+    float *da = dev_copy(&one, 4), *db = dev_copy(&one, 4),
+          *dc = dev_copy(c, nc * 4);
+    stk_err err;
+    assert_int_equal(stk_gemm_batched(cpu, ta, tb, m, n, 0, 1, &one,
+                                      ta ? m : 0, 0, &one, tb ? 0 : n, 0,
+                                      0.5f, c, ldc, sc, 3, &err), 0);
+    assert_int_equal(stk_gemm_batched(gpu, ta, tb, m, n, 0, 1, da,
+                                      ta ? m : 0, 0, db, tb ? 0 : n, 0,
+                                      0.5f, dc, ldc, sc, 3, &err), 0);
+    float *got = host_copy(dc, nc * 4);
+    assert_memory_equal(c, want, nc * 4);
+    assert_memory_equal(got, want, nc * 4);
+    free(got), free(c), free(want);
+    stk_dev_free(gpu, da), stk_dev_free(gpu, db), stk_dev_free(gpu, dc);
+}
+
 static void gemm_k0_and_padded_leading_dims(void **state)
 {
     (void)state;
@@ -677,6 +706,7 @@ static void gemm_k0_and_padded_leading_dims(void **state)
             gemm_padded(ta, tb, 33, 70, 45);
             gemm_padded(ta, tb, 1, 129, 300);
             gemm_k0(ta, tb, 9, 13);
+            gemm_batched_k0(ta, tb, 4, 5);
         }
 }
 
