@@ -5,7 +5,8 @@
 //
 // State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
 // handle bound to it, and a small device scratch buffer that grows for the
-// reductions (cross-entropy, sum of squares) and holds the batchnorm passes'
+// reductions (cross-entropy, sum of squares, the batchnorm and bias
+// gradient's partial sums) and holds the batchnorm passes'
 // per-channel coefficients (read by kernels queued behind; the buffer is
 // only replaced after a stream sync). Every op is queued on the
 // stream; only xent and sumsq wait, because they return a host value, and
