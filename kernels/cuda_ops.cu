@@ -7,7 +7,7 @@
 // handle bound to it, and a small device scratch buffer that grows for the
 // reductions (cross-entropy, sum of squares, the batchnorm and bias
 // gradient's partial sums) and holds the batchnorm passes'
-// per-channel coefficients (read by kernels queued behind; the buffer is
+// per-channel coefficients and the input transform's per-sample draws (read by kernels queued behind; the buffer is
 // only replaced after a stream sync). Every op is queued on the
 // stream; only xent and sumsq wait, because they return a host value, and
 // a reduction whose scratch must grow (once per new, larger shape: the
@@ -1160,28 +1160,38 @@ static int cuda_xent(stk_backend *be, const float *logits,
 
 // ---- input transform -------------------------------------------------------
 
-// One block per sample (the grid strides over the rest): thread 0 draws the
-// sample's crop and flip once (stk_transform_draw, as the CPU), the block
-// reads it from shared memory and writes the sample, each thread a position
-// of the plane through every channel.
-static __global__ void transform_kernel(const uint8_t *x, const uint64_t *ids,
-                                        int n, stk_transform t, float *y)
+// Two passes, so that each sample's Philox draw runs once (not once per
+// pixel): a thread per sample writes its crop offset and flip (as the CPU,
+// stk_transform_draw) to the scratch, then a block per (sample, THREADS
+// positions of its plane) writes them, each thread one position through
+// every channel (stk_transform_px, the CPU's body).
+static __global__ void transform_draw_kernel(const uint64_t *ids, int n,
+                                             stk_transform t, int4 *draws)
 {
-    __shared__ int draw[3]; // dy, dx, mirror
+    for (size_t s = first_index(); s < (size_t)n; s += index_step()) {
+        int dy, dx, mirror;
+        stk_transform_draw(&t, ids[s], &dy, &dx, &mirror);
+        draws[s] = make_int4(dy, dx, mirror, 0);
+    }
+}
+
+static __global__ void transform_kernel(const uint8_t *x, const int4 *draws,
+                                        stk_transform t, unsigned chunks,
+                                        size_t blocks, float *y)
+{
     unsigned w = (unsigned)t.w, plane = (unsigned)t.h * w;
     size_t per = (size_t)plane * t.c;
-    for (size_t s = blockIdx.x; s < (size_t)n; s += gridDim.x) {
-        if (threadIdx.x == 0)
-            stk_transform_draw(&t, ids[s], &draw[0], &draw[1], &draw[2]);
-        __syncthreads();
+    for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+        size_t s = b / chunks; // a division per block, not per element
+        unsigned p = (unsigned)(b % chunks) * THREADS + threadIdx.x;
+        if (p >= plane)
+            continue;
+        int4 d = draws[s];
         const uint8_t *img = x + s * per;
-        float *out = y + s * per;
-        for (unsigned p = threadIdx.x; p < plane; p += blockDim.x)
-            for (int c = 0; c < t.c; c++)
-                out[(size_t)c * plane + p] =
-                    stk_transform_px(img, &t, c, (int)(p / w), (int)(p % w),
-                                     draw[0], draw[1], draw[2]);
-        __syncthreads(); // every thread has read draw before the next sample
+        float *out = y + s * per + p;
+        for (int c = 0; c < t.c; c++)
+            out[(size_t)c * plane] = stk_transform_px(
+                img, &t, c, (int)(p / w), (int)(p % w), d.x, d.y, d.z);
     }
 }
 
@@ -1190,12 +1200,23 @@ static int cuda_transform(stk_backend *be, const uint8_t *x,
                           float *y, stk_err *err)
 {
     const char *op = "cuda transform";
-    if (n <= 0 || (size_t)t->c * t->h * t->w == 0)
+    size_t plane = (size_t)t->h * t->w;
+    if (n <= 0 || plane * t->c == 0)
         return 0;
     int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(int4), op,
+                             err);
+    if (rc)
+        return rc;
+    int4 *draws = scratch_array<int4>(be);
+    unsigned chunks = (unsigned)((plane + THREADS - 1) / THREADS);
+    size_t blocks = (size_t)n * chunks;
+    rc = launch(be, op, (size_t)n, err, transform_draw_kernel, ids, n, *t,
+                draws);
     return rc ? rc
-              : launch_blocks(be, op, (size_t)n, err, transform_kernel, x, ids,
-                              n, *t, y);
+              : launch_blocks(be, op, blocks, err, transform_kernel, x,
+                              (const int4 *)draws, *t, chunks, blocks, y);
 }
 
 // ---- vector ops and reductions ---------------------------------------------
