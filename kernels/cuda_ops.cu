@@ -6,13 +6,13 @@
 // State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
 // handle bound to it, and a small device scratch buffer that grows for the
 // reductions (cross-entropy, sum of squares, the batchnorm and bias
-// gradient's partial sums) and holds the batchnorm passes'
-// per-channel coefficients and the input transform's per-sample draws (read by kernels queued behind; the buffer is
-// only replaced after a stream sync). Every op is queued on the
-// stream; only xent and sumsq wait, because they return a host value, and
-// a reduction whose scratch must grow (once per new, larger shape: the
-// batchnorm sums reserve what their backward will need). One
-// backend is driven by one host thread at a time (the scratch is shared);
+// gradient's partial sums) and holds the batchnorm passes' per-channel
+// coefficients and the input transform's per-sample draws (read by kernels
+// queued behind; the buffer is only replaced after a stream sync). Every
+// op is queued on the stream; only xent and sumsq wait, because they return
+// a host value, and a reduction whose scratch must grow (once per new,
+// larger shape: the batchnorm sums reserve what their backward will need).
+// One backend is driven by one host thread at a time (the scratch is shared);
 // each op selects the backend's device first, so a thread that never called
 // cudaSetDevice still works on the right GPU.
 //
