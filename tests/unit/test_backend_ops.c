@@ -1,6 +1,8 @@
 /* test_backend_ops - every op on the CUDA backend against the CPU backend
  * (the reference), on the same inputs. Exits 77 (skipped) where there is no
- * GPU or no CUDA build, saying why. Element-wise ops must agree exactly
+ * GPU or no CUDA build, saying why (STK_GPU_TESTS_ON_CPU=1 runs it with a
+ * second CPU backend in the GPU's place, to check the tests' CPU side on a
+ * machine without one). Element-wise ops must agree exactly
  * (the same shared bodies, no FMA contraction); GEMM and reductions within
  * a normalised error. */
 #include "unit.h"

@@ -4,7 +4,8 @@
  * backward, then forward in evaluation mode (the running statistics).
  * Logits, loss, every parameter's gradient and the running statistics
  * agree within the tolerances below. Exits 77 (skipped) where there is no
- * GPU or no CUDA build, saying why.
+ * GPU or no CUDA build, saying why (STK_GPU_TESTS_ON_CPU=1: a second CPU
+ * backend stands in for the GPU, as in test_backend_ops).
  *
  * The two backends run the same algorithms (Winograd for 3x3 convolutions,
  * the shared element-wise bodies) but sum in other orders (cuBLAS, the
