@@ -5,13 +5,14 @@
 //
 // State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
 // handle bound to it, and a small device scratch buffer that grows for the
-// reductions (cross-entropy, sum of squares) and holds the batchnorm passes'
-// per-channel coefficients (read by kernels queued behind; the buffer is
-// only replaced after a stream sync). Every op is queued on the
-// stream; only xent and sumsq wait, because they return a host value, and
-// a reduction whose scratch must grow (once per new, larger shape: the
-// batchnorm sums reserve what their backward will need). One
-// backend is driven by one host thread at a time (the scratch is shared);
+// reductions (cross-entropy, sum of squares, the batchnorm and bias
+// gradient's partial sums) and holds the batchnorm passes' per-channel
+// coefficients and the input transform's per-sample draws (read by kernels
+// queued behind; the buffer is only replaced after a stream sync). Every
+// op is queued on the stream; only xent and sumsq wait, because they return
+// a host value, and a reduction whose scratch must grow (once per new,
+// larger shape: the batchnorm sums reserve what their backward will need).
+// One backend is driven by one host thread at a time (the scratch is shared);
 // each op selects the backend's device first, so a thread that never called
 // cudaSetDevice still works on the right GPU.
 //
@@ -30,6 +31,10 @@ static constexpr size_t MAX_BLOCKS = 4096; // grid-stride loops cover the rest
 
 // Device scratch: a result header, then an array from ARRAY_OFFSET on.
 static constexpr size_t ARRAY_OFFSET = 256;
+// Its first size at least: the small reductions (bias_grad's partial sums
+// in the first backward, xent's rows) then never grow it, a stream sync and
+// a cudaFree (which waits for every stream) in the middle of a step.
+static constexpr size_t SCRATCH_MIN = 64 << 10;
 
 typedef struct reduce_result {
     double sum;       // the reduction's total
@@ -201,6 +206,7 @@ static int scratch_reserve(stk_backend *be, size_t bytes, const char *op,
         cu->scratch = NULL;
         cu->scratch_bytes = 0;
     }
+    bytes = bytes > SCRATCH_MIN ? bytes : SCRATCH_MIN;
     void *p = NULL;
     CUDA_TRY(op, cudaMalloc, (&p, bytes));
     cu->scratch = p;
@@ -324,6 +330,30 @@ static int cuda_sync(stk_backend *be, stk_err *err)
 
 // ---- GEMM ------------------------------------------------------------------
 
+// k = 0: C = beta C, as BLAS defines it (beta 0 writes zeros without
+// reading C), for count matrices m x n of row stride ldc, sc apart. cuBLAS's
+// documentation does not say what it does with k = 0, and the API lets a
+// caller pass a row stride of 0 then (cuBLAS wants 1 or more): such a
+// GEMM never reaches cuBLAS.
+static __global__ void gemm_scale_kernel(float *c, float beta, size_t n,
+                                         size_t ldc, size_t per, size_t sc,
+                                         size_t total)
+{
+    for (size_t i = first_index(); i < total; i += index_step()) {
+        float *x = c + i / per * sc + i % per / n * ldc + i % n;
+        *x = beta == 0.0f ? 0.0f : beta * *x;
+    }
+}
+
+static int gemm_scale(stk_backend *be, const char *op, int m, int n,
+                      float beta, float *c, int ldc, size_t sc, int count,
+                      stk_err *err)
+{
+    size_t per = (size_t)m * n;
+    return launch(be, op, per * count, err, gemm_scale_kernel, c, beta,
+                  (size_t)n, (size_t)ldc, per, sc, per * count);
+}
+
 // Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
 // row-major matrix read column-major is its transpose, so compute
 // C^T = op(B)^T op(A)^T: B first with tb's op, A second with ta's op, sizes
@@ -333,13 +363,11 @@ static int cuda_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                      float alpha, const float *a, int lda, const float *b,
                      int ldb, float beta, float *c, int ldc, stk_err *err)
 {
+    if (k == 0)
+        return gemm_scale(be, "cuda gemm", m, n, beta, c, ldc, 0, 1, err);
     int rc = use_device(be, "cuda gemm", err);
     if (rc)
         return rc;
-    // k == 0 lets the API pass a row stride of 0 (nothing is read); cuBLAS
-    // wants every leading dimension >= 1.
-    lda = lda > 0 ? lda : 1;
-    ldb = ldb > 0 ? ldb : 1;
     return blas_check(cublasSgemm(impl(be)->blas,
                                   tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                   ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
@@ -355,11 +383,12 @@ static int cuda_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n,
                              float beta, float *c, int ldc, size_t sc,
                              int count, stk_err *err)
 {
+    if (k == 0)
+        return gemm_scale(be, "cuda gemm_batched", m, n, beta, c, ldc, sc,
+                          count, err);
     int rc = use_device(be, "cuda gemm_batched", err);
     if (rc)
         return rc;
-    lda = lda > 0 ? lda : 1;
-    ldb = ldb > 0 ? ldb : 1;
     return blas_check(
         cublasSgemmStridedBatched(impl(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                   ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
@@ -411,36 +440,6 @@ static int cuda_bias_add(stk_backend *be, float *y, const float *b, int rows,
     size_t n = (size_t)rows * cols * inner;
     return launch(be, "cuda bias_add", n, err, bias_add_kernel, y, b,
                   (size_t)cols, (size_t)inner, n);
-}
-
-// One block per channel c: the sum over rows and inner in double, then
-// db[c] += sum (as the CPU).
-static __global__ void bias_grad_kernel(const float *dy, float *db,
-                                        size_t rows, size_t cols, size_t inner)
-{
-    size_t c = blockIdx.x, per = rows * inner;
-    double s = 0.0;
-    for (size_t j = threadIdx.x; j < per; j += blockDim.x) {
-        size_t r = j / inner, i = j % inner;
-        s += dy[(r * cols + c) * inner + i];
-    }
-    s = block_sum(s);
-    if (threadIdx.x == 0)
-        db[c] += (float)s;
-}
-
-static int cuda_bias_grad(stk_backend *be, const float *dy, float *db,
-                          int rows, int cols, int inner, stk_err *err)
-{
-    if (cols <= 0)
-        return 0;
-    int rc = use_device(be, "cuda bias_grad", err);
-    if (rc)
-        return rc;
-    size_t r = rows > 0 ? (size_t)rows : 0, i = inner > 0 ? (size_t)inner : 0;
-    bias_grad_kernel<<<(unsigned)cols, THREADS, 0, impl(be)->stream>>>(
-        dy, db, r, (size_t)cols, i);
-    return launched("cuda bias_grad", err);
 }
 
 // ---- convolution and pooling -----------------------------------------------
@@ -757,11 +756,33 @@ static __device__ bn_range bn_range_of(size_t b, int n, int hw, int parts)
     return g;
 }
 
-// Element f of range g in x [n, c, hw]: sample r0 + f / hw, position f % hw.
-static __device__ size_t bn_range_at(bn_range g, unsigned f, int c, int hw)
+// A thread's walk through range g of x [n, c, hw]: elements t, t + THREADS,
+// ... of the range, as an offset into x, stepped without a division per
+// element (one division per thread, at the start).
+typedef struct bn_walk {
+    unsigned f, i;           // element of the range, its position in hw
+    size_t at;               // its offset in x
+} bn_walk;
+
+static __device__ bn_walk bn_walk_start(bn_range g, int c, int hw)
 {
-    unsigned r = f / (unsigned)hw, i = f % (unsigned)hw;
-    return ((size_t)(g.r0 + r) * c + g.ch) * hw + i;
+    unsigned r = threadIdx.x / (unsigned)hw, i = threadIdx.x % (unsigned)hw;
+    return {threadIdx.x, i, ((size_t)(g.r0 + r) * c + g.ch) * hw + i};
+}
+
+// Moves w on by THREADS elements: THREADS / hw samples and THREADS % hw
+// positions, carrying one more sample when the position wraps.
+static __device__ void bn_walk_next(bn_walk *w, int c, int hw)
+{
+    unsigned dr = THREADS / (unsigned)hw, di = THREADS % (unsigned)hw;
+    size_t sample = (size_t)c * hw;
+    w->f += THREADS;
+    w->i += di;
+    w->at += dr * sample + di;
+    if (w->i >= (unsigned)hw) {
+        w->i -= hw;
+        w->at += sample - hw;
+    }
 }
 
 static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
@@ -772,8 +793,9 @@ static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
         bn_range g = bn_range_of(b, n, hw, parts);
         float s = shift ? shift[g.ch] : 0.0f;
         double acc = 0.0;
-        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
-            float v = x[bn_range_at(g, f, c, hw)];
+        for (bn_walk w = bn_walk_start(g, c, hw); w.f < g.count;
+             bn_walk_next(&w, c, hw)) {
+            float v = x[w.at];
             acc += shift ? stk_bn_sq1(v, s) : (double)v;
         }
         acc = block_sum(acc);
@@ -782,15 +804,18 @@ static __global__ void bn_sums_kernel(const float *x, int n, int c, int hw,
     }
 }
 
+// sums[ch] = the ranges' total times scale; with add, sums[ch] += it
+// (bias_grad accumulates into its gradient, as the CPU).
 static __global__ void bn_sums_total_kernel(const double *partial, int c,
-                                            int parts, double scale,
+                                            int parts, double scale, bool add,
                                             float *sums)
 {
     for (size_t ch = first_index(); ch < (size_t)c; ch += index_step()) {
         double s = 0.0;
         for (int p = 0; p < parts; p++)
             s += partial[ch * parts + p];
-        sums[ch] = (float)(s * scale);
+        float total = (float)(s * scale);
+        sums[ch] = add ? sums[ch] + total : total;
     }
 }
 
@@ -806,8 +831,9 @@ static __global__ void bn_grad_sums_kernel(const float *dy,
         bn_range g = bn_range_of(b, n, hw, parts);
         float m = mean[g.ch];
         double sg = 0.0, sgx = 0.0;
-        for (unsigned f = threadIdx.x; f < g.count; f += blockDim.x) {
-            size_t i = bn_range_at(g, f, c, hw);
+        for (bn_walk w = bn_walk_start(g, c, hw); w.f < g.count;
+             bn_walk_next(&w, c, hw)) {
+            size_t i = w.at;
             float gi = stk_bn_g1(dy, relu_y, i);
             sg += gi;
             sgx += stk_bn_gx1(gi, x[i], m);
@@ -883,7 +909,7 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                            shift, parts, partial);
     return rc ? rc
               : launch(be, op, (size_t)c, err, bn_sums_total_kernel,
-                       (const double *)partial, c, parts, scale, sums);
+                       (const double *)partial, c, parts, scale, false, sums);
 }
 
 static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
@@ -902,6 +928,27 @@ static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
     return rc ? rc
               : launch(be, op, (size_t)c, err, bn_grad_total_kernel,
                        (const double *)partial, c, parts, var, eps, sums);
+}
+
+// The bias gradient db[ch] += sum of dy [rows, cols, inner] over rows and
+// inner: the batchnorm's two passes (a block per (channel, range of rows)
+// then the ranges in order per channel), so the floats repeat run to run.
+static int cuda_bias_grad(stk_backend *be, const float *dy, float *db,
+                          int rows, int cols, int inner, stk_err *err)
+{
+    if (rows <= 0 || cols <= 0 || inner <= 0)
+        return 0; // an empty sum adds nothing (as on the CPU)
+    const char *op = "cuda bias_grad";
+    int parts = stk_bn_parts(rows, inner);
+    size_t blocks = (size_t)cols * parts;
+    double *partial = NULL;
+    int rc = bn_partials(be, op, blocks, 1, &partial, err);
+    if (!rc)
+        rc = launch_blocks(be, op, blocks, err, bn_sums_kernel, dy, rows, cols,
+                           inner, (const float *)NULL, parts, partial);
+    return rc ? rc
+              : launch(be, op, (size_t)cols, err, bn_sums_total_kernel,
+                       (const double *)partial, cols, parts, 1.0, true, db);
 }
 
 // The element-wise passes take their per-channel coefficients (computed in
@@ -1113,24 +1160,63 @@ static int cuda_xent(stk_backend *be, const float *logits,
 
 // ---- input transform -------------------------------------------------------
 
-static __global__ void transform_kernel(const uint8_t *x, const uint64_t *ids,
-                                        stk_transform t, size_t per, float *y,
-                                        size_t n)
+// Two passes, so that each sample's Philox draw runs once (not once per
+// pixel): a thread per sample writes its crop offset and flip (as the CPU,
+// stk_transform_draw) to the scratch, then a block per (sample, THREADS
+// positions of its plane) writes them, each thread one position through
+// every channel (stk_transform_px, the CPU's body).
+static __global__ void transform_draw_kernel(const uint64_t *ids, int n,
+                                             stk_transform t, int4 *draws)
 {
-    for (size_t j = first_index(); j < n; j += index_step())
-        y[j] = stk_transform1(x, &t, ids[j / per], j);
+    for (size_t s = first_index(); s < (size_t)n; s += index_step()) {
+        int dy, dx, mirror;
+        stk_transform_draw(&t, ids[s], &dy, &dx, &mirror);
+        draws[s] = make_int4(dy, dx, mirror, 0);
+    }
+}
+
+static __global__ void transform_kernel(const uint8_t *x, const int4 *draws,
+                                        stk_transform t, unsigned chunks,
+                                        size_t blocks, float *y)
+{
+    unsigned w = (unsigned)t.w, plane = (unsigned)t.h * w;
+    size_t per = (size_t)plane * t.c;
+    for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+        size_t s = b / chunks; // a division per block, not per element
+        unsigned p = (unsigned)(b % chunks) * THREADS + threadIdx.x;
+        if (p >= plane)
+            continue;
+        int4 d = draws[s];
+        const uint8_t *img = x + s * per;
+        float *out = y + s * per + p;
+        for (int c = 0; c < t.c; c++)
+            out[(size_t)c * plane] = stk_transform_px(
+                img, &t, c, (int)(p / w), (int)(p % w), d.x, d.y, d.z);
+    }
 }
 
 static int cuda_transform(stk_backend *be, const uint8_t *x,
                           const uint64_t *ids, int n, const stk_transform *t,
                           float *y, stk_err *err)
 {
-    size_t per = (size_t)t->c * t->h * t->w;
-    if (n <= 0 || per == 0)
+    const char *op = "cuda transform";
+    size_t plane = (size_t)t->h * t->w;
+    if (n <= 0 || plane * t->c == 0)
         return 0;
-    size_t total = (size_t)n * per;
-    return launch(be, "cuda transform", total, err, transform_kernel, x, ids,
-                  *t, per, y, total);
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(int4), op,
+                             err);
+    if (rc)
+        return rc;
+    int4 *draws = scratch_array<int4>(be);
+    unsigned chunks = (unsigned)((plane + THREADS - 1) / THREADS);
+    size_t blocks = (size_t)n * chunks;
+    rc = launch(be, op, (size_t)n, err, transform_draw_kernel, ids, n, *t,
+                draws);
+    return rc ? rc
+              : launch_blocks(be, op, blocks, err, transform_kernel, x,
+                              (const int4 *)draws, *t, chunks, blocks, y);
 }
 
 // ---- vector ops and reductions ---------------------------------------------

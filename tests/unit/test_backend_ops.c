@@ -1,6 +1,8 @@
 /* test_backend_ops - every op on the CUDA backend against the CPU backend
  * (the reference), on the same inputs. Exits 77 (skipped) where there is no
- * GPU or no CUDA build, saying why. Element-wise ops must agree exactly
+ * GPU or no CUDA build, saying why (STK_GPU_TESTS_ON_CPU=1 runs it with a
+ * second CPU backend in the GPU's place, to check the tests' CPU side on a
+ * machine without one). Element-wise ops must agree exactly
  * (the same shared bodies, no FMA contraction); GEMM and reductions within
  * a normalised error. */
 #include "unit.h"
@@ -559,6 +561,316 @@ static void batchnorm_agrees(void **state)
     bn_agrees(50000, 3, 1, false);   /* six */
 }
 
+/* ---- sizes past one grid, gemm edge cases, bias_grad ------------------- */
+
+/* Over 2^20 elements (MAX_BLOCKS x THREADS): every thread loops. */
+enum { BIG = 3 * (1 << 20) + 77 };
+
+/* relu, add and dropout (exact) and sumsq (a two-pass reduction of
+ * MAX_BLOCKS blocks, within double rounding, the same double twice). */
+static void grid_stride_loops_cover_large_sizes(void **state)
+{
+    (void)state;
+    size_t bytes = (size_t)BIG * 4;
+    float *x = malloc(bytes), *g = malloc(bytes), *y = malloc(bytes);
+    fill(x, BIG, 51);
+    fill(g, BIG, 52);
+    stk_err err;
+    float *dx = dev_copy(x, bytes), *dg = dev_copy(g, bytes),
+          *dy = dev_copy(x, bytes);
+    assert_int_equal(stk_relu_fwd(cpu, x, y, BIG, &err), 0);
+    assert_int_equal(stk_relu_fwd(gpu, dx, dy, BIG, &err), 0);
+    float *got = host_copy(dy, bytes);
+    assert_memory_equal(got, y, bytes);
+    free(got);
+    assert_int_equal(stk_add(cpu, x, g, y, BIG, &err), 0);
+    assert_int_equal(stk_add(gpu, dx, dg, dy, BIG, &err), 0);
+    got = host_copy(dy, bytes);
+    assert_memory_equal(got, y, bytes);
+    free(got);
+    assert_int_equal(stk_dropout(cpu, y, BIG, 6, 3, 0.3f, (stk_philox_key){8, 9}, 2, &err), 0);
+    assert_int_equal(stk_dropout(gpu, dy, BIG, 6, 3, 0.3f, (stk_philox_key){8, 9}, 2, &err), 0);
+    got = host_copy(dy, bytes);
+    assert_memory_equal(got, y, bytes);
+    free(got);
+    double ss, gss, again;
+    assert_int_equal(stk_sumsq(cpu, x, BIG, &ss, &err), 0);
+    assert_int_equal(stk_sumsq(gpu, dx, BIG, &gss, &err), 0);
+    assert_int_equal(stk_sumsq(gpu, dx, BIG, &again, &err), 0);
+    print_message("sumsq of %d: cpu %.17g gpu %.17g\n", BIG, ss, gss);
+    assert_true(ss > 0 && fabs(ss - gss) <= 1e-12 * ss);
+    assert_memory_equal(&again, &gss, sizeof gss);
+    free(x), free(g), free(y);
+    stk_dev_free(gpu, dx), stk_dev_free(gpu, dg), stk_dev_free(gpu, dy);
+}
+
+/* Row-major C = 0.7 op(A) op(B) + 0.3 C with every leading dimension
+ * above its minimum: the result within rounding, and the padding of C
+ * (columns n..ldc) the same bytes as before. */
+static void gemm_padded(bool ta, bool tb, int m, int n, int k)
+{
+    int lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 7;
+    size_t na = (size_t)(ta ? k : m) * lda, nb = (size_t)(tb ? n : k) * ldb,
+           nc = (size_t)m * ldc;
+    float *a = malloc(na * 4), *b = malloc(nb * 4), *c = malloc(nc * 4),
+          *c0 = malloc(nc * 4);
+    fill(a, na, 61);
+    fill(b, nb, 62);
+    fill(c0, nc, 63);
+    memcpy(c, c0, nc * 4);
+    float *da = dev_copy(a, na * 4), *db = dev_copy(b, nb * 4),
+          *dc = dev_copy(c, nc * 4);
+    stk_err err;
+    assert_int_equal(stk_gemm(cpu, ta, tb, m, n, k, 0.7f, a, lda, b, ldb, 0.3f,
+                              c, ldc, &err), 0);
+    assert_int_equal(stk_gemm(gpu, ta, tb, m, n, k, 0.7f, da, lda, db, ldb,
+                              0.3f, dc, ldc, &err), 0);
+    float *got = host_copy(dc, nc * 4);
+    for (int i = 0; i < m; i++) {
+        const float *g = got + (size_t)i * ldc, *want = c + (size_t)i * ldc,
+                    *before = c0 + (size_t)i * ldc;
+        if (nerr(g, want, n) >= 1e-5)
+            fail_msg("gemm ta=%d tb=%d: row %d differs", ta, tb, i);
+        assert_memory_equal(want + n, before + n, (size_t)(ldc - n) * 4);
+        assert_memory_equal(g + n, before + n, (size_t)(ldc - n) * 4);
+    }
+    free(got), free(a), free(b), free(c), free(c0);
+    stk_dev_free(gpu, da), stk_dev_free(gpu, db), stk_dev_free(gpu, dc);
+}
+
+/* k = 0: C = beta C exactly (BLAS: nothing of A or B is read), for beta
+ * 0.5 and 0, every transpose, at the smallest leading dimensions the API
+ * takes (a row stride of 0 for an empty row). */
+static void gemm_k0(bool ta, bool tb, int m, int n)
+{
+    int lda = ta ? m : 0, ldb = tb ? 0 : n, ldc = n;
+    size_t nc = (size_t)m * n;
+    float one = 1.0f, *c = malloc(nc * 4), *want = malloc(nc * 4);
+    float *da = dev_copy(&one, 4), *db = dev_copy(&one, 4);
+    for (int z = 0; z < 2; z++) {
+        float beta = z ? 0.0f : 0.5f;
+        fill(c, nc, 64);
+        for (size_t i = 0; i < nc; i++)
+            want[i] = beta ? c[i] * beta : 0.0f; /* +0, as BLAS */
+        float *dc = dev_copy(c, nc * 4);
+        stk_err err;
+        assert_int_equal(stk_gemm(cpu, ta, tb, m, n, 0, 0.7f, &one, lda, &one,
+                                  ldb, beta, c, ldc, &err), 0);
+        assert_int_equal(stk_gemm(gpu, ta, tb, m, n, 0, 0.7f, da, lda, db, ldb,
+                                  beta, dc, ldc, &err), 0);
+        float *got = host_copy(dc, nc * 4);
+        if (memcmp(c, want, nc * 4) || memcmp(got, want, nc * 4))
+            fail_msg("gemm k=0 ta=%d tb=%d beta=%g: C is not beta C (cpu %s, "
+                     "gpu %s)", ta, tb, beta,
+                     memcmp(c, want, nc * 4) ? "wrong" : "right",
+                     memcmp(got, want, nc * 4) ? "wrong" : "right");
+        free(got);
+        stk_dev_free(gpu, dc);
+    }
+    free(c), free(want);
+    stk_dev_free(gpu, da), stk_dev_free(gpu, db);
+}
+
+/* The batched GEMM with k = 0: 3 matrices C_p = 0.5 C_p, a padded row
+ * stride and a gap between them left as they were. */
+static void gemm_batched_k0(bool ta, bool tb, int m, int n)
+{
+    int ldc = n + 2;
+    size_t sc = (size_t)m * ldc + 1, nc = 3 * sc;
+    float one = 1.0f, *c = malloc(nc * 4), *want = malloc(nc * 4);
+    fill(c, nc, 65);
+    memcpy(want, c, nc * 4);
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                want[p * sc + (size_t)i * ldc + j] *= 0.5f;
+    float *da = dev_copy(&one, 4), *db = dev_copy(&one, 4),
+          *dc = dev_copy(c, nc * 4);
+    stk_err err;
+    assert_int_equal(stk_gemm_batched(cpu, ta, tb, m, n, 0, 1, &one,
+                                      ta ? m : 0, 0, &one, tb ? 0 : n, 0,
+                                      0.5f, c, ldc, sc, 3, &err), 0);
+    assert_int_equal(stk_gemm_batched(gpu, ta, tb, m, n, 0, 1, da,
+                                      ta ? m : 0, 0, db, tb ? 0 : n, 0,
+                                      0.5f, dc, ldc, sc, 3, &err), 0);
+    float *got = host_copy(dc, nc * 4);
+    assert_memory_equal(c, want, nc * 4);
+    assert_memory_equal(got, want, nc * 4);
+    free(got), free(c), free(want);
+    stk_dev_free(gpu, da), stk_dev_free(gpu, db), stk_dev_free(gpu, dc);
+}
+
+static void gemm_k0_and_padded_leading_dims(void **state)
+{
+    (void)state;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            gemm_padded(ta, tb, 33, 70, 45);
+            gemm_padded(ta, tb, 1, 129, 300);
+            gemm_k0(ta, tb, 9, 13);
+            gemm_batched_k0(ta, tb, 4, 5);
+        }
+}
+
+/* One cross-entropy over rows rows of 10 classes on both backends. */
+static void xent_rows_agree(int rows, const int32_t *labels, const float *z)
+{
+    size_t nz = (size_t)rows * 10;
+    float *dz = malloc(nz * 4), loss, gloss, again;
+    float *dlog = dev_copy(z, nz * 4), *ddz = dev_copy(z, nz * 4);
+    int32_t *dl = (int32_t *)dev_copy(labels, (size_t)rows * 4);
+    stk_err err;
+    assert_int_equal(stk_xent(cpu, z, labels, rows, 10, 0.1f, &loss, dz, &err), 0);
+    assert_int_equal(stk_xent(gpu, dlog, dl, rows, 10, 0.1f, &gloss, ddz, &err), 0);
+    assert_int_equal(stk_xent(gpu, dlog, dl, rows, 10, 0.1f, &again, ddz, &err), 0);
+    print_message("xent of %d rows: cpu %.9g gpu %.9g\n", rows, loss, gloss);
+    assert_true(fabs(gloss - loss) <= 1e-6 * fabs(loss));
+    assert_memory_equal(&again, &gloss, sizeof gloss);
+    float *got = host_copy(ddz, nz * 4);
+    assert_true(nerr(got, dz, nz) < 1e-6);
+    free(got), free(dz);
+    stk_dev_free(gpu, dlog), stk_dev_free(gpu, ddz), stk_dev_free(gpu, dl);
+}
+
+/* Both backends refuse with STK_ERANGE naming the first bad row and its
+ * label. */
+static void xent_refuses(int rows, const int32_t *labels, const float *z,
+                         const char *want)
+{
+    size_t nz = (size_t)rows * 10;
+    float loss, *dz = malloc(nz * 4);
+    float *dlog = dev_copy(z, nz * 4), *ddz = dev_copy(z, nz * 4);
+    int32_t *dl = (int32_t *)dev_copy(labels, (size_t)rows * 4);
+    stk_err err = {0};
+    assert_int_equal(stk_xent(cpu, z, labels, rows, 10, 0.0f, &loss, dz, &err),
+                     STK_ERANGE);
+    if (!strstr(err.msg, want))
+        fail_msg("cpu: '%s' does not say '%s'", err.msg, want);
+    memset(&err, 0, sizeof err);
+    assert_int_equal(stk_xent(gpu, dlog, dl, rows, 10, 0.0f, &loss, ddz, &err),
+                     STK_ERANGE);
+    if (!strstr(err.msg, want))
+        fail_msg("gpu: '%s' does not say '%s'", err.msg, want);
+    /* the backend still works after the refusal */
+    assert_int_equal(stk_sync(gpu, &err), 0);
+    free(dz);
+    stk_dev_free(gpu, dlog), stk_dev_free(gpu, ddz), stk_dev_free(gpu, dl);
+}
+
+/* Many rows (the row kernel strides, the sum is one block's) and labels
+ * out of range on both sides of 0..9. */
+static void xent_many_rows_and_bad_labels(void **state)
+{
+    (void)state;
+    enum { ROWS = 200003 };
+    float *z = malloc((size_t)ROWS * 10 * 4);
+    int32_t *labels = malloc(ROWS * 4);
+    fill(z, (size_t)ROWS * 10, 71);
+    for (int i = 0; i < ROWS; i++)
+        labels[i] = (i * 7 + i / 3) % 10;
+    xent_rows_agree(ROWS, labels, z);
+    labels[150000] = -1;
+    xent_refuses(ROWS, labels, z, "label -1 of row 150000 is not in 0..9");
+    labels[70001] = 10; /* the first bad row is the one named */
+    xent_refuses(ROWS, labels, z, "label 10 of row 70001 is not in 0..9");
+    free(z), free(labels);
+}
+
+/* bias_grad (db += dy summed over rows and inner) at one shape: within
+ * float rounding of the CPU, the GPU's floats the same twice. */
+static void bias_grad_agrees(int rows, int cols, int inner)
+{
+    size_t n = (size_t)rows * cols * inner, cb = (size_t)cols * 4;
+    float *dy = malloc(n ? n * 4 : 4), *db = malloc(cb), *db0 = malloc(cb);
+    fill(dy, n, 81);
+    fill(db0, cols, 82);
+    memcpy(db, db0, cb);
+    stk_err err;
+    float *ddy = dev_copy(dy, n ? n * 4 : 4), *ddb = dev_copy(db0, cb);
+    assert_int_equal(stk_bias_grad(cpu, dy, db, rows, cols, inner, &err), 0);
+    assert_int_equal(stk_bias_grad(gpu, ddy, ddb, rows, cols, inner, &err), 0);
+    float *got = host_copy(ddb, cb);
+    double e = nerr(got, db, cols);
+    if (e >= 1e-6)
+        fail_msg("bias_grad rows %d cols %d inner %d: error %g", rows, cols,
+                 inner, e);
+    assert_int_equal(stk_copy_to_dev(gpu, ddb, db0, cb, &err), 0);
+    assert_int_equal(stk_bias_grad(gpu, ddy, ddb, rows, cols, inner, &err), 0);
+    float *again = host_copy(ddb, cb);
+    if (memcmp(again, got, cb))
+        fail_msg("bias_grad rows %d cols %d inner %d: not the same twice",
+                 rows, cols, inner);
+    if (n == 0) /* an empty sum adds nothing */
+        assert_memory_equal(got, db0, cb);
+    free(got), free(again), free(dy), free(db), free(db0);
+    stk_dev_free(gpu, ddy), stk_dev_free(gpu, ddb);
+}
+
+/* Shapes around the walk's steps (inner below, at and above THREADS = 256,
+ * inner 1 of a linear layer), one row, many rows (ranges of rows), and
+ * over 2^20 elements. */
+static void bias_grad_odd_and_large_shapes(void **state)
+{
+    (void)state;
+    static const int shape[][3] = {
+        {1, 1, 1},       {3, 7, 1},      {2, 5, 3},       {5, 3, 255},
+        {3, 2, 256},     {4, 3, 257},    {9, 2, 1000},    {1, 4, 300001},
+        {7, 3, 100003},  {1000, 5000, 1}, {128, 32, 1024}, {600, 6, 17},
+        {0, 4, 5},       {4, 6, 63},
+    };
+    for (size_t i = 0; i < sizeof shape / sizeof *shape; i++)
+        bias_grad_agrees(shape[i][0], shape[i][1], shape[i][2]);
+}
+
+/* The batchnorm's reductions and passes over 2^20 elements, by many
+ * samples and by few large planes. */
+static void batchnorm_large_sizes(void **state)
+{
+    (void)state;
+    bn_agrees(64, 24, 32 * 32, true); /* 1.5M: 192 ranges a channel */
+    bn_agrees(5, 2, 1 << 18, false);  /* ranges of one sample, 2^18 each */
+    bn_agrees(40000, 33, 1, true);    /* BatchNorm1d, 1.3M */
+}
+
+/* The transform with one draw per sample: many samples (the grid strides
+ * over blocks), odd planes, one channel and four, crop without flip and
+ * flip without crop: the same floats as the CPU. */
+static void transform_agrees(int n, int c, int h, int w, int pad, int flip)
+{
+    size_t per = (size_t)c * h * w, total = (size_t)n * per;
+    uint8_t *img = malloc(total);
+    uint64_t *ids = malloc((size_t)n * 8);
+    float *out = malloc(total * 4);
+    for (size_t i = 0; i < total; i++)
+        img[i] = (uint8_t)(i * 131 + i / 7);
+    for (int i = 0; i < n; i++)
+        ids[i] = 1000003ull * (uint64_t)i + ((uint64_t)i << 33);
+    stk_transform t = {c, h, w, {0.1f, 0.2f, 0.3f, 0.4f},
+                       {2.0f, 3.0f, 4.0f, 5.0f}, pad, flip, {11, 12}, 5};
+    uint8_t *dimg = (uint8_t *)dev_copy(img, total);
+    uint64_t *dids = (uint64_t *)dev_copy(ids, (size_t)n * 8);
+    float *dout = dev_copy(out, total * 4);
+    stk_err err;
+    assert_int_equal(stk_transform_batch(cpu, img, ids, n, &t, out, &err), 0);
+    assert_int_equal(stk_transform_batch(gpu, dimg, dids, n, &t, dout, &err), 0);
+    float *got = host_copy(dout, total * 4);
+    if (memcmp(got, out, total * 4))
+        fail_msg("transform n %d c %d %dx%d pad %d flip %d: the GPU differs",
+                 n, c, h, w, pad, flip);
+    free(got), free(img), free(ids), free(out);
+    stk_dev_free(gpu, dimg), stk_dev_free(gpu, dids), stk_dev_free(gpu, dout);
+}
+
+static void transform_one_draw_per_sample(void **state)
+{
+    (void)state;
+    transform_agrees(5000, 3, 32, 32, 4, 1); /* 15M: blocks stride */
+    transform_agrees(7, 1, 28, 28, 3, 0);
+    transform_agrees(9, 4, 17, 19, 0, 1);
+    transform_agrees(3, 3, 5, 300, 2, 1); /* a plane wider than a block */
+    transform_agrees(2, 2, 6, 6, 0, 0);   /* no augmentation */
+}
+
 static void pinned_memory_round_trip(void **state)
 {
     (void)state;
@@ -587,18 +899,28 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(pools_add_and_copy_agree_exactly),
     cmocka_unit_test(batchnorm_agrees),
     cmocka_unit_test(pinned_memory_round_trip),
+    cmocka_unit_test(grid_stride_loops_cover_large_sizes),
+    cmocka_unit_test(gemm_k0_and_padded_leading_dims),
+    cmocka_unit_test(xent_many_rows_and_bad_labels),
+    cmocka_unit_test(bias_grad_odd_and_large_shapes),
+    cmocka_unit_test(batchnorm_large_sizes),
+    cmocka_unit_test(transform_one_draw_per_sample),
 };
 
 int main(int argc, char **argv)
 {
     stk_err err = {0};
-    int n = 0, rc = stk_cuda_device_count(&n, &err);
+    /* STK_GPU_TESTS_ON_CPU=1: a second CPU backend (2 threads) stands in
+     * for the GPU, to run the tests' CPU side on a machine without one */
+    bool on_cpu = getenv("STK_GPU_TESTS_ON_CPU") != NULL;
+    int n = 0, rc = on_cpu ? 0 : stk_cuda_device_count(&n, &err);
     if (rc == STK_ENODEV) {
         printf("SKIP: %s\n", err.msg);
         return 77;
     }
     if (rc || stk_backend_create(STK_DEV_CPU, 0, 1, &cpu, &err) ||
-        stk_backend_create(STK_DEV_CUDA, 0, 0, &gpu, &err)) {
+        stk_backend_create(on_cpu ? STK_DEV_CPU : STK_DEV_CUDA, 0,
+                           on_cpu ? 2 : 0, &gpu, &err)) {
         printf("FAIL: %s\n", err.msg);
         return 1;
     }
