@@ -802,6 +802,59 @@ static void shm_dead_peer_ends_the_wait(void **state)
     assert_int_equal(run_ranks(3, 1), 0);
 }
 
+/* A rank that stops answering (rank 1 sleeps 2.5 s instead of joining
+ * the barrier): the others give up after their 1 s timeout naming it,
+ * and rank 1, back, finds the group aborted instead of counting their
+ * stale arrivals as a completed barrier. */
+static int stuck_entry(int rank, int world, int port, void *arg)
+{
+    (void)arg;
+    stk_err err;
+    stk_backend *be;
+    stk_kv *kv;
+    stk_comm *c;
+    stk_rank_info ri = {.rank = rank, .world = world, .local_rank = rank,
+                        .local_world = world};
+    if (stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err) ||
+        stk_kv_connect("127.0.0.1", port, 5000, &kv, &err) ||
+        stk_comm_create(be, &ri, kv, 1000, &c, &err)) {
+        fprintf(stderr, "rank %d: %s\n", rank, err.msg);
+        return 10;
+    }
+    int ok = 0;
+    if (stk_comm_barrier(c, &err)) /* all there: passes */
+        ok = 11;
+    double t0 = stk_now();
+    if (rank == 1)
+        usleep(2500 * 1000);
+    int rc = ok ? ok : stk_comm_barrier(c, &err);
+    double took = stk_now() - t0;
+    if (!ok && rank != 1 &&
+        !(rc && strstr(err.msg, "rank 1 (pid ") &&
+          strstr(err.msg, "did not reach a collective within 1 s") && took > 0.9 &&
+          took < 2.4))
+        ok = 12;
+    if (!ok && rank == 1 && !(rc == STK_EPEER && strstr(err.msg, "rank 1 did not reach")))
+        ok = 13;
+    if (ok && ok != 11)
+        fprintf(stderr, "rank %d: rc %d after %.1f s: %s\n", rank, rc, took, err.msg);
+    stk_comm_destroy(c);
+    stk_kv_close(kv);
+    stk_backend_destroy(be);
+    return ok;
+}
+
+static void shm_stuck_peer_named(void **state)
+{
+    (void)state;
+    int st[3];
+    assert_int_equal(stk_fork_ranks(3, stuck_entry, NULL, st), 0);
+    for (int r = 0; r < 3; r++) {
+        assert_true(WIFEXITED(st[r]));
+        assert_int_equal(WEXITSTATUS(st[r]), 0);
+    }
+}
+
 /* ---- the bucket plan ------------------------------------------------------ */
 
 static void ddp_buckets_last_layers_first(void **state)
@@ -897,6 +950,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(shm_collectives_two_ranks),
     cmocka_unit_test(shm_collectives_three_ranks),
     cmocka_unit_test(shm_dead_peer_ends_the_wait),
+    cmocka_unit_test(shm_stuck_peer_named),
     cmocka_unit_test(ddp_buckets_last_layers_first),
     cmocka_unit_test(cpu_ranks_bound_to_disjoint_cpus),
 };
