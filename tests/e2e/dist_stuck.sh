@@ -11,61 +11,12 @@ $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" raw 2048 1000
 common=(--db db --model mlp --workers 1 --seed 3 --batch 32 --epochs 200 --log-every 1
         --timeout 5)
 
-wait_for_step() { # RUN_DIR: until its first step line (or 60 s)
-  for _ in $(seq 600); do
-    grep -q '"type":"step"' "$1/metrics.jsonl" 2>/dev/null && return 0
-    sleep 0.1
-  done
-  fail "no step line in $1"
-}
-# rank_pid LAUNCHER K: the pid of rank K among the launcher's children
-rank_pid() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
-  done
-}
-now() { date +%s.%N; }
-# within START LIMIT WHAT: fails unless less than LIMIT seconds passed
-within() {
-  local took
-  took=$($PY -c "import time; print(round(time.time() - $1, 1))")
-  $PY -c "import sys; sys.exit(0 if $took < $2 else 1)" || fail "$3 took $took s"
-  echo "$took"
-}
-gone() { # PID...: every one has exited (within 5 s: a launcher's SIGKILL)
-  local p
-  for p in "$@"; do
-    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || continue 2; sleep 0.1; done
-    fail "process $p is still there"
-  done
-}
+source "$STK_SRC/tests/e2e/dist_lib.sh"
 
-# ---- under the launcher --------------------------------------------------------
-# launched SIGNAL RUN PATTERN: rank 1 gets SIGNAL after the first step; the
-# launcher exits non-zero within 15 s (--timeout 5, the 3 s grace before
-# its SIGKILL) with PATTERN in its output
-launched() {
-  "$T" "${common[@]}" --nproc 2 --out $2 > $2.out 2>&1 &
-  local L=$! rc=0
-  wait_for_step $2
-  local r0 r1
-  r0=$(rank_pid $L 0)
-  r1=$(rank_pid $L 1)
-  [ -n "$r0" ] && [ -n "$r1" ] || fail "ranks of launcher $L not found"
-  local start
-  start=$(now)
-  kill -$1 "$r1"
-  wait $L || rc=$?
-  local took
-  took=$(within "$start" 15 "launcher, SIG$1 to rank 1")
-  [ "$rc" -ne 0 ] || { cat $2.out; fail "SIG$1: the launcher exited 0"; }
-  grep -Eq "$3" $2.out || { cat $2.out; fail "SIG$1: no /$3/ in the launcher's output"; }
-  gone "$r0" "$r1"
-  ok "launcher, SIG$1 to rank 1: the job ended in $took s (exit $rc), naming it, no process left"
-}
-launched STOP stopped 'rank 1 \(pid [0-9]+, stopped\) did not reach a collective within 5 s'
-launched KILL killed 'rank 1 was killed by signal 9'
+# ---- under the launcher (--timeout 5, then its 3 s grace) ------------------------
+launched STOP 15 'rank 1 \(pid [0-9]+, stopped\) did not reach a collective within 5 s' \
+  "${common[@]}" --nproc 2 --out stopped
+launched KILL 15 'rank 1 was killed by signal 9' "${common[@]}" --nproc 2 --out killed
 
 # ---- two ranks started by hand (srun's variables, rank 0 serves the store) ------
 port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
