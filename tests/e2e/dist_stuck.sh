@@ -3,7 +3,7 @@
 # (shared-memory collectives, --timeout 5) within seconds, with a message
 # naming that rank: under the launcher, and with two ranks started by hand
 # with srun's variables (no launcher to kill the peers). No process is left
-# behind. And --gpus on a machine without a GPU is refused at once.
+# behind. And --gpus beyond the visible GPUs (none here) is refused at once.
 source "$STK_SRC/tests/e2e/lib.sh"
 T="$STK_BIN/train"
 $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" raw 2048 1000
@@ -58,14 +58,23 @@ hand STOP 0 hs0 'rank 0 \(pid [0-9]+, stopped\) did not reach a collective withi
 hand KILL 1 hk1 'rank 1 \(pid [0-9]+\) exited during a collective'
 hand KILL 0 hk0 'rank 0 \(pid [0-9]+\) exited during a collective|rendezvous store'
 
-# ---- --gpus where there is no GPU ------------------------------------------------
+# ---- --gpus beyond the visible GPUs, refused before any rank starts -------------
 rc=0
 smoke=$("$STK_BIN/test_cuda_smoke" 2>&1) || rc=$?
+start=$(now)
 if [ "$rc" -eq 77 ]; then
-  start=$(now)
   expect_fail 2 "gpus 2: no GPU here" "$T" --db db --gpus 2 --out nogpu
   expect_fail 2 "gpus 0,1: no GPU here" "$T" --db db --gpus 0,1 --out nogpu
-  within "$start" 5 "--gpus refusal" > /dev/null
-  [ ! -e nogpu ] || fail "--gpus without a GPU made a run directory"
-  ok "--gpus refused at once without a GPU"
+  # a CUDA rank started by srun stops before the rendezvous too
+  expect_fail 2 "rank 1: (no CUDA device|this stoke was built without CUDA)" \
+    env -u RANK -u WORLD_SIZE SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2 SLURM_LOCALID=1 \
+    SLURM_STEP_NUM_NODES=1 "$T" --db db --device cuda --timeout 60 --out nogpu
+else
+  [ "$rc" -eq 0 ] || fail "CUDA smoke test: $smoke"
+  n=$(grep -c '^ok: device' <<<"$smoke" || true)
+  expect_fail 2 "gpus $((n + 1)): $((n + 1)) ranks, $n GPU\(s\) visible" \
+    "$T" --db db --gpus $((n + 1)) --out nogpu
 fi
+within "$start" 10 "--gpus refusal" > /dev/null
+[ ! -e nogpu ] || fail "a refused --gpus made a run directory"
+ok "--gpus beyond the visible GPUs refused at once"
