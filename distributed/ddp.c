@@ -225,7 +225,7 @@ int stk_ddp_finish(stk_ddp *d, double *waited, double *busy, stk_err *err)
     for (int i = 0; !rc && comm_queued(d->c) && i < d->nb; i++)
         rc = comm_wait(d->c, i, err);
     *waited = stk_now() - t0;
-    *busy = comm_queued(d->c) ? stk_now() - d->first_queued : d->busy_s;
+    *busy = comm_queued(d->c) && d->nb ? stk_now() - d->first_queued : d->busy_s;
     for (int i = 0; i < d->nb; i++) {
         d->b[i].ready = false;
         d->b[i].pending = d->b[i].nparams;
