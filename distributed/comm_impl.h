@@ -10,8 +10,9 @@ enum { STK_MAX_RANKS = 64 }; /* shared-memory ranks on one machine */
 /* A peer process on this machine (peers.c). */
 typedef enum peer_state { PEER_RUNNING, PEER_GONE, PEER_STOPPED } peer_state;
 peer_state peer_state_of(int32_t pid);
-/* This machine: its host name and boot id, so that ranks on different
- * machines (or containers without a shared /dev/shm) are told apart. */
+/* This machine: its host name, boot id and pid namespace, so that ranks
+ * on different machines, or in containers that do not share /dev/shm or
+ * see each other's processes, are told apart. */
 void machine_id(char *out, size_t n);
 
 typedef struct shm_comm shm_comm;

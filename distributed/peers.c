@@ -52,5 +52,10 @@ void machine_id(char *out, size_t n)
         fclose(f);
         boot[strcspn(boot, "\n")] = '\0';
     }
-    snprintf(out, n, "%s %s", host, boot);
+    /* ranks in other pid namespaces (containers sharing the host's name)
+     * cannot see each other's processes */
+    char ns[64] = "";
+    ssize_t len = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+    ns[len > 0 ? len : 0] = '\0';
+    snprintf(out, n, "%s %s %s", host, boot, ns);
 }
