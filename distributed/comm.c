@@ -64,13 +64,20 @@ int comm_mark(stk_comm *c, int slot, stk_err *err)
     return c->nccl ? nccl_mark(c->nccl, slot, err) : 0;
 }
 
-int comm_allreduce_after(stk_comm *c, int slot, float *buf, size_t n,
+int comm_queue_allreduce(stk_comm *c, int slot, float *buf, size_t n,
                          stk_reduce op, stk_err *err)
 {
     if (c->nccl)
-        return nccl_allreduce_after(c->nccl, slot, buf, n, op, err);
+        return nccl_queue_allreduce(c->nccl, slot, buf, n, op, err);
     return stk_comm_allreduce(c, buf, n, op, err);
 }
+
+int comm_wait(stk_comm *c, int slot, stk_err *err)
+{
+    return c->nccl ? nccl_wait(c->nccl, slot, err) : 0;
+}
+
+bool comm_queued(const stk_comm *c) { return c->nccl != NULL; }
 
 int stk_comm_resident(stk_comm *c, stk_kv *kv, size_t n, float **out,
                       stk_err *err)

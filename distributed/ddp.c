@@ -5,7 +5,9 @@
  * them last first, so buckets are contiguous ranges taken from the end:
  * bucket 0 holds the last layers and is ready first. The thread reduces
  * buckets strictly in index order, the same on every rank, which is what
- * keeps the ranks' collectives matched. */
+ * keeps the ranks' collectives matched. On shared memory it reduces each
+ * one in turn; on NCCL it only queues them, every ready bucket as soon as
+ * it is ready, and the finish waits for each bucket's event. */
 #include "comm_impl.h"
 
 #include <pthread.h>
@@ -36,6 +38,7 @@ struct stk_ddp {
     int rc;       /* the thread's first error */
     stk_err err;
     double busy_s; /* seconds spent reducing this step */
+    double first_queued; /* NCCL: when this step's first bucket was queued */
 };
 
 static void *comm_main(void *arg)
@@ -52,11 +55,13 @@ static void *comm_main(void *arg)
         pthread_mutex_unlock(&d->mu);
         stk_err e;
         double t0 = stk_now();
-        int rc = comm_allreduce_after(d->c, d->next, d->g + b->off, b->n, STK_AVG, &e);
+        int rc = comm_queue_allreduce(d->c, d->next, d->g + b->off, b->n, STK_AVG, &e);
         double spent = stk_now() - t0;
         pthread_mutex_lock(&d->mu);
         d->busy = false;
         d->busy_s += spent;
+        if (d->next == 0)
+            d->first_queued = t0;
         if (rc) {
             d->rc = rc;
             d->err = e;
@@ -146,10 +151,10 @@ void stk_ddp_destroy(stk_ddp *d)
         return;
     pthread_mutex_lock(&d->mu);
     d->stop = true;
-    bool busy = d->busy;
+    bool mid_step = d->busy || d->next > 0;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
-    if (busy) /* leaving mid-step: the peers must not wait for this rank */
+    if (mid_step) /* leaving mid-step: the peers must not wait for this rank */
         stk_comm_abort(d->c);
     if (d->started)
         pthread_join(d->thread, NULL);
@@ -213,11 +218,14 @@ int stk_ddp_finish(stk_ddp *d, double *waited, double *busy, stk_err *err)
         }
     while (d->next < d->nb && !d->rc)
         pthread_cond_wait(&d->cv, &d->mu);
-    *waited = stk_now() - t0;
-    *busy = d->busy_s;
     int rc = d->rc;
     if (rc && err)
         *err = d->err;
+    /* NCCL: every bucket is queued and the thread idle; their events */
+    for (int i = 0; !rc && comm_queued(d->c) && i < d->nb; i++)
+        rc = comm_wait(d->c, i, err);
+    *waited = stk_now() - t0;
+    *busy = comm_queued(d->c) && d->nb ? stk_now() - d->first_queued : d->busy_s;
     for (int i = 0; i < d->nb; i++) {
         d->b[i].ready = false;
         d->b[i].pending = d->b[i].nparams;

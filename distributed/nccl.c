@@ -4,18 +4,24 @@
  * every rank has already selected its device (the backend did, before any
  * other CUDA call). The communicator is non-blocking: no NCCL call waits
  * inside NCCL for a peer, so every wait here is a poll of
- * ncclCommGetAsyncError (and of the stream) bounded by the timeout and the
- * abort flag; a peer that dies or a network error ends the job instead of
- * hanging it. On error the communicator is aborted; a clean end finalizes
- * it (flushing the last operations) before destroying it.
+ * ncclCommGetAsyncError (and of the stream or an event) bounded by the
+ * timeout and the abort flag, which also looks, every 20 ms, at the peers'
+ * processes on this machine (their pids travel through the store): a peer
+ * that dies ends the wait naming it, one that is stopped (SIGSTOP) is
+ * named when the wait times out, and a network error ends the job instead
+ * of hanging it. Every failure, synchronous or not, aborts the
+ * communicator (ncclCommAbort), so that the peers fail fast too; a clean
+ * end finalizes it (flushing the last operations) before destroying it.
  *
- * Each operation runs on the communicator's own stream behind an event on
- * the backend's stream: recorded now, or, for a DDP bucket, when backward
- * made it ready (nccl_mark), so that its reduction overlaps the rest of
- * backward on the GPU. One thread at a time may use a communicator (the
- * DDP thread during backward, the trainer's thread otherwise). Every CUDA
- * and NCCL status on the working path is checked; teardown ignores
- * them. */
+ * Each operation runs on the communicator's own high-priority stream
+ * behind an event on the backend's stream: recorded now, or, for a DDP
+ * bucket, when backward made it ready (nccl_mark), so that its reduction
+ * overlaps the rest of backward on the GPU. DDP queues a bucket without
+ * waiting for it (nccl_queue_allreduce, an event recorded behind it) and
+ * waits for the events in its finish (nccl_wait). One thread at a time
+ * may use a communicator (the DDP thread during backward, the trainer's
+ * thread otherwise). Every CUDA and NCCL status on the working path is
+ * checked; teardown ignores them. */
 #include "comm_impl.h"
 
 #include <cuda_runtime_api.h>
@@ -24,8 +30,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
-enum { MARKS = 128 }; /* DDP buckets that can be marked */
+enum {
+    MARKS = 128,  /* DDP buckets that can be marked */
+    CHECK_MS = 20 /* how often a waiter looks at its peers' processes */
+};
 
 struct nccl_comm {
     ncclComm_t comm;
@@ -33,7 +43,9 @@ struct nccl_comm {
     cudaStream_t stream;  /* the communicator's */
     cudaEvent_t queued;   /* compute work before an operation */
     cudaEvent_t marks[MARKS]; /* compute work before bucket k; created lazily */
+    cudaEvent_t done[MARKS];  /* bucket k's all-reduce; created lazily */
     float *one;           /* a device float for the barrier */
+    int32_t *peer_pid;    /* per rank: its pid where it shares this machine */
     int rank, world, device, timeout_ms;
     bool broken; /* aborted: every later call fails at once */
     atomic_bool abort_requested; /* by nccl_abort, from any thread */
@@ -65,57 +77,109 @@ static void abort_comm(nccl_comm *n)
     n->broken = true;
 }
 
+/* A peer on this machine that exited ends the wait at once. */
+static int check_peers(nccl_comm *n, stk_err *err)
+{
+    for (int r = 0; r < n->world; r++)
+        if (n->peer_pid[r] && peer_state_of(n->peer_pid[r]) == PEER_GONE)
+            return stk_fail(err, STK_EPEER,
+                            "nccl: rank %d (pid %d) exited; rank %d stops too "
+                            "(communicator aborted)",
+                            r, (int)n->peer_pid[r], n->rank);
+    return 0;
+}
+
+/* The first peer on this machine that is stopped (SIGSTOP, a debugger),
+ * or -1: the one a timed-out wait names. */
+static int stopped_peer(nccl_comm *n)
+{
+    for (int r = 0; r < n->world; r++)
+        if (n->peer_pid[r] && peer_state_of(n->peer_pid[r]) == PEER_STOPPED)
+            return r;
+    return -1;
+}
+
 static int deadline_passed(nccl_comm *n, double start, const char *what,
                            stk_err *err)
 {
-    if (atomic_load(&n->abort_requested)) {
-        abort_comm(n);
+    if (atomic_load(&n->abort_requested))
         return stk_fail(err, STK_EPEER, "nccl: rank %d left the group after an error",
                         n->rank);
-    }
-    if (stk_now() - start > n->timeout_ms / 1000.0) {
-        abort_comm(n);
+    if (stk_now() - start <= n->timeout_ms / 1000.0)
+        return 0;
+    int s = stopped_peer(n);
+    if (s >= 0)
         return stk_fail(err, STK_ETIMEDOUT,
-                        "nccl: rank %d waited %.0f s for %s; a peer is stuck or gone "
-                        "(communicator aborted)",
-                        n->rank, n->timeout_ms / 1000.0, what);
-    }
+                        "nccl: rank %d waited %.0f s for %s: rank %d (pid %d, "
+                        "stopped) does not answer (communicator aborted)",
+                        n->rank, n->timeout_ms / 1000.0, what, s, (int)n->peer_pid[s]);
+    return stk_fail(err, STK_ETIMEDOUT,
+                    "nccl: rank %d waited %.0f s for %s; a peer is stuck or gone "
+                    "(communicator aborted)",
+                    n->rank, n->timeout_ms / 1000.0, what);
+}
+
+/* *done: the device work is complete (ev, or with ev NULL the stream). */
+static int device_done(nccl_comm *n, cudaEvent_t ev, bool *done,
+                       const char *what, stk_err *err)
+{
+    cudaError_t q = ev ? cudaEventQuery(ev) : cudaStreamQuery(n->stream);
+    *done = q == cudaSuccess;
+    return q == cudaSuccess || q == cudaErrorNotReady ? 0 : cuda_ok(q, what, err);
+}
+
+/* NCCL's state: ncclSuccess or ncclInProgress, else the error. */
+static int async_state(nccl_comm *n, ncclResult_t *state, const char *what,
+                       stk_err *err)
+{
+    ncclResult_t r = ncclCommGetAsyncError(n->comm, state);
+    if (r != ncclSuccess)
+        return nccl_ok(n, r, "ncclCommGetAsyncError", err);
+    if (*state != ncclSuccess && *state != ncclInProgress)
+        return nccl_ok(n, *state, what, err);
     return 0;
 }
 
 /* Polls until the communicator's state is ncclSuccess (a non-blocking call
  * such as init, finalize or queueing a collective is complete) or, with
- * on_stream, until its stream is done; NCCL's asynchronous error is read
- * between polls, under the timeout and the abort flag. */
-static int await(nccl_comm *n, bool on_stream, const char *what, stk_err *err)
+ * on_device, until the device work is done (event ev, or the stream where
+ * ev is NULL). NCCL's asynchronous error is read at every poll, after the
+ * device query, so an error that came with the completion is seen too;
+ * the peers, the timeout and the abort flag are checked between polls.
+ * Any failure aborts the communicator. */
+static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, const char *what,
+                 stk_err *err)
 {
-    double start = stk_now();
+    double start = stk_now(), checked = start;
     struct timespec pause = {0, 50 * 1000}; /* 50 us */
     for (;;) {
-        if (on_stream) {
-            cudaError_t q = cudaStreamQuery(n->stream);
-            if (q == cudaSuccess)
-                return 0;
-            if (q != cudaErrorNotReady) {
-                int rc = cuda_ok(q, what, err);
-                abort_comm(n);
-                return rc;
-            }
-        }
+        bool done = false;
         ncclResult_t state = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(n->comm, &state);
-        if (r != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
-            int rc = nccl_ok(n, r != ncclSuccess ? r : state, what, err);
+        int rc = on_device ? device_done(n, ev, &done, what, err) : 0;
+        if (!rc)
+            rc = async_state(n, &state, what, err);
+        if (!rc && (on_device ? done : state == ncclSuccess))
+            return 0;
+        if (!rc && stk_now() - checked > CHECK_MS / 1000.0) {
+            checked = stk_now();
+            rc = check_peers(n, err);
+        }
+        if (!rc)
+            rc = deadline_passed(n, start, what, err);
+        if (rc) {
             abort_comm(n);
             return rc;
         }
-        if (!on_stream && state == ncclSuccess)
-            return 0;
-        int rc = deadline_passed(n, start, what, err);
-        if (rc)
-            return rc;
         nanosleep(&pause, NULL);
     }
+}
+
+/* rc, after aborting the communicator where it is an error. */
+static int aborted_on(nccl_comm *n, int rc)
+{
+    if (rc)
+        abort_comm(n);
+    return rc;
 }
 
 /* The communicator's stream waits for the compute work queued before
@@ -135,8 +199,11 @@ static int follow_compute(nccl_comm *n, int slot, stk_err *err)
         rc = stk_fail(err, STK_EINVAL, "nccl: bucket %d was never marked", slot);
     if (!rc)
         rc = cuda_ok(cudaStreamWaitEvent(n->stream, ev, 0), "cudaStreamWaitEvent", err);
-    return rc;
+    return aborted_on(n, rc);
 }
+
+/* Another thread may be polling in await: it performs the abort. */
+void nccl_abort(nccl_comm *n) { atomic_store(&n->abort_requested, true); }
 
 int nccl_mark(nccl_comm *n, int slot, stk_err *err)
 {
@@ -146,8 +213,12 @@ int nccl_mark(nccl_comm *n, int slot, stk_err *err)
     if (!n->marks[slot])
         rc = cuda_ok(cudaEventCreateWithFlags(&n->marks[slot], cudaEventDisableTiming),
                      "cudaEventCreateWithFlags", err);
-    return rc ? rc : cuda_ok(cudaEventRecord(n->marks[slot], n->compute),
-                             "cudaEventRecord", err);
+    if (!rc)
+        rc = cuda_ok(cudaEventRecord(n->marks[slot], n->compute), "cudaEventRecord",
+                     err);
+    if (rc) /* the DDP thread may be using the communicator: it aborts it */
+        nccl_abort(n);
+    return rc;
 }
 
 static int share_id(nccl_comm *n, stk_kv *kv, ncclUniqueId *id, stk_err *err)
@@ -172,20 +243,56 @@ static int share_id(nccl_comm *n, stk_kv *kv, ncclUniqueId *id, stk_err *err)
     return rc;
 }
 
+/* Every rank's pid and machine through the store: n->peer_pid holds the
+ * pids of the peers on this machine, whose processes the waits watch. */
+static int share_pids(nccl_comm *n, stk_kv *kv, stk_err *err)
+{
+    char mine[400], entry[440], key[48];
+    machine_id(mine, sizeof mine);
+    snprintf(entry, sizeof entry, "%d %s", (int)getpid(), mine);
+    snprintf(key, sizeof key, "nccl/peer/%d", n->rank);
+    int rc = stk_kv_set(kv, key, entry, strlen(entry) + 1, err);
+    for (int r = 0; !rc && r < n->world; r++) {
+        if (r == n->rank)
+            continue;
+        void *v;
+        size_t len;
+        snprintf(key, sizeof key, "nccl/peer/%d", r);
+        if ((rc = stk_kv_get(kv, key, n->timeout_ms, &v, &len, err)))
+            break;
+        const char *theirs = v, *space = memchr(v, ' ', len);
+        if (len && theirs[len - 1] == '\0' && space && strcmp(space + 1, mine) == 0)
+            n->peer_pid[r] = (int32_t)atoi(theirs);
+        free(v);
+    }
+    return rc;
+}
+
 static int setup(nccl_comm *n, stk_backend *be, stk_kv *kv, stk_err *err)
 {
     n->compute = (cudaStream_t)stk_backend_stream(be);
+    int least = 0, greatest = 0;
     int rc = cuda_ok(cudaGetDevice(&n->device), "cudaGetDevice", err);
+    /* the reductions go first where they compete with backward's kernels */
     if (!rc)
-        rc = cuda_ok(cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking),
-                     "cudaStreamCreateWithFlags", err);
+        rc = cuda_ok(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                     "cudaDeviceGetStreamPriorityRange", err);
+    if (!rc)
+        rc = cuda_ok(cudaStreamCreateWithPriority(&n->stream, cudaStreamNonBlocking,
+                                                  greatest),
+                     "cudaStreamCreateWithPriority", err);
     if (!rc)
         rc = cuda_ok(cudaEventCreateWithFlags(&n->queued, cudaEventDisableTiming),
                      "cudaEventCreateWithFlags", err);
     if (!rc)
         rc = cuda_ok(cudaMalloc((void **)&n->one, sizeof(float)), "cudaMalloc", err);
     if (!rc)
-        rc = cuda_ok(cudaMemset(n->one, 0, sizeof(float)), "cudaMemset", err);
+        rc = cuda_ok(cudaMemsetAsync(n->one, 0, sizeof(float), n->stream),
+                     "cudaMemsetAsync", err);
+    if (!rc)
+        rc = cuda_ok(cudaStreamSynchronize(n->stream), "cudaStreamSynchronize", err);
+    if (!rc)
+        rc = share_pids(n, kv, err);
     ncclUniqueId id;
     if (!rc)
         rc = share_id(n, kv, &id, err);
@@ -193,10 +300,11 @@ static int setup(nccl_comm *n, stk_backend *be, stk_kv *kv, stk_err *err)
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     if (!rc)
-        rc = nccl_ok(n, ncclCommInitRankConfig(&n->comm, n->world, id, n->rank, &config),
-                     "ncclCommInitRankConfig", err);
+        rc = aborted_on(n, nccl_ok(n, ncclCommInitRankConfig(&n->comm, n->world, id,
+                                                             n->rank, &config),
+                                   "ncclCommInitRankConfig", err));
     if (!rc)
-        rc = await(n, false, "the other ranks to create the communicator", err);
+        rc = await(n, false, NULL, "the other ranks to create the communicator", err);
     return rc;
 }
 
@@ -205,8 +313,13 @@ int nccl_create(stk_backend *be, int rank, int world, stk_kv *kv,
 {
     *out = NULL;
     nccl_comm *n = calloc(1, sizeof *n);
-    if (!n)
+    int32_t *pids = calloc((size_t)world, sizeof *pids);
+    if (!n || !pids) {
+        free(n);
+        free(pids);
         return stk_fail(err, STK_ENOMEM, "out of memory");
+    }
+    n->peer_pid = pids;
     n->rank = rank;
     n->world = world;
     n->timeout_ms = timeout_ms;
@@ -219,9 +332,6 @@ int nccl_create(stk_backend *be, int rank, int world, stk_kv *kv,
     return 0;
 }
 
-/* Another thread may be polling in await: it performs the abort. */
-void nccl_abort(nccl_comm *n) { atomic_store(&n->abort_requested, true); }
-
 void nccl_destroy(nccl_comm *n)
 {
     if (!n)
@@ -230,47 +340,79 @@ void nccl_destroy(nccl_comm *n)
     if (n->comm && !n->broken && !atomic_load(&n->abort_requested) &&
         cudaSetDevice(n->device) == cudaSuccess &&
         nccl_ok(n, ncclCommFinalize(n->comm), "ncclCommFinalize", &e) == 0 &&
-        await(n, false, "the communicator to finish", &e) == 0)
+        await(n, false, NULL, "the communicator to finish", &e) == 0)
         ncclCommDestroy(n->comm); /* flushed and quiescent */
     else
         abort_comm(n); /* never blocks on a peer that may be gone */
-    for (int i = 0; i < MARKS; i++)
+    for (int i = 0; i < MARKS; i++) {
         if (n->marks[i])
             cudaEventDestroy(n->marks[i]);
+        if (n->done[i])
+            cudaEventDestroy(n->done[i]);
+    }
     if (n->one)
         cudaFree(n->one);
     if (n->queued)
         cudaEventDestroy(n->queued);
     if (n->stream)
         cudaStreamDestroy(n->stream);
+    free(n->peer_pid);
     free(n);
 }
 
-/* Waits for a queued collective: queueing done, then its stream. */
+/* Hands a collective to NCCL and waits until it is queued on the stream
+ * (not done); a synchronous failure aborts the communicator. */
+static int enqueue(nccl_comm *n, ncclResult_t queued, const char *call,
+                   const char *what, stk_err *err)
+{
+    int rc = aborted_on(n, nccl_ok(n, queued, call, err));
+    return rc ? rc : await(n, false, NULL, what, err);
+}
+
+int nccl_queue_allreduce(nccl_comm *n, int slot, float *buf, size_t count,
+                         stk_reduce op, stk_err *err)
+{
+    if (slot < 0 || slot >= MARKS)
+        return aborted_on(n, stk_fail(err, STK_EINVAL, "nccl: no bucket %d", slot));
+    int rc = follow_compute(n, slot, err);
+    if (!rc)
+        rc = enqueue(n,
+                     ncclAllReduce(buf, buf, count, ncclFloat,
+                                   op == STK_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+                     "ncclAllReduce", "a bucket's all-reduce to be queued", err);
+    if (!rc && !n->done[slot])
+        rc = cuda_ok(cudaEventCreateWithFlags(&n->done[slot], cudaEventDisableTiming),
+                     "cudaEventCreateWithFlags", err);
+    if (!rc)
+        rc = cuda_ok(cudaEventRecord(n->done[slot], n->stream), "cudaEventRecord", err);
+    return aborted_on(n, rc);
+}
+
+int nccl_wait(nccl_comm *n, int slot, stk_err *err)
+{
+    if (slot < 0 || slot >= MARKS || !n->done[slot])
+        return aborted_on(n, stk_fail(err, STK_EINVAL,
+                                      "nccl: bucket %d was never queued", slot));
+    return await(n, true, n->done[slot], "a bucket's all-reduce", err);
+}
+
+/* Queues a collective behind the compute work so far and waits for it. */
 static int run(nccl_comm *n, ncclResult_t queued, const char *call,
                const char *what, stk_err *err)
 {
-    int rc = nccl_ok(n, queued, call, err);
-    if (!rc)
-        rc = await(n, false, what, err); /* queued */
-    return rc ? rc : await(n, true, what, err); /* and done */
-}
-
-int nccl_allreduce_after(nccl_comm *n, int slot, float *buf, size_t count,
-                         stk_reduce op, stk_err *err)
-{
-    int rc = follow_compute(n, slot, err);
-    return rc ? rc
-              : run(n,
-                    ncclAllReduce(buf, buf, count, ncclFloat,
-                                  op == STK_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
-                    "ncclAllReduce", "an all-reduce", err);
+    int rc = enqueue(n, queued, call, what, err);
+    return rc ? rc : await(n, true, NULL, what, err);
 }
 
 int nccl_allreduce(nccl_comm *n, float *buf, size_t count, stk_reduce op,
                    stk_err *err)
 {
-    return nccl_allreduce_after(n, -1, buf, count, op, err);
+    int rc = follow_compute(n, -1, err);
+    return rc ? rc
+              : run(n,
+                    ncclAllReduce(buf, buf, count, ncclFloat,
+                                  op == STK_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+                    "ncclAllReduce", "an all-reduce", err);
 }
 
 int nccl_broadcast(nccl_comm *n, void *buf, size_t bytes, int root,

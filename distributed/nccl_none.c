@@ -50,9 +50,16 @@ int nccl_mark(nccl_comm *n, int slot, stk_err *err)
     return stk_fail(err, STK_EUNSUPPORTED, "built without NCCL");
 }
 
-int nccl_allreduce_after(nccl_comm *n, int slot, float *buf, size_t count,
+int nccl_queue_allreduce(nccl_comm *n, int slot, float *buf, size_t count,
                          stk_reduce op, stk_err *err)
 {
     (void)slot;
     return nccl_allreduce(n, buf, count, op, err);
+}
+
+int nccl_wait(nccl_comm *n, int slot, stk_err *err)
+{
+    (void)n;
+    (void)slot;
+    return stk_fail(err, STK_EUNSUPPORTED, "built without NCCL");
 }

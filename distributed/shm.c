@@ -18,14 +18,16 @@
  * then sleep on it with futex. While waiting they check, every few
  * milliseconds, the abort flag, the timeout and whether every peer process
  * is still alive, so a rank that dies ends the others' waits with an error
- * naming it instead of a hang. */
+ * naming it instead of a hang. Each rank notes the generation it arrived
+ * at, so that a wait that times out names the rank that never came (one
+ * stopped with SIGSTOP, or stuck elsewhere); that rank, and every other,
+ * then finds the abort flag raised. */
 #include "comm_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <limits.h>
-#include <signal.h>
 #include <stdbool.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -58,9 +60,12 @@ typedef struct shm_header {
     _Atomic uint32_t arrived;
     _Atomic uint32_t gen; /* the futex word */
     _Atomic uint32_t abort;
-    _Atomic int32_t failed_rank; /* who was found dead, -1 */
+    _Atomic int32_t failure; /* rank << 1 | 1 if it missed a barrier, 0
+                                if it died; -1: none so far */
     int32_t world;
     int32_t pid[STK_MAX_RANKS];
+    _Atomic uint32_t at[STK_MAX_RANKS]; /* the generation each rank last
+                                           arrived at, plus one */
 } shm_header;
 
 struct shm_comm {
@@ -88,80 +93,104 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val,
     return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
 }
 
-/* Whether process pid still runs: it exists and is not a zombie (one that
- * exited but whose parent has not collected it yet). */
-static bool alive(int32_t pid)
+/* Records rank r as the one that failed (the first finding wins) and
+ * raises the abort flag, so that the other waiters stop too. */
+static void blame(shm_header *h, int r, bool stuck)
 {
-    if (kill(pid, 0) != 0 && errno == ESRCH)
-        return false;
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return true; /* no /proc: trust kill */
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    const char *end = strrchr(buf, ')'); /* "pid (comm) S ..." */
-    return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
+    int32_t none = -1;
+    atomic_compare_exchange_strong(&h->failure, &none, r << 1 | stuck);
+    atomic_store(&h->abort, 1);
+    futex(&h->gen, FUTEX_WAKE, INT_MAX, NULL);
 }
 
-/* 0 while every peer runs; else the error, after raising the abort flag
- * so that the other waiters stop too. */
-static int check_peers(shm_comm *s, double started, stk_err *err)
+/* The first rank that has not arrived at the barrier of generation g. */
+static int missing_rank(shm_comm *s, uint32_t g)
+{
+    for (int r = 0; r < s->world; r++)
+        if (r != s->rank && atomic_load(&s->h->at[r]) != g + 1)
+            return r;
+    return -1;
+}
+
+/* 0 while every peer runs and the wait for the barrier of generation g
+ * is within the timeout; else the error, naming the rank that died or
+ * did not arrive, after raising the abort flag. */
+static int check_peers(shm_comm *s, double started, uint32_t g, stk_err *err)
 {
     shm_header *h = s->h;
     for (int r = 0; r < s->world; r++)
-        if (r != s->rank && !alive(h->pid[r])) {
-            int32_t none = -1;
-            atomic_compare_exchange_strong(&h->failed_rank, &none, r);
-            atomic_store(&h->abort, 1);
-            futex(&h->gen, FUTEX_WAKE, INT_MAX, NULL);
-        }
-    if (atomic_load(&h->abort)) {
-        int f = atomic_load(&h->failed_rank);
-        if (f >= 0)
-            return stk_fail(err, STK_EPEER,
-                            "rank %d (pid %d) exited during a collective; rank %d "
-                            "stops too",
-                            f, h->pid[f], s->rank);
+        if (r != s->rank && peer_state_of(h->pid[r]) == PEER_GONE)
+            blame(h, r, false);
+    int late = -1;
+    if (!atomic_load(&h->abort) && stk_now() - started > s->timeout_ms / 1000.0) {
+        if ((late = missing_rank(s, g)) < 0)
+            return stk_fail(err, STK_ETIMEDOUT,
+                            "rank %d waited %.0f s in a collective for its peers; "
+                            "giving up (--timeout is too short?)",
+                            s->rank, s->timeout_ms / 1000.0);
+        blame(h, late, true);
+    }
+    if (!atomic_load(&h->abort))
+        return 0;
+    int32_t failure = atomic_load(&h->failure);
+    int f = failure >> 1;
+    if (failure < 0)
         return stk_fail(err, STK_EPEER,
                         "another rank failed during a collective; rank %d stops "
                         "too",
                         s->rank);
-    }
-    if (stk_now() - started > s->timeout_ms / 1000.0)
-        return stk_fail(err, STK_ETIMEDOUT,
-                        "rank %d waited %.0f s in a collective for its peers; "
-                        "giving up (a rank is stuck, or --timeout is too short)",
-                        s->rank, s->timeout_ms / 1000.0);
-    return 0;
+    if (!(failure & 1))
+        return stk_fail(err, STK_EPEER,
+                        "rank %d (pid %d) exited during a collective; rank %d "
+                        "stops too",
+                        f, h->pid[f], s->rank);
+    if (f == s->rank) /* resumed after the others gave up on it */
+        return stk_fail(err, STK_EPEER,
+                        "rank %d did not reach a collective within %.0f s "
+                        "(--timeout; stopped or stuck?) and the others stopped",
+                        f, s->timeout_ms / 1000.0);
+    bool stopped = peer_state_of(h->pid[f]) == PEER_STOPPED;
+    return stk_fail(err, f == late ? STK_ETIMEDOUT : STK_EPEER,
+                    "rank %d (pid %d%s) did not reach a collective within %.0f s "
+                    "(--timeout); rank %d stops too",
+                    f, h->pid[f], stopped ? ", stopped" : "",
+                    s->timeout_ms / 1000.0, s->rank);
+}
+
+/* A barrier that the group was aborted around fails: a rank resumed
+ * after the others gave up on it must not count their stale arrivals. */
+static int passed(shm_comm *s, uint32_t g, stk_err *err)
+{
+    return atomic_load(&s->h->abort) ? check_peers(s, stk_now(), g, err) : 0;
 }
 
 static int barrier(shm_comm *s, stk_err *err)
 {
     shm_header *h = s->h;
     uint32_t g = atomic_load(&h->gen);
+    if (atomic_load(&h->abort))
+        return passed(s, g, err);
+    atomic_store(&h->at[s->rank], g + 1);
     if (atomic_fetch_add(&h->arrived, 1) + 1 == (uint32_t)s->world) {
         atomic_store(&h->arrived, 0);
         atomic_fetch_add(&h->gen, 1);
         futex(&h->gen, FUTEX_WAKE, INT_MAX, NULL);
-        return 0;
+        return passed(s, g, err);
     }
     for (int i = 0; i < SPIN_ROUNDS; i++) {
         if (atomic_load_explicit(&h->gen, memory_order_acquire) != g)
-            return 0;
+            return passed(s, g, err);
         cpu_relax();
     }
     double started = stk_now();
     struct timespec ts = {0, CHECK_MS * 1000000L};
     while (atomic_load(&h->gen) == g) {
-        int rc = check_peers(s, started, err);
+        int rc = check_peers(s, started, g, err);
         if (rc)
             return rc;
         futex(&h->gen, FUTEX_WAIT, g, &ts);
     }
-    return 0;
+    return passed(s, g, err);
 }
 
 int shm_barrier(shm_comm *s, stk_err *err) { return barrier(s, err); }
@@ -254,22 +283,6 @@ int shm_broadcast(shm_comm *s, void *buf, size_t bytes, int root,
     /* the last set is rewritten two operations later, after a barrier that
      * every reader passes only once done */
     return 0;
-}
-
-/* This machine: its host name and boot id, so that ranks on different
- * machines (or containers without a shared /dev/shm) are told apart. */
-static void machine_id(char *out, size_t n)
-{
-    char host[256] = "", boot[64] = "";
-    gethostname(host, sizeof host - 1);
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f) {
-        if (!fgets(boot, sizeof boot, f))
-            boot[0] = '\0';
-        fclose(f);
-        boot[strcspn(boot, "\n")] = '\0';
-    }
-    snprintf(out, n, "%s %s", host, boot);
 }
 
 static int same_machine(stk_kv *kv, int rank, int timeout_ms, stk_err *err)
@@ -401,7 +414,7 @@ int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
         s->base = (float *)((char *)s->h + HEADER_BYTES);
         s->h->pid[rank] = (int32_t)getpid();
         if (rank == 0)
-            atomic_store(&s->h->failed_rank, -1);
+            atomic_store(&s->h->failure, -1);
     }
     rc = all_mapped(s, kv, "shm/mapped", name, rc, err);
     if (rc) {

@@ -63,6 +63,11 @@ int group_open(run_state *r, stk_err *err)
     return rc;
 }
 
+void group_abort(run_state *r)
+{
+    stk_comm_abort(r->comm); /* NULL: a world of one, or not joined yet */
+}
+
 void group_close(run_state *r)
 {
     stk_ddp_destroy(r->ddp);

@@ -930,6 +930,8 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
     }
     if (!rc)
         rc = run_epochs(&r, res, err);
+    if (rc)
+        group_abort(&r); /* the peers stop now, not after --timeout */
     teardown(&r);
     return rc;
 }

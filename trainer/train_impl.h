@@ -61,6 +61,10 @@ enum { GROUP_LISTED_RANKS = 64 };
 
 /* Joins the group of r->rank (a world of one needs nothing). */
 int group_open(run_state *r, stk_err *err);
+/* On an error exit, before group_close: the peers' pending and future
+ * waits fail at once ("another rank failed", NCCL's abort) instead of
+ * waiting out --timeout for this rank. */
+void group_abort(run_state *r);
 void group_close(run_state *r);
 /* Rank 0's weights, buffers, optimizer state and position to every rank. */
 int group_share_start(run_state *r, stk_err *err);

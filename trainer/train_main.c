@@ -95,12 +95,14 @@ typedef struct dist_opts {
     int nproc, ngpus, gpus[64], nnodes, node_rank, master_port;
     const char *master_addr;
     bool log_all_ranks, gpus_given, no_bind;
+    char gpus_arg[64]; /* --gpus as given, for messages */
 } dist_opts;
 
 /* --gpus N (the first N) or a list I,J,... of device ids. */
 static int parse_gpus(const char *s, dist_opts *d)
 {
     d->gpus_given = true;
+    snprintf(d->gpus_arg, sizeof d->gpus_arg, "%s", s);
     if (!strchr(s, ',')) {
         int n;
         if (num_i("--gpus", s, 1, 64, &n))
@@ -258,6 +260,61 @@ static int check_dist(stk_train_opts *o, dist_opts *d)
     return 0;
 }
 
+/* --gpus against the GPUs this node's launcher sees, before any rank
+ * starts: two ranks on one GPU would otherwise fail inside NCCL ("Duplicate
+ * GPU"), after the rendezvous. */
+static int check_gpus(const dist_opts *d)
+{
+    int count = 0;
+    stk_err e = {0};
+    if (stk_cuda_device_count(&count, &e)) {
+        fprintf(stderr, e.code == STK_ENODEV ? "train: --gpus %s: no GPU here (%s)\n"
+                                             : "train: --gpus %s: %s\n",
+                d->gpus_arg, e.msg);
+        return -1;
+    }
+    for (int i = 0; i < d->ngpus; i++) {
+        if (d->gpus[i] < count)
+            continue;
+        if (strchr(d->gpus_arg, ','))
+            fprintf(stderr, "train: --gpus %s: GPU %d is not visible (%d GPU(s) "
+                            "visible: 0..%d)\n", d->gpus_arg, d->gpus[i], count,
+                    count - 1);
+        else
+            fprintf(stderr, "train: --gpus %s: %d ranks, %d GPU(s) visible\n",
+                    d->gpus_arg, d->ngpus, count);
+        return -1;
+    }
+    return 0;
+}
+
+/* A CUDA rank's GPU without --gpus: cuda:LOCAL_RANK as torchrun's, or the
+ * one GPU it sees where the launcher bound one per task (srun
+ * --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES); never a GPU another local
+ * rank may take. */
+static int rank_gpu(const stk_rank_info *ri, int *device)
+{
+    int count = 0;
+    stk_err e = {0};
+    if (stk_cuda_device_count(&count, &e)) {
+        fprintf(stderr, "train: rank %d: %s\n", ri->rank, e.msg);
+        return -1;
+    }
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES");
+    if (count >= ri->local_world)
+        *device = ri->local_rank;
+    else if (count == 1 && visible && *visible && !strchr(visible, ','))
+        *device = 0;
+    else {
+        fprintf(stderr, "train: rank %d: %d ranks on this node, %d GPU(s) visible; "
+                        "one GPU per rank (start fewer ranks, or bind one GPU per "
+                        "task: srun --gpus-per-task=1)\n",
+                ri->rank, ri->local_world, count);
+        return -1;
+    }
+    return 0;
+}
+
 /* This rank's device and threads, from its place on the node. */
 static int place_rank(stk_train_opts *o, const dist_opts *d,
                       const stk_rank_info *ri)
@@ -269,18 +326,9 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
             return -1;
         }
         o->device_id = d->gpus[ri->local_rank];
-    } else if (o->device == STK_DEV_CUDA && ri->world > 1) {
-        /* torchrun's cuda:LOCAL_RANK; where each rank sees fewer GPUs than
-         * the node has ranks (SLURM binding one GPU per task through
-         * CUDA_VISIBLE_DEVICES), the visible ones in turn */
-        int count = 0;
-        stk_err e;
-        if (stk_cuda_device_count(&count, &e) == 0 && count > 0 &&
-            count < ri->local_world)
-            o->device_id = ri->local_rank % count;
-        else
-            o->device_id = ri->local_rank;
-    }
+    } else if (o->device == STK_DEV_CUDA && ri->world > 1 &&
+               rank_gpu(ri, &o->device_id))
+        return -1;
     const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (o->device == STK_DEV_CPU && !o->threads && ri->local_world > 1) {
         cpu_set_t set; /* share this machine's CPUs between its ranks */
@@ -346,7 +394,7 @@ int main(int argc, char **argv)
      * task per node); RANK (set by a launcher) makes a rank */
     bool launcher_flags = d.nproc || d.gpus_given || d.nnodes > 1;
     if (!getenv("RANK") && launcher_flags)
-        return launch(&o, &d, argv);
+        return d.gpus_given && check_gpus(&d) ? 2 : launch(&o, &d, argv);
     bool is_rank = getenv("RANK") || ri.world > 1;
     if (is_rank && place_rank(&o, &d, &ri))
         return 2;

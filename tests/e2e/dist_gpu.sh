@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # data-parallel training on 2 GPUs (NCCL): every rank on its own GPU, the
 # weights identical on both after every epoch, 2 x 64 following 1 x 128 on
-# the mlp, and a killed rank ending the job. Skips (77) without 2 GPUs.
+# the mlp, a stopped (SIGSTOP) or killed rank ending the job within
+# seconds naming it (--timeout 5), and --gpus beyond the visible GPUs
+# refused. Skips (77) without 2 GPUs.
 source "$STK_SRC/tests/e2e/lib.sh"
 rc=0
 out=$("$STK_BIN/test_cuda_smoke" 2>&1) || rc=$?
@@ -44,16 +46,15 @@ assert worst < 1e-4, worst
 print(f"ok: mlp on 2 GPUs x 64 follows 1 GPU x 128 (largest relative difference {worst:.2e})")
 PY
 
-"$T" "${common[@]}" --model cnn --gpus 2 --batch 64 --epochs 50 --log-every 2 --out killed \
-  > killed.out 2>&1 &
-L=$!
-for _ in $(seq 600); do grep -q '"type":"step"' killed/metrics.jsonl 2>/dev/null && break; sleep 0.1; done
-for p in $(pgrep -P $L); do
-  tr '\0' '\n' < /proc/$p/environ | grep -qx RANK=1 && kill -9 "$p"
-done
-start=$(date +%s)
-rc=0
-wait $L || rc=$?
-[ "$rc" -ne 0 ] && [ $(($(date +%s) - start)) -lt 15 ] || fail "killed rank: exit $rc"
-grep -q "rank 1 was killed by signal 9" killed.out || { cat killed.out; fail "no message"; }
-ok "a killed GPU rank ended the job (exit $rc)"
+# a rank that stops answering (SIGSTOP) or dies (SIGKILL), --timeout 5:
+# the job ends naming it (NCCL aborted on every rank), no process left
+source "$STK_SRC/tests/e2e/dist_lib.sh"
+long=(--model cnn --gpus 2 --batch 64 --epochs 50 --log-every 2 --timeout 5)
+launched STOP 20 'rank 1 \(pid [0-9]+, stopped\) does not answer' "${common[@]}" "${long[@]}" \
+  --out stopped
+launched KILL 15 'rank 1 was killed by signal 9' "${common[@]}" "${long[@]}" --out killed
+
+# more ranks than visible GPUs: refused before any rank starts
+expect_fail 2 "gpus $((n + 1)): $((n + 1)) ranks, $n GPU\(s\) visible" \
+  "$T" --db db --gpus $((n + 1)) --out toomany
+expect_fail 2 "gpus 0,$n: GPU $n is not visible" "$T" --db db --gpus 0,$n --out toomany

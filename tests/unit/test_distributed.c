@@ -8,6 +8,7 @@
  * the CPU ranks' binding to disjoint CPUs. */
 #include "unit.h"
 
+#include "distributed/comm_impl.h" /* NCCL on a world of one */
 #include "distributed/distributed.h"
 #include "tests/fork_ranks.h"
 
@@ -802,6 +803,159 @@ static void shm_dead_peer_ends_the_wait(void **state)
     assert_int_equal(run_ranks(3, 1), 0);
 }
 
+/* A rank that stops answering (rank 1 sleeps 2.5 s instead of joining
+ * the barrier): the others give up after their 1 s timeout naming it,
+ * and rank 1, back, finds the group aborted instead of counting their
+ * stale arrivals as a completed barrier. */
+static int stuck_entry(int rank, int world, int port, void *arg)
+{
+    (void)arg;
+    stk_err err;
+    stk_backend *be;
+    stk_kv *kv;
+    stk_comm *c;
+    stk_rank_info ri = {.rank = rank, .world = world, .local_rank = rank,
+                        .local_world = world};
+    if (stk_backend_create(STK_DEV_CPU, 0, 1, &be, &err) ||
+        stk_kv_connect("127.0.0.1", port, 5000, &kv, &err) ||
+        stk_comm_create(be, &ri, kv, 1000, &c, &err)) {
+        fprintf(stderr, "rank %d: %s\n", rank, err.msg);
+        return 10;
+    }
+    int ok = 0;
+    if (stk_comm_barrier(c, &err)) /* all there: passes */
+        ok = 11;
+    double t0 = stk_now();
+    if (rank == 1)
+        usleep(2500 * 1000);
+    int rc = ok ? ok : stk_comm_barrier(c, &err);
+    double took = stk_now() - t0;
+    if (!ok && rank != 1 &&
+        !(rc && strstr(err.msg, "rank 1 (pid ") &&
+          strstr(err.msg, "did not reach a collective within 1 s") && took > 0.9 &&
+          took < 2.4))
+        ok = 12;
+    if (!ok && rank == 1 && !(rc == STK_EPEER && strstr(err.msg, "rank 1 did not reach")))
+        ok = 13;
+    if (ok && ok != 11)
+        fprintf(stderr, "rank %d: rc %d after %.1f s: %s\n", rank, rc, took, err.msg);
+    stk_comm_destroy(c);
+    stk_kv_close(kv);
+    stk_backend_destroy(be);
+    return ok;
+}
+
+static void shm_stuck_peer_named(void **state)
+{
+    (void)state;
+    int st[3];
+    assert_int_equal(stk_fork_ranks(3, stuck_entry, NULL, st), 0);
+    for (int r = 0; r < 3; r++) {
+        assert_true(WIFEXITED(st[r]));
+        assert_int_equal(WEXITSTATUS(st[r]), 0);
+    }
+}
+
+/* ---- NCCL on one GPU ------------------------------------------------------ */
+
+/* NCCL's paths that need no second GPU, on a world of one: DDP's buckets
+ * queued by its thread behind their marks and waited for through their
+ * events (a group that says 2 ranks starts the thread; NCCL's average over
+ * one rank is the input, bit for bit), over two steps so that the events
+ * are reused; the blocking collectives; and an error (a bucket never
+ * marked) that aborts the communicator, so that the next call fails at
+ * once. Exits 77 without a GPU. */
+static int nccl_one_entry(int rank, int world, int port, void *arg)
+{
+    (void)arg;
+    stk_err err = {0};
+    int count = 0;
+    if (stk_cuda_device_count(&count, &err))
+        return err.code == STK_ENODEV ? 77 : 10;
+    stk_backend *be;
+    stk_kv *kv;
+    nccl_comm *n;
+    if (stk_backend_create(STK_DEV_CUDA, 0, 0, &be, &err) ||
+        stk_kv_connect("127.0.0.1", port, 5000, &kv, &err) ||
+        nccl_create(be, rank, world, kv, 10000, &n, &err)) {
+        fprintf(stderr, "nccl: %s\n", err.msg);
+        return 11;
+    }
+    stk_comm c = {.be = be, .rank = 0, .world = 2, .nccl = n};
+    enum { P = 4 };
+    const size_t sizes[P] = {1000, 70000, 300, 40000};
+    size_t off[P], total = 0;
+    for (int p = 0; p < P; p++) {
+        off[p] = total;
+        total += sizes[p];
+    }
+    size_t bytes = total * sizeof(float);
+    float *host = malloc(bytes), *back = malloc(bytes);
+    for (size_t i = 0; i < total; i++)
+        host[i] = (float)(i % 1000) * 0.5f - 7.0f;
+    float *g = stk_dev_alloc(be, bytes, &err);
+    stk_ddp *d = NULL;
+    int rc = g ? stk_ddp_create(&c, g, off, P, total, 64u << 10, 4u << 10, &d, &err) : 12;
+    if (!rc && stk_ddp_buckets(d) < 3)
+        rc = stk_fail(&err, 13, "%d buckets, expected 3 or more", stk_ddp_buckets(d));
+    for (int step = 0; !rc && step < 2; step++) {
+        double waited, busy;
+        memset(back, 0, bytes);
+        rc = stk_copy_to_dev(be, g, host, bytes, &err); /* before the marks */
+        for (int p = P - 1; !rc && p >= 0; p--)
+            rc = stk_ddp_ready(d, p, &err);
+        if (!rc)
+            rc = stk_ddp_finish(d, &waited, &busy, &err);
+        if (!rc)
+            rc = stk_copy_to_host(be, back, g, bytes, &err);
+        if (!rc)
+            rc = stk_sync(be, &err);
+        if (!rc && memcmp(back, host, bytes))
+            rc = stk_fail(&err, 14, "step %d: the averaged buckets differ", step);
+        if (!rc && !(busy >= 0 && waited >= 0))
+            rc = stk_fail(&err, 15, "step %d: waited %g, busy %g", step, waited, busy);
+    }
+    stk_ddp_destroy(d);
+    if (!rc)
+        rc = stk_comm_allreduce(&c, g, total, STK_SUM, &err);
+    if (!rc)
+        rc = stk_comm_broadcast(&c, g, bytes, 0, &err);
+    if (!rc)
+        rc = stk_comm_barrier(&c, &err);
+    if (!rc) { /* an error aborts the communicator; every later call fails */
+        stk_err e1, e2;
+        int r1 = nccl_queue_allreduce(n, 100, g, 10, STK_SUM, &e1);
+        int r2 = nccl_allreduce(n, g, 10, STK_SUM, &e2);
+        if (r1 != STK_EINVAL || !strstr(e1.msg, "bucket 100 was never marked") ||
+            r2 != STK_EPEER || !strstr(e2.msg, "aborted after an earlier error"))
+            rc = stk_fail(&err, 16, "after an error: %d '%s', then %d '%s'", r1,
+                          r1 ? e1.msg : "", r2, r2 ? e2.msg : "");
+    }
+    if (rc)
+        fprintf(stderr, "nccl: %s\n", err.msg);
+    nccl_destroy(n);
+    if (g)
+        stk_dev_free(be, g);
+    free(host);
+    free(back);
+    stk_kv_close(kv);
+    stk_backend_destroy(be);
+    return rc ? 20 : 0;
+}
+
+static void nccl_paths_on_one_gpu(void **state)
+{
+    (void)state;
+    int st[1];
+    assert_int_equal(stk_fork_ranks(1, nccl_one_entry, NULL, st), 0);
+    assert_true(WIFEXITED(st[0]));
+    if (WEXITSTATUS(st[0]) == 77) {
+        printf("SKIP: no GPU\n");
+        exit(77);
+    }
+    assert_int_equal(WEXITSTATUS(st[0]), 0);
+}
+
 /* ---- the bucket plan ------------------------------------------------------ */
 
 static void ddp_buckets_last_layers_first(void **state)
@@ -897,6 +1051,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(shm_collectives_two_ranks),
     cmocka_unit_test(shm_collectives_three_ranks),
     cmocka_unit_test(shm_dead_peer_ends_the_wait),
+    cmocka_unit_test(shm_stuck_peer_named),
+    cmocka_unit_test(nccl_paths_on_one_gpu),
     cmocka_unit_test(ddp_buckets_last_layers_first),
     cmocka_unit_test(cpu_ranks_bound_to_disjoint_cpus),
 };
