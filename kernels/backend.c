@@ -102,6 +102,46 @@ int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
 
 int stk_sync(stk_backend *be, stk_err *err) { return be->ops->sync(be, err); }
 
+int stk_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    *out = NULL;
+    return be->ops->event_create(be, out, err);
+}
+
+void stk_event_destroy(stk_backend *be, stk_event *ev)
+{
+    if (ev)
+        be->ops->event_destroy(be, ev);
+}
+
+int stk_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                     stk_err *err)
+{
+    return be->ops->event_record(be, ev, s, err);
+}
+
+int stk_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                    stk_err *err)
+{
+    return be->ops->stream_wait(be, s, ev, err);
+}
+
+int stk_event_query(stk_backend *be, stk_event *ev, bool *done, stk_err *err)
+{
+    return be->ops->event_query(be, ev, done, err);
+}
+
+int stk_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    return be->ops->event_wait(be, ev, err);
+}
+
+int stk_upload(stk_backend *be, void *dst, const void *src, size_t n,
+               stk_err *err)
+{
+    return n ? be->ops->upload(be, dst, src, n, err) : 0;
+}
+
 static int check_gemm(bool ta, bool tb, int m, int n, int k, int lda,
                       int ldb, int ldc, stk_err *err)
 {

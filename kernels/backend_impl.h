@@ -19,6 +19,17 @@ typedef struct backend_ops {
                 int to_dev, stk_err *err);
     int (*memzero)(stk_backend *be, void *p, size_t n, stk_err *err);
     int (*sync)(stk_backend *be, stk_err *err);
+    int (*event_create)(stk_backend *be, stk_event **out, stk_err *err);
+    void (*event_destroy)(stk_backend *be, stk_event *ev);
+    int (*event_record)(stk_backend *be, stk_event *ev, stk_stream_id s,
+                        stk_err *err);
+    int (*stream_wait)(stk_backend *be, stk_stream_id s, stk_event *ev,
+                       stk_err *err);
+    int (*event_query)(stk_backend *be, stk_event *ev, bool *done,
+                       stk_err *err);
+    int (*event_wait)(stk_backend *be, stk_event *ev, stk_err *err);
+    int (*upload)(stk_backend *be, void *dst, const void *src, size_t n,
+                  stk_err *err);
     int (*gemm)(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                 float alpha, const float *a, int lda, const float *b, int ldb,
                 float beta, float *c, int ldc, stk_err *err);

@@ -123,6 +123,57 @@ static int cpu_sync(stk_backend *be, stk_err *err)
     return 0;
 }
 
+/* ---- events: every op is done when it returns ------------------------------ */
+
+/* An event has nothing to mark on the CPU; the handle only has to be a
+ * distinct pointer its owner can free. */
+static int cpu_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    (void)be;
+    *out = malloc(1);
+    return *out ? 0 : stk_fail(err, STK_ENOMEM, "cpu: out of memory for an event");
+}
+
+static void cpu_event_destroy(stk_backend *be, stk_event *ev)
+{
+    (void)be;
+    free(ev);
+}
+
+static int cpu_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                            stk_err *err)
+{
+    (void)be, (void)ev, (void)s, (void)err;
+    return 0;
+}
+
+static int cpu_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                           stk_err *err)
+{
+    (void)be, (void)ev, (void)s, (void)err;
+    return 0;
+}
+
+static int cpu_event_query(stk_backend *be, stk_event *ev, bool *done,
+                           stk_err *err)
+{
+    (void)be, (void)ev, (void)err;
+    *done = true;
+    return 0;
+}
+
+static int cpu_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    (void)be, (void)ev, (void)err;
+    return 0;
+}
+
+static int cpu_upload(stk_backend *be, void *dst, const void *src, size_t n,
+                      stk_err *err)
+{
+    return cpu_copy(be, dst, src, n, 1, err);
+}
+
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct gemm_job {
@@ -1703,6 +1754,13 @@ const backend_ops stk_cpu_ops = {
     .copy = cpu_copy,
     .memzero = cpu_memzero,
     .sync = cpu_sync,
+    .event_create = cpu_event_create,
+    .event_destroy = cpu_event_destroy,
+    .event_record = cpu_event_record,
+    .stream_wait = cpu_stream_wait,
+    .event_query = cpu_event_query,
+    .event_wait = cpu_event_wait,
+    .upload = cpu_upload,
     .gemm = cpu_gemm,
     .gemm_batched = cpu_gemm_batched,
     .relu_fwd = cpu_relu_fwd,

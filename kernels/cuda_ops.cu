@@ -3,11 +3,12 @@
 // ops_inline.h, so the GPU runs the arithmetic the CPU tests check (cpu.c is
 // the reference; names and semantics here mirror it).
 //
-// State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
-// handle bound to it, and a small device scratch buffer that grows for the
-// reductions (cross-entropy, sum of squares) and holds the batchnorm passes'
-// per-channel coefficients (read by kernels queued behind; the buffer is
-// only replaced after a stream sync). Every op is queued on the
+// State lives in the backend (be->impl): one non-blocking stream for the
+// ops, a second for stk_upload (batches copy while kernels run), a cuBLAS
+// handle bound to the first, and a small device scratch buffer that grows
+// for the reductions (cross-entropy, sum of squares) and holds the
+// batchnorm passes' per-channel coefficients (read by kernels queued
+// behind; the buffer is only replaced after a stream sync). Every op is queued on the
 // stream; only xent and sumsq wait, because they return a host value, and
 // a reduction whose scratch must grow (once per new, larger shape: the
 // batchnorm sums reserve what their backward will need). One
@@ -38,6 +39,7 @@ typedef struct reduce_result {
 
 typedef struct cuda_impl {
     cudaStream_t stream;
+    cudaStream_t copy; // stk_upload's: batches upload while compute runs
     cublasHandle_t blas;
     void *scratch; // reduce_result + array; idle between calls
     size_t scratch_bytes;
@@ -170,12 +172,16 @@ static void impl_release(cuda_impl *cu)
         return;
     if (cu->stream)
         cuda_quiet(cudaStreamSynchronize(cu->stream));
+    if (cu->copy)
+        cuda_quiet(cudaStreamSynchronize(cu->copy));
     if (cu->blas) // void, nothing to report to; it syncs the device itself
         (void)cublasDestroy(cu->blas);
     if (cu->scratch)
         cuda_quiet(cudaFree(cu->scratch));
     if (cu->stream)
         cuda_quiet(cudaStreamDestroy(cu->stream));
+    if (cu->copy)
+        cuda_quiet(cudaStreamDestroy(cu->copy));
     free(cu);
 }
 
@@ -258,6 +264,7 @@ static void cuda_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
     cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->copy)); // an upload's target
     cuda_quiet(cudaFree(p));
 }
 
@@ -278,6 +285,7 @@ static void cuda_host_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
     cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->copy)); // an upload's source
     cuda_quiet(cudaFreeHost(p));
 }
 
@@ -319,6 +327,97 @@ static int cuda_sync(stk_backend *be, stk_err *err)
     if (rc)
         return rc;
     CUDA_TRY("cuda sync", cudaStreamSynchronize, (impl(be)->stream));
+    return 0;
+}
+
+// ---- the copy stream and events ---------------------------------------------
+
+// A stk_event is the cudaEvent_t itself (timing off: the cheapest kind).
+static cudaEvent_t cuda_event(stk_event *ev)
+{
+    return (cudaEvent_t)(void *)ev;
+}
+
+static cudaStream_t stream_of(stk_backend *be, stk_stream_id s)
+{
+    return s == STK_STREAM_COPY ? impl(be)->copy : impl(be)->stream;
+}
+
+static int cuda_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    const char *op = "cuda event_create";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    cudaEvent_t e = NULL;
+    CUDA_TRY(op, cudaEventCreateWithFlags, (&e, cudaEventDisableTiming));
+    *out = (stk_event *)(void *)e;
+    return 0;
+}
+
+static void cuda_event_destroy(stk_backend *be, stk_event *ev)
+{
+    cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaEventDestroy(cuda_event(ev)));
+}
+
+static int cuda_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                             stk_err *err)
+{
+    const char *op = "cuda event_record";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaEventRecord, (cuda_event(ev), stream_of(be, s)));
+    return 0;
+}
+
+static int cuda_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                            stk_err *err)
+{
+    const char *op = "cuda stream_wait";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaStreamWaitEvent, (stream_of(be, s), cuda_event(ev), 0));
+    return 0;
+}
+
+// cudaErrorNotReady is the answer "not yet", not a failure (it sets no
+// last error).
+static int cuda_event_query(stk_backend *be, stk_event *ev, bool *done,
+                            stk_err *err)
+{
+    const char *op = "cuda event_query";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    cudaError_t e = cudaEventQuery(cuda_event(ev));
+    *done = e == cudaSuccess;
+    return e == cudaErrorNotReady ? 0 : cuda_check(e, op, "cudaEventQuery", err);
+}
+
+static int cuda_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    const char *op = "cuda event_wait";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaEventSynchronize, (cuda_event(ev)));
+    return 0;
+}
+
+// From page-locked host memory the copy is asynchronous: it runs on the
+// copy engine beside the compute stream's kernels.
+static int cuda_upload(stk_backend *be, void *dst, const void *src, size_t n,
+                       stk_err *err)
+{
+    const char *op = "cuda upload";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaMemcpyAsync,
+             (dst, src, n, cudaMemcpyHostToDevice, impl(be)->copy));
     return 0;
 }
 
@@ -1247,6 +1346,13 @@ static constexpr backend_ops cuda_ops_table()
     o.copy = cuda_copy;
     o.memzero = cuda_memzero;
     o.sync = cuda_sync;
+    o.event_create = cuda_event_create;
+    o.event_destroy = cuda_event_destroy;
+    o.event_record = cuda_event_record;
+    o.stream_wait = cuda_stream_wait;
+    o.event_query = cuda_event_query;
+    o.event_wait = cuda_event_wait;
+    o.upload = cuda_upload;
     o.gemm = cuda_gemm;
     o.gemm_batched = cuda_gemm_batched;
     o.relu_fwd = cuda_relu_fwd;
@@ -1311,6 +1417,8 @@ static int impl_create(cuda_impl *cu, stk_err *err)
     cudaStream_t s = NULL; // handles are kept only once valid
     CUDA_TRY(op, cudaStreamCreateWithFlags, (&s, cudaStreamNonBlocking));
     cu->stream = s;
+    CUDA_TRY(op, cudaStreamCreateWithFlags, (&s, cudaStreamNonBlocking));
+    cu->copy = s;
     cublasHandle_t h = NULL;
     int rc = blas_check(cublasCreate(&h), op, "cublasCreate", err);
     if (rc)

@@ -77,6 +77,36 @@ int stk_copy_to_host(stk_backend *be, void *dst, const void *src, size_t n,
 int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err);
 int stk_sync(stk_backend *be, stk_err *err);
 
+/* ---- the copy stream and events ---------------------------------------- */
+
+/* CUDA keeps two streams per backend: compute, where every op runs, and
+ * copy, where stk_upload runs, so that the next batch's upload overlaps
+ * this one's compute. An event marks the point one stream has reached
+ * when it is recorded; the other stream, or the host, can wait for it.
+ * On the CPU ops are done when they return: stk_upload is a memcpy and an
+ * event is complete once recorded. Events belong to their backend. */
+typedef enum stk_stream_id { STK_STREAM_COMPUTE = 0, STK_STREAM_COPY = 1 } stk_stream_id;
+typedef struct stk_event stk_event;
+
+int stk_event_create(stk_backend *be, stk_event **out, stk_err *err);
+void stk_event_destroy(stk_backend *be, stk_event *ev); /* NULL is a no-op */
+/* Marks the work queued on stream s so far. */
+int stk_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                     stk_err *err);
+/* Work queued on s from now on starts after ev's work is done (the host
+ * does not wait). An event never recorded is complete. */
+int stk_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                    stk_err *err);
+/* *done: whether ev's work is complete, without waiting. */
+int stk_event_query(stk_backend *be, stk_event *ev, bool *done, stk_err *err);
+/* The host waits for ev's work; also reports its asynchronous failure. */
+int stk_event_wait(stk_backend *be, stk_event *ev, stk_err *err);
+/* n bytes from host src (page-locked: stk_pinned_alloc) to device dst on
+ * the copy stream. src belongs to the copy until an event recorded on the
+ * copy stream after it completes. */
+int stk_upload(stk_backend *be, void *dst, const void *src, size_t n,
+               stk_err *err);
+
 /* ---- GEMM --------------------------------------------------------------- */
 
 /* Row-major C[m,n] = alpha * op(A) op(B) + beta * C, op(X) = X or X^T;
