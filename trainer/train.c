@@ -94,32 +94,32 @@ float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
 
 /* ---- one step ---------------------------------------------------------- */
 
-/* Moves a loader batch to the device (the CPU backend uses it in place)
- * and runs the input transform. */
-static int stage_batch(run_state *r, const stk_batch *b, uint64_t epoch,
-                       bool train, stk_err *err)
+static void loader_release(void *l, stk_batch *b) { stk_loader_release(l, b); }
+
+/* Uploads a batch of loader l (the CPU backend uses it in place) and runs
+ * the input transform. The batch goes back to l in a later settle. */
+static int stage_batch(run_state *r, stk_loader *l, const stk_batch *b,
+                       uint64_t epoch, bool train, stk_err *err)
 {
-    stk_backend *be = r->be;
-    const uint8_t *x = b->data;
-    const uint64_t *ids = b->indices;
-    const int32_t *labels = b->labels;
-    int rc = 0;
-    if (stk_backend_kind(be) != STK_DEV_CPU) {
-        rc = stk_copy_to_dev(be, r->x_u8, b->data, (size_t)b->n * b->sample_bytes, err);
-        if (!rc)
-            rc = stk_copy_to_dev(be, r->ids, b->indices, (size_t)b->n * sizeof *ids, err);
-        if (!rc)
-            rc = stk_copy_to_dev(be, r->labels, b->labels, (size_t)b->n * sizeof *labels, err);
-        x = r->x_u8;
-        ids = r->ids;
-        labels = r->labels;
-    }
-    r->dev_labels = labels;
+    stk_batch d;
+    int rc = uploader_put(&r->up, b, loader_release, l, &d, err);
+    if (rc)
+        return rc;
+    r->dev_labels = d.labels;
     stk_transform t = r->transform;
     t.stream = epoch;
     if (!train)
         t.pad = t.flip = 0;
-    return rc ? rc : stk_transform_batch(be, x, ids, b->n, &t, r->x_f, err);
+    return stk_transform_batch(r->be, d.data, d.indices, b->n, &t, r->x_f, err);
+}
+
+/* Gives back the batch still held before its loader closes; the first
+ * error wins. */
+static int settle(run_state *r, int rc, stk_err *err)
+{
+    stk_err later = {0, {0}};
+    int s = uploader_settle(&r->up, rc < 0 ? &later : err);
+    return rc < 0 ? rc : s ? s : rc;
 }
 
 /* Counts argmax hits of logits against the batch's labels. */
@@ -203,18 +203,21 @@ static int optimizer_step(run_state *r, float lr, stk_err *err)
  * the gradients to DDP as backward finishes them. The model runs in
  * training mode (batchnorm on batch statistics) even under --no-dropout,
  * which load_spec made p = 0 (the identity). */
-static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
-                      int group_n, float *loss, int *correct, stk_err *err)
+static int micro_step(run_state *r, stk_loader *l, const stk_batch *b, int micro,
+                      bool last, int group_n, float *loss, int *correct,
+                      stk_err *err)
 {
     const float *logits;
     stk_philox_key key = r->key;
     float *dl = stk_model_dlogits(r->model);
-    int rc = stage_batch(r, b, b->epoch, true, err);
+    int rc = stage_batch(r, l, b, b->epoch, true, err);
     if (!rc)
         rc = stk_model_forward(r->model, r->x_f, b->n, true, key, r->step, &logits, err);
     if (!rc)
         rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes,
                       r->o->label_smoothing, loss, dl, err);
+    if (!rc) /* the labels' last reader */
+        rc = uploader_used(&r->up, err);
     if (!rc)
         rc = count_correct(r, logits, b, correct, err);
     if (!rc && group_n != b->n)
@@ -292,23 +295,26 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     stk_batch b;
     double sum = 0;
     uint64_t seen = 0, hits = 0;
-    while (!rc && (rc = stk_loader_next(l, &b, err)) == 1) {
+    while (!rc && !(rc = uploader_settle(&r->up, err)) &&
+           (rc = stk_loader_next(l, &b, err)) == 1) {
         const float *logits;
         float bl = 0;
         int correct = 0;
-        rc = stage_batch(r, &b, 0, false, err);
+        rc = stage_batch(r, l, &b, 0, false, err);
         if (!rc)
             rc = stk_model_forward(r->model, r->x_f, b.n, false, r->key, 0, &logits, err);
         if (!rc)
             rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes,
                           r->o->label_smoothing, &bl, NULL, err);
         if (!rc)
+            rc = uploader_used(&r->up, err);
+        if (!rc)
             rc = count_correct(r, logits, &b, &correct, err);
         sum += (double)bl * b.n;
         seen += (uint64_t)b.n;
         hits += (uint64_t)correct;
-        stk_loader_release(l, &b);
     }
+    rc = settle(r, rc, err);
     stk_loader_close(l);
     if (rc < 0)
         return rc;
@@ -414,7 +420,7 @@ static int log_step(run_state *r, stk_loader *l, window *w, stk_err *err)
     return 0;
 }
 
-static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
+static int train_batches(run_state *r, stk_loader *l, stk_err *err)
 {
     stk_batch b;
     int rc;
@@ -423,7 +429,8 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
     uint64_t seen = 0, hits = 0;
     int step_hits = 0, step_n = 0;
     window w = {.t0 = stk_now()};
-    while ((rc = stk_loader_next(l, &b, err)) == 1) {
+    while (!(rc = uploader_settle(&r->up, err)) &&
+           (rc = stk_loader_next(l, &b, err)) == 1) {
         int micro = (int)(b.index % (uint64_t)accum);
         uint64_t first = b.index - (uint64_t)micro;
         uint64_t end = first + (uint64_t)accum < r->batches ? first + (uint64_t)accum
@@ -432,12 +439,11 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
         float loss;
         int correct;
         uint64_t epoch = b.epoch;
-        rc = micro_step(r, &b, micro, last, samples_in(r, first, end), &loss,
+        rc = micro_step(r, l, &b, micro, last, samples_in(r, first, end), &loss,
                         &correct, err);
         step_loss += (double)loss * b.n;
         step_hits += correct;
         step_n += b.n;
-        stk_loader_release(l, &b);
         if (rc)
             return rc;
         if (!last)
@@ -473,6 +479,12 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
     r->train_loss = seen ? loss_sum / seen : 0;
     r->train_acc = seen ? (double)hits / seen : 0;
     return 0;
+}
+
+/* An epoch's batches; the last one held goes back before l closes. */
+static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
+{
+    return settle(r, train_batches(r, l, err), err);
 }
 
 /* Rank 0, which writes metrics.jsonl, redraws RUN_DIR/curves.svg from it. */
@@ -590,9 +602,6 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 
 /* ---- setting up -------------------------------------------------------------- */
 
-static void *pinned_alloc(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
-static void pinned_free(void *p, void *ctx) { stk_pinned_free(ctx, p); }
-
 /* Whether --model names a built-in rather than a file. */
 static bool is_builtin(const char *name)
 {
@@ -683,17 +692,13 @@ static int setup_buffers(run_state *r, stk_err *err)
     r->state1 = stk_dev_alloc(be, np * sizeof(float), err);
     r->state2 = r->o->optim == STK_OPT_ADAMW ? stk_dev_alloc(be, np * sizeof(float), err)
                                              : NULL;
-    if (stk_backend_kind(be) != STK_DEV_CPU) {
-        r->x_u8 = stk_dev_alloc(be, n * sb, err);
-        r->ids = stk_dev_alloc(be, n * sizeof(uint64_t), err);
-        r->labels = stk_dev_alloc(be, n * sizeof(int32_t), err);
-        if (!r->x_u8 || !r->ids || !r->labels)
-            return STK_ENOMEM;
-    }
+    int rc = uploader_init(&r->up, be, n, sb, err);
+    if (rc)
+        return rc;
     if (!r->x_f || !r->host_logits || !r->state1 ||
         (r->o->optim == STK_OPT_ADAMW && !r->state2))
         return stk_fail(err, STK_ENOMEM, "out of memory for a batch of %zu", n);
-    int rc = stk_memzero(be, r->state1, np * sizeof(float), err);
+    rc = stk_memzero(be, r->state1, np * sizeof(float), err);
     if (!rc && r->state2)
         rc = stk_memzero(be, r->state2, np * sizeof(float), err);
     return rc;
@@ -820,7 +825,7 @@ static int setup(run_state *r, stk_err *err)
         rc = setup_data(r, err);
     if (!rc) {
         const stk_meta *m = stk_store_meta(r->store);
-        r->host = (stk_host_alloc){pinned_alloc, pinned_free, r->be};
+        r->host = pinned_ring_host(&r->ring, r->be);
         rc =
             stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
                              m->nclasses, o->batch, o->seed, &r->model, err);
@@ -851,9 +856,8 @@ static void teardown(run_state *r)
         close(r->lock_fd); /* the last: RUN_DIR is free once all is written */
     if (r->be) {
         stk_dev_free(r->be, r->x_f);
-        stk_dev_free(r->be, r->x_u8);
-        stk_dev_free(r->be, r->ids);
-        stk_dev_free(r->be, r->labels);
+        uploader_free(&r->up);
+        pinned_ring_free(&r->ring); /* every loader is closed */
         stk_dev_free(r->be, r->state1);
         stk_dev_free(r->be, r->state2);
     }
