@@ -107,6 +107,17 @@ typedef struct backend_ops {
     int (*xent)(stk_backend *be, const float *logits, const int32_t *labels,
                 int n, int c, float smoothing, float *loss, float *dlogits,
                 stk_err *err);
+    int (*xent_metrics)(stk_backend *be, const float *logits,
+                        const int32_t *labels, int n, int c, float smoothing,
+                        float *dlogits, stk_metrics *m, stk_err *err);
+    int (*count_hits)(stk_backend *be, const float *logits,
+                      const int32_t *labels, int n, int c, stk_metrics *m,
+                      stk_err *err);
+    int (*metrics_step)(stk_backend *be, stk_metrics *m, int n, uint64_t step,
+                        uint64_t epoch, stk_err *err);
+    int (*grad_norm)(stk_backend *be, float *g, size_t n, float clip,
+                     uint64_t step, uint64_t epoch, stk_metrics *m,
+                     stk_err *err);
     int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,
                      int n, const stk_transform *t, float *y, stk_err *err);
     int (*axpy)(stk_backend *be, size_t n, float alpha, const float *x,

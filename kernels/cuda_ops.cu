@@ -1302,6 +1302,141 @@ static int cuda_sumsq(stk_backend *be, const float *x, size_t n, double *out,
     return 0;
 }
 
+// ---- training metrics (stk_metrics: ops_inline.h) -------------------------
+
+// One block: the row losses' sum (sum_kernel's order, so the same double as
+// cuda_xent's), added to m unless a row was flagged.
+static __global__ void xent_metrics_kernel(const float *row_loss, int n,
+                                           const int32_t *labels,
+                                           const reduce_result *res,
+                                           stk_metrics *m)
+{
+    double s = 0.0;
+    for (size_t i = threadIdx.x; i < (size_t)n; i += blockDim.x)
+        s += (double)row_loss[i];
+    s = block_sum(s);
+    if (threadIdx.x != 0)
+        return;
+    if (res->bad_row == UINT_MAX) {
+        stk_metrics_add_loss(m, s, n);
+    } else if (m->bad_row == 0) {
+        m->bad_row = (double)res->bad_row + 1;
+        m->bad_label = labels[res->bad_row];
+    }
+}
+
+static int cuda_xent_metrics(stk_backend *be, const float *logits,
+                             const int32_t *labels, int n, int c,
+                             float smoothing, float *dlogits, stk_metrics *m,
+                             stk_err *err)
+{
+    const char *op = "cuda xent_metrics";
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(float), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    reduce_result *res = scratch_result(be);
+    float *row_loss = scratch_array<float>(be);
+    CUDA_TRY(op, cudaMemsetAsync,
+             (&res->bad_row, 0xff, sizeof res->bad_row, s));
+    rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
+                smoothing, dlogits, row_loss, &res->bad_row);
+    if (rc)
+        return rc;
+    xent_metrics_kernel<<<1, THREADS, 0, s>>>(row_loss, n, labels, res, m);
+    return launched(op, err);
+}
+
+// Each block counts its rows' hits; one atomic add per block (counts in a
+// double are exact, so the order does not matter).
+static __global__ void count_hits_kernel(const float *logits,
+                                         const int32_t *labels, int n, int c,
+                                         stk_metrics *m)
+{
+    double hits = 0.0;
+    for (size_t r = first_index(); r < (size_t)n; r += index_step())
+        hits += stk_argmax_row(logits, c, (int)r) == labels[r];
+    hits = block_sum(hits);
+    if (threadIdx.x == 0 && hits > 0)
+        atomicAdd(&m->step_hits, hits);
+}
+
+static int cuda_count_hits(stk_backend *be, const float *logits,
+                           const int32_t *labels, int n, int c, stk_metrics *m,
+                           stk_err *err)
+{
+    return launch(be, "cuda count_hits", (size_t)n, err, count_hits_kernel,
+                  logits, labels, n, c, m);
+}
+
+static __global__ void metrics_step_kernel(stk_metrics *m, int n,
+                                           uint64_t step, uint64_t epoch)
+{
+    stk_metrics_close(m, n, step, epoch);
+}
+
+static int cuda_metrics_step(stk_backend *be, stk_metrics *m, int n,
+                             uint64_t step, uint64_t epoch, stk_err *err)
+{
+    const char *op = "cuda metrics_step";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    metrics_step_kernel<<<1, 1, 0, impl(be)->stream>>>(m, n, step, epoch);
+    return launched(op, err);
+}
+
+// One block: the partial sums of squares added as sum_kernel adds them (so
+// the same double as cuda_sumsq's), then the norm's check and clip factor.
+static __global__ void grad_norm_kernel(const double *partial, size_t blocks,
+                                        float clip, uint64_t step,
+                                        uint64_t epoch, stk_metrics *m)
+{
+    double s = 0.0;
+    for (size_t i = threadIdx.x; i < blocks; i += blockDim.x)
+        s += partial[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0)
+        stk_metrics_norm(m, s, clip, step, epoch);
+}
+
+static __global__ void clip_kernel(size_t n, const stk_metrics *m, float *g)
+{
+    float f = (float)m->scale;
+    if (f == 1.0f)
+        return;
+    for (size_t i = first_index(); i < n; i += index_step())
+        g[i] *= f;
+}
+
+static int cuda_grad_norm(stk_backend *be, float *g, size_t n, float clip,
+                          uint64_t step, uint64_t epoch, stk_metrics *m,
+                          stk_err *err)
+{
+    const char *op = "cuda grad_norm";
+    unsigned blocks = grid_for(n ? n : 1);
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    double *partial = scratch_array<double>(be);
+    sumsq_partial_kernel<<<blocks, THREADS, 0, s>>>(g, n, partial);
+    if ((rc = launched(op, err)))
+        return rc;
+    grad_norm_kernel<<<1, THREADS, 0, s>>>(partial, blocks, clip, step, epoch,
+                                           m);
+    if ((rc = launched(op, err)))
+        return rc;
+    return clip > 0 ? launch(be, op, n, err, clip_kernel, n, (const stk_metrics *)m, g)
+                    : 0;
+}
+
 // ---- optimizers ------------------------------------------------------------
 
 static __global__ void sgd_kernel(float *w, const float *g, float *buf,
@@ -1381,6 +1516,10 @@ static constexpr backend_ops cuda_ops_table()
     o.bn_running = cuda_bn_running;
     o.dropout = cuda_dropout;
     o.xent = cuda_xent;
+    o.xent_metrics = cuda_xent_metrics;
+    o.count_hits = cuda_count_hits;
+    o.metrics_step = cuda_metrics_step;
+    o.grad_norm = cuda_grad_norm;
     o.transform = cuda_transform;
     o.axpy = cuda_axpy;
     o.scale = cuda_scale;

@@ -83,7 +83,9 @@ typedef struct run_state {
     uploader up;             /* batches to the device */
     const int32_t *dev_labels;
     float *x_f;              /* the transformed batch */
-    float *host_logits;
+    stk_metrics *mdev;       /* the steps' metrics, summed on the device */
+    stk_metrics *mhost;      /* pinned: where they are read into */
+    stk_event *mread;        /* the read's copy */
     float *state1, *state2;  /* momentum, or AdamW's m and v */
     uint64_t step, total_steps, eval_seen, start_batch;
     uint64_t pos_epoch, pos_batch; /* loader position after the last step */
