@@ -383,8 +383,10 @@ static int cuda_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
     return 0;
 }
 
-// cudaErrorNotReady is the answer "not yet", not a failure (it sets no
-// last error).
+// cudaErrorNotReady is the answer "not yet", not a failure; it is cleared
+// from the thread's last error (as PyTorch does) so that no later launch
+// check reports it. Every launch is checked as it is queued, so nothing
+// else is lost, and a kernel's failure is sticky: it comes back anyway.
 static int cuda_event_query(stk_backend *be, stk_event *ev, bool *done,
                             stk_err *err)
 {
@@ -394,7 +396,10 @@ static int cuda_event_query(stk_backend *be, stk_event *ev, bool *done,
         return rc;
     cudaError_t e = cudaEventQuery(cuda_event(ev));
     *done = e == cudaSuccess;
-    return e == cudaErrorNotReady ? 0 : cuda_check(e, op, "cudaEventQuery", err);
+    if (e != cudaErrorNotReady)
+        return cuda_check(e, op, "cudaEventQuery", err);
+    (void)cudaGetLastError();
+    return 0;
 }
 
 static int cuda_event_wait(stk_backend *be, stk_event *ev, stk_err *err)

@@ -20,7 +20,8 @@ int uploader_init(uploader *u, stk_backend *be, size_t batch,
         upload_buf *d = &u->buf[i];
         d->x = stk_dev_alloc(be, batch * sample_bytes, err);
         d->ids = d->x ? stk_dev_alloc(be, batch * sizeof *d->ids, err) : NULL;
-        d->labels = d->ids ? stk_dev_alloc(be, batch * sizeof *d->labels, err) : NULL;
+        d->labels =
+            d->ids ? stk_dev_alloc(be, batch * sizeof *d->labels, err) : NULL;
         rc = d->labels ? stk_event_create(be, &d->copied, err) : STK_ENOMEM;
         if (!rc)
             rc = stk_event_create(be, &d->consumed, err);
@@ -47,7 +48,8 @@ static int upload_into(uploader *u, upload_buf *d, const stk_batch *b,
 {
     stk_backend *be = u->be;
     size_t n = (size_t)b->n;
-    int rc = d->read ? stk_stream_wait(be, STK_STREAM_COPY, d->consumed, err) : 0;
+    int rc =
+        d->read ? stk_stream_wait(be, STK_STREAM_COPY, d->consumed, err) : 0;
     if (!rc)
         rc = stk_upload(be, d->x, b->data, n * b->sample_bytes, err);
     if (!rc)
@@ -109,7 +111,7 @@ int uploader_settle(uploader *u, stk_err *err)
     return rc;
 }
 
-/* ---- the ring's memory, pinned once per run ------------------------------ */
+/* ---- the ring's memory, pinned once per run ------------------------ */
 
 /* The loaders of a run (one per epoch and evaluation) ask for the same
  * slots again: the blocks a closed loader frees stay here for the next, so

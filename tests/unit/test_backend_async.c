@@ -84,7 +84,8 @@ static void upload_waits_for_compute(stk_backend *be)
         assert_int_equal(stk_axpy(be, n, 1.0f, d, d, &err), 0);
     assert_int_equal(stk_scale(be, k, 3.0f, d, &err), 0);
     stk_event *computed = event(be), *copied = event(be);
-    assert_int_equal(stk_event_record(be, computed, STK_STREAM_COMPUTE, &err), 0);
+    assert_int_equal(stk_event_record(be, computed, STK_STREAM_COMPUTE, &err),
+                     0);
     assert_int_equal(stk_stream_wait(be, STK_STREAM_COPY, computed, &err), 0);
     assert_int_equal(stk_upload(be, d, p, k * sizeof *p, &err), 0);
     assert_int_equal(stk_event_record(be, copied, STK_STREAM_COPY, &err), 0);
@@ -131,17 +132,22 @@ static void metrics_match_host_ops(stk_backend *be)
     for (size_t i = 0; i < (size_t)n * C; i++)
         z[i] = 4.0f * stk_philox_uniform((stk_philox_key){5, 6}, 0, i) - 2.0f;
     for (int i = 0; i < n; i++)
-        y[i] = (int32_t)(stk_philox_uniform((stk_philox_key){5, 7}, 0, (uint64_t)i) * C) % C;
+        y[i] = (int32_t)(stk_philox_uniform((stk_philox_key){5, 7}, 0,
+                                            (uint64_t)i) *
+                         C) %
+               C;
     for (size_t i = 0; i < np; i++)
         g[i] = stk_philox_uniform((stk_philox_key){5, 8}, 0, i) - 0.5f;
-    float *dz = to_dev(be, z, sizeof(float) * n * C), *dg = to_dev(be, g, sizeof(float) * np);
+    float *dz = to_dev(be, z, sizeof(float) * n * C),
+          *dg = to_dev(be, g, sizeof(float) * np);
     int32_t *dy = to_dev(be, y, sizeof(int32_t) * n);
     stk_metrics *dm = stk_dev_alloc(be, sizeof *dm, &err);
     assert_int_equal(stk_memzero(be, dm, sizeof *dm, &err), 0);
     float loss;
     assert_int_equal(stk_xent(be, dz, dy, n, C, 0.1f, &loss, NULL, &err), 0);
     for (int micro = 0; micro < 2; micro++) {
-        assert_int_equal(stk_xent_metrics(be, dz, dy, n, C, 0.1f, NULL, dm, &err), 0);
+        assert_int_equal(
+            stk_xent_metrics(be, dz, dy, n, C, 0.1f, NULL, dm, &err), 0);
         assert_int_equal(stk_count_hits(be, dz, dy, n, C, dm, &err), 0);
     }
     int hits = 0;
@@ -153,7 +159,8 @@ static void metrics_match_host_ops(stk_backend *be)
     assert_int_equal(stk_metrics_step(be, dm, 2 * n, 6, 1, &err), 0);
     m = read_metrics(be, dm);
     float l = (float)(2 * ((double)loss * n)) / (float)(2 * n);
-    assert_true(m.loss == (double)l * (2 * n) && m.n == 2.0 * n && m.hits == 2.0 * hits);
+    assert_true(m.loss == (double)l * (2 * n) && m.n == 2.0 * n &&
+                m.hits == 2.0 * hits);
     assert_true(m.step_loss == 0 && m.step_hits == 0 && m.bad_step == 0);
     /* clipped to half its norm: the same floats as stk_sumsq and stk_scale */
     double ss;
@@ -164,7 +171,8 @@ static void metrics_match_host_ops(stk_backend *be)
     assert_int_equal(stk_grad_norm(be, dg, np, clip, 6, 1, dm, &err), 0);
     float *a = malloc(sizeof(float) * np), *b = malloc(sizeof(float) * np);
     assert_int_equal(stk_copy_to_host(be, a, dg, sizeof(float) * np, &err), 0);
-    assert_int_equal(stk_copy_to_host(be, b, want, sizeof(float) * np, &err), 0);
+    assert_int_equal(stk_copy_to_host(be, b, want, sizeof(float) * np, &err),
+                     0);
     assert_int_equal(stk_sync(be, &err), 0);
     assert_memory_equal(a, b, sizeof(float) * np);
     assert_true(read_metrics(be, dm).scale == (double)(clip / (norm + 1e-6f)));
@@ -198,34 +206,42 @@ static void metrics_flag_the_first_bad_step(stk_backend *be)
     stk_metrics *dm = stk_dev_alloc(be, sizeof *dm, &err);
     assert_int_equal(stk_memzero(be, dm, sizeof *dm, &err), 0);
     /* step 3 (0-based 2) finite, step 4 NaN */
-    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err), 0);
+    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err),
+                     0);
     assert_int_equal(stk_metrics_step(be, dm, N, 2, 0, &err), 0);
     assert_int_equal(stk_grad_norm(be, dg, 1000, 0.0f, 2, 0, dm, &err), 0);
     assert_true(read_metrics(be, dm).bad_step == 0);
     float nan = NAN, inf = INFINITY;
-    assert_int_equal(stk_copy_to_dev(be, dz + 5 * C + 1, &nan, sizeof nan, &err), 0);
-    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err), 0);
+    assert_int_equal(
+        stk_copy_to_dev(be, dz + 5 * C + 1, &nan, sizeof nan, &err), 0);
+    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err),
+                     0);
     assert_int_equal(stk_metrics_step(be, dm, N, 3, 0, &err), 0);
     assert_int_equal(stk_copy_to_dev(be, dg + 999, &inf, sizeof inf, &err), 0);
     assert_int_equal(stk_grad_norm(be, dg, 1000, 0.0f, 3, 0, dm, &err), 0);
     assert_int_equal(stk_grad_norm(be, dg, 1000, 0.0f, 4, 1, dm, &err), 0);
     stk_metrics m = read_metrics(be, dm);
-    assert_true(m.bad_step == 4 && m.bad_epoch == 1 && m.bad_kind == 1 && m.bad_nan == 1);
+    assert_true(m.bad_step == 4 && m.bad_epoch == 1 && m.bad_kind == 1 &&
+                m.bad_nan == 1);
     assert_true(m.bad_row == 0);
     /* an infinite gradient norm alone, on a fresh record */
     assert_int_equal(stk_memzero(be, dm, sizeof *dm, &err), 0);
     assert_int_equal(stk_grad_norm(be, dg, 1000, 1.0f, 9, 2, dm, &err), 0);
     m = read_metrics(be, dm);
-    assert_true(m.bad_step == 10 && m.bad_epoch == 3 && m.bad_kind == 2 && m.bad_nan == 0);
+    assert_true(m.bad_step == 10 && m.bad_epoch == 3 && m.bad_kind == 2 &&
+                m.bad_nan == 0);
     /* labels out of range at rows 7 and 9: row 7 is named, nothing added */
     int32_t bad = C, worse = -1;
     assert_int_equal(stk_memzero(be, dm, sizeof *dm, &err), 0);
     assert_int_equal(stk_copy_to_dev(be, dy + 7, &bad, sizeof bad, &err), 0);
-    assert_int_equal(stk_copy_to_dev(be, dy + 9, &worse, sizeof worse, &err), 0);
-    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err), 0);
+    assert_int_equal(stk_copy_to_dev(be, dy + 9, &worse, sizeof worse, &err),
+                     0);
+    assert_int_equal(stk_xent_metrics(be, dz, dy, N, C, 0.0f, NULL, dm, &err),
+                     0);
     m = read_metrics(be, dm);
     assert_true(m.bad_row == 8 && m.bad_label == C && m.step_loss == 0);
-    stk_dev_free(be, dz), stk_dev_free(be, dg), stk_dev_free(be, dy), stk_dev_free(be, dm);
+    stk_dev_free(be, dz), stk_dev_free(be, dg), stk_dev_free(be, dy),
+        stk_dev_free(be, dm);
 }
 
 static void cpu_upload_reaches_compute(void **state)
@@ -318,7 +334,8 @@ int main(int argc, char **argv)
         return 1;
     }
     rc = 0;
-    if (argc > 1 && !unit_filter_matches(tests, sizeof tests / sizeof *tests, argv[1]))
+    if (argc > 1 &&
+        !unit_filter_matches(tests, sizeof tests / sizeof *tests, argv[1]))
         rc = 1;
     else if (argc > 1)
         cmocka_set_test_filter(argv[1]);

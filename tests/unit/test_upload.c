@@ -28,11 +28,11 @@ static struct {
     backend_ops ops;
     pending_copy q[QUEUE];
     int queued, performed, observed; /* uploads queued, done, seen done */
-    int compute_after;   /* uploads compute waits for */
-    int copy_after;      /* compute reads the copy stream waits for */
-    int reads;           /* compute reads so far */
+    int compute_after;               /* uploads compute waits for */
+    int copy_after; /* compute reads the copy stream waits for */
+    int reads;      /* compute reads so far */
     const void *read_buf[2];
-    int read_at[2];      /* the read that last touched each buffer */
+    int read_at[2]; /* the read that last touched each buffer */
     int host_allocs;
     int violations;
     char why[256];
@@ -59,7 +59,8 @@ static void fake_event_destroy(stk_backend *be, stk_event *ev)
     free(ev);
 }
 
-static int fake_record(stk_backend *be, stk_event *ev, stk_stream_id s, stk_err *err)
+static int fake_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                       stk_err *err)
 {
     (void)be, (void)err;
     fake_event *e = (fake_event *)ev;
@@ -68,7 +69,8 @@ static int fake_record(stk_backend *be, stk_event *ev, stk_stream_id s, stk_err 
     return 0;
 }
 
-static int fake_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev, stk_err *err)
+static int fake_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                            stk_err *err)
 {
     (void)be, (void)err;
     fake_event *e = (fake_event *)ev;
@@ -82,7 +84,8 @@ static int fake_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev, stk
 static void perform(int upto)
 {
     for (; fk.performed < upto; fk.performed++)
-        memcpy(fk.q[fk.performed].dst, fk.q[fk.performed].src, fk.q[fk.performed].n);
+        memcpy(fk.q[fk.performed].dst, fk.q[fk.performed].src,
+               fk.q[fk.performed].n);
 }
 
 static int fake_query(stk_backend *be, stk_event *ev, bool *done, stk_err *err)
@@ -106,7 +109,8 @@ static int fake_wait(stk_backend *be, stk_event *ev, stk_err *err)
     return 0;
 }
 
-static int fake_upload(stk_backend *be, void *dst, const void *src, size_t n, stk_err *err)
+static int fake_upload(stk_backend *be, void *dst, const void *src, size_t n,
+                       stk_err *err)
 {
     (void)be, (void)err;
     for (int i = 0; i < 2; i++)
@@ -150,11 +154,14 @@ typedef struct ring {
     int32_t labels[2][N];
     uint64_t ids[2][N];
     bool busy[2];
-    int mark[BATCHES];  /* uploads queued once batch k was put */
-    int released;       /* batches given back, in order */
+    int mark[BATCHES]; /* uploads queued once batch k was put */
+    int released;      /* batches given back, in order */
 } ring;
 
-static uint8_t byte_of(int k, int i) { return (uint8_t)(k * 31 + i); }
+static uint8_t byte_of(int k, int i)
+{
+    return (uint8_t)(k * 31 + i);
+}
 
 static void release(void *ctx, stk_batch *b)
 {
@@ -165,7 +172,8 @@ static void release(void *ctx, stk_batch *b)
     if (k != r->released)
         violation("slots went back out of order", k);
     r->released++;
-    memset(b->data, 0xee, (size_t)b->n * b->sample_bytes); /* the loader refills it */
+    memset(b->data, 0xee,
+           (size_t)b->n * b->sample_bytes); /* the loader refills it */
     r->busy[k % 2] = false;
 }
 
@@ -179,8 +187,10 @@ static void compute_reads(const stk_batch *dev, int k)
         if (dev->data[i] != byte_of(k, i))
             violation("compute read bytes that are not the batch's", k);
     for (int i = 0; i < N; i++)
-        if (dev->labels[i] != k * 10 + i || dev->indices[i] != (uint64_t)(k * 100 + i))
-            violation("compute read labels or ids that are not the batch's", k);
+        if (dev->labels[i] != k * 10 + i ||
+            dev->indices[i] != (uint64_t)(k * 100 + i))
+            violation("compute read labels or ids that are not the batch's",
+                      k);
     fk.reads++;
     int which = fk.read_buf[0] == dev->data || !fk.read_buf[0] ? 0 : 1;
     fk.read_buf[which] = dev->data;
@@ -205,7 +215,9 @@ static void slots_return_after_their_copies(void **state)
             r.data[s][i] = byte_of(k, i);
         for (int i = 0; i < N; i++)
             r.labels[s][i] = k * 10 + i, r.ids[s][i] = (uint64_t)(k * 100 + i);
-        stk_batch b = {0, (uint64_t)k, N, SAMPLE, r.data[s], r.labels[s], r.ids[s], s}, dev;
+        stk_batch b = {0,         (uint64_t)k, N,        SAMPLE,
+                       r.data[s], r.labels[s], r.ids[s], s},
+                  dev;
         assert_int_equal(uploader_put(&u, &b, release, &r, &dev, &err), 0);
         assert_ptr_not_equal(dev.data, b.data); /* a device copy */
         r.mark[k] = fk.queued;
