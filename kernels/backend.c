@@ -102,6 +102,46 @@ int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err)
 
 int stk_sync(stk_backend *be, stk_err *err) { return be->ops->sync(be, err); }
 
+int stk_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    *out = NULL;
+    return be->ops->event_create(be, out, err);
+}
+
+void stk_event_destroy(stk_backend *be, stk_event *ev)
+{
+    if (ev)
+        be->ops->event_destroy(be, ev);
+}
+
+int stk_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                     stk_err *err)
+{
+    return be->ops->event_record(be, ev, s, err);
+}
+
+int stk_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                    stk_err *err)
+{
+    return be->ops->stream_wait(be, s, ev, err);
+}
+
+int stk_event_query(stk_backend *be, stk_event *ev, bool *done, stk_err *err)
+{
+    return be->ops->event_query(be, ev, done, err);
+}
+
+int stk_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    return be->ops->event_wait(be, ev, err);
+}
+
+int stk_upload(stk_backend *be, void *dst, const void *src, size_t n,
+               stk_err *err)
+{
+    return n ? be->ops->upload(be, dst, src, n, err) : 0;
+}
+
 static int check_gemm(bool ta, bool tb, int m, int n, int k, int lda,
                       int ldb, int ldc, stk_err *err)
 {
@@ -504,9 +544,7 @@ int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
     return be->ops->dropout(be, x, n, first, group, p, key, stream, err);
 }
 
-int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
-             int n, int c, float smoothing, float *loss, float *dlogits,
-             stk_err *err)
+static int check_xent(int n, int c, float smoothing, stk_err *err)
 {
     if (n < 1 || c < 1)
         return stk_fail(err, STK_EINVAL, "cross-entropy: %d rows of %d", n, c);
@@ -514,8 +552,49 @@ int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
         return stk_fail(err, STK_EINVAL,
                         "cross-entropy: label smoothing %g is not in [0, 1]",
                         (double)smoothing);
-    return be->ops->xent(be, logits, labels, n, c, smoothing, loss, dlogits,
-                         err);
+    return 0;
+}
+
+int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
+             int n, int c, float smoothing, float *loss, float *dlogits,
+             stk_err *err)
+{
+    int rc = check_xent(n, c, smoothing, err);
+    return rc ? rc
+              : be->ops->xent(be, logits, labels, n, c, smoothing, loss,
+                              dlogits, err);
+}
+
+int stk_xent_metrics(stk_backend *be, const float *logits,
+                     const int32_t *labels, int n, int c, float smoothing,
+                     float *dlogits, stk_metrics *m, stk_err *err)
+{
+    int rc = check_xent(n, c, smoothing, err);
+    return rc ? rc
+              : be->ops->xent_metrics(be, logits, labels, n, c, smoothing,
+                                      dlogits, m, err);
+}
+
+int stk_count_hits(stk_backend *be, const float *logits, const int32_t *labels,
+                   int n, int c, stk_metrics *m, stk_err *err)
+{
+    if (n < 1 || c < 1)
+        return stk_fail(err, STK_EINVAL, "count_hits: %d rows of %d", n, c);
+    return be->ops->count_hits(be, logits, labels, n, c, m, err);
+}
+
+int stk_metrics_step(stk_backend *be, stk_metrics *m, int n, uint64_t step,
+                     uint64_t epoch, stk_err *err)
+{
+    if (n < 1)
+        return stk_fail(err, STK_EINVAL, "metrics_step: a step of %d samples", n);
+    return be->ops->metrics_step(be, m, n, step, epoch, err);
+}
+
+int stk_grad_norm(stk_backend *be, float *g, size_t n, float clip,
+                  uint64_t step, uint64_t epoch, stk_metrics *m, stk_err *err)
+{
+    return be->ops->grad_norm(be, g, n, clip, step, epoch, m, err);
 }
 
 int stk_transform_batch(stk_backend *be, const uint8_t *x,

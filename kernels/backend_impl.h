@@ -19,6 +19,17 @@ typedef struct backend_ops {
                 int to_dev, stk_err *err);
     int (*memzero)(stk_backend *be, void *p, size_t n, stk_err *err);
     int (*sync)(stk_backend *be, stk_err *err);
+    int (*event_create)(stk_backend *be, stk_event **out, stk_err *err);
+    void (*event_destroy)(stk_backend *be, stk_event *ev);
+    int (*event_record)(stk_backend *be, stk_event *ev, stk_stream_id s,
+                        stk_err *err);
+    int (*stream_wait)(stk_backend *be, stk_stream_id s, stk_event *ev,
+                       stk_err *err);
+    int (*event_query)(stk_backend *be, stk_event *ev, bool *done,
+                       stk_err *err);
+    int (*event_wait)(stk_backend *be, stk_event *ev, stk_err *err);
+    int (*upload)(stk_backend *be, void *dst, const void *src, size_t n,
+                  stk_err *err);
     int (*gemm)(stk_backend *be, bool ta, bool tb, int m, int n, int k,
                 float alpha, const float *a, int lda, const float *b, int ldb,
                 float beta, float *c, int ldc, stk_err *err);
@@ -96,6 +107,17 @@ typedef struct backend_ops {
     int (*xent)(stk_backend *be, const float *logits, const int32_t *labels,
                 int n, int c, float smoothing, float *loss, float *dlogits,
                 stk_err *err);
+    int (*xent_metrics)(stk_backend *be, const float *logits,
+                        const int32_t *labels, int n, int c, float smoothing,
+                        float *dlogits, stk_metrics *m, stk_err *err);
+    int (*count_hits)(stk_backend *be, const float *logits,
+                      const int32_t *labels, int n, int c, stk_metrics *m,
+                      stk_err *err);
+    int (*metrics_step)(stk_backend *be, stk_metrics *m, int n, uint64_t step,
+                        uint64_t epoch, stk_err *err);
+    int (*grad_norm)(stk_backend *be, float *g, size_t n, float clip,
+                     uint64_t step, uint64_t epoch, stk_metrics *m,
+                     stk_err *err);
     int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,
                      int n, const stk_transform *t, float *y, stk_err *err);
     int (*axpy)(stk_backend *be, size_t n, float alpha, const float *x,

@@ -123,6 +123,57 @@ static int cpu_sync(stk_backend *be, stk_err *err)
     return 0;
 }
 
+/* ---- events: every op is done when it returns ------------------------------ */
+
+/* An event has nothing to mark on the CPU; the handle only has to be a
+ * distinct pointer its owner can free. */
+static int cpu_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    (void)be;
+    *out = malloc(1);
+    return *out ? 0 : stk_fail(err, STK_ENOMEM, "cpu: out of memory for an event");
+}
+
+static void cpu_event_destroy(stk_backend *be, stk_event *ev)
+{
+    (void)be;
+    free(ev);
+}
+
+static int cpu_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                            stk_err *err)
+{
+    (void)be, (void)ev, (void)s, (void)err;
+    return 0;
+}
+
+static int cpu_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                           stk_err *err)
+{
+    (void)be, (void)ev, (void)s, (void)err;
+    return 0;
+}
+
+static int cpu_event_query(stk_backend *be, stk_event *ev, bool *done,
+                           stk_err *err)
+{
+    (void)be, (void)ev, (void)err;
+    *done = true;
+    return 0;
+}
+
+static int cpu_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    (void)be, (void)ev, (void)err;
+    return 0;
+}
+
+static int cpu_upload(stk_backend *be, void *dst, const void *src, size_t n,
+                      stk_err *err)
+{
+    return cpu_copy(be, dst, src, n, 1, err);
+}
+
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct gemm_job {
@@ -1532,22 +1583,89 @@ static int cpu_dropout(stk_backend *be, float *x, size_t n, size_t first,
 
 /* ---- loss and input ----------------------------------------------------------------- */
 
+/* The first row whose label is not in 0..c-1, or -1. */
+static int xent_bad_row(const int32_t *labels, int n, int c)
+{
+    for (int r = 0; r < n; r++)
+        if (labels[r] < 0 || labels[r] >= c)
+            return r;
+    return -1;
+}
+
+/* The row losses' sum, in row order (and dlogits). */
+static double xent_sum(const float *logits, const int32_t *labels, int n,
+                       int c, float smoothing, float *dlogits)
+{
+    double sum = 0.0;
+    for (int r = 0; r < n; r++)
+        sum += stk_xent_row(logits, labels, n, c, smoothing, r, dlogits);
+    return sum;
+}
+
 static int cpu_xent(stk_backend *be, const float *logits,
                     const int32_t *labels, int n, int c, float smoothing,
                     float *loss, float *dlogits, stk_err *err)
 {
     (void)be;
-    for (int r = 0; r < n; r++)
-        if (labels[r] < 0 || labels[r] >= c)
-            return stk_fail(err, STK_ERANGE,
-                            "cross-entropy: label %d of row %d is not in "
-                            "0..%d",
-                            labels[r], r, c - 1);
-    double sum = 0.0;
-    for (int r = 0; r < n; r++)
-        sum += stk_xent_row(logits, labels, n, c, smoothing, r, dlogits);
-    *loss = (float)(sum / n);
+    int r = xent_bad_row(labels, n, c);
+    if (r >= 0)
+        return stk_fail(err, STK_ERANGE,
+                        "cross-entropy: label %d of row %d is not in "
+                        "0..%d",
+                        labels[r], r, c - 1);
+    *loss = (float)(xent_sum(logits, labels, n, c, smoothing, dlogits) / n);
     return 0;
+}
+
+/* ---- training metrics (stk_metrics: ops_inline.h) ----------------------------- */
+
+static int cpu_xent_metrics(stk_backend *be, const float *logits,
+                            const int32_t *labels, int n, int c,
+                            float smoothing, float *dlogits, stk_metrics *m,
+                            stk_err *err)
+{
+    (void)be, (void)err;
+    int r = xent_bad_row(labels, n, c);
+    if (r >= 0 && m->bad_row == 0) {
+        m->bad_row = r + 1;
+        m->bad_label = labels[r];
+    }
+    if (r < 0)
+        stk_metrics_add_loss(m, xent_sum(logits, labels, n, c, smoothing, dlogits), n);
+    return 0;
+}
+
+static int cpu_count_hits(stk_backend *be, const float *logits,
+                          const int32_t *labels, int n, int c, stk_metrics *m,
+                          stk_err *err)
+{
+    (void)be, (void)err;
+    int hits = 0;
+    for (int r = 0; r < n; r++)
+        hits += stk_argmax_row(logits, c, r) == labels[r];
+    m->step_hits += hits;
+    return 0;
+}
+
+static int cpu_metrics_step(stk_backend *be, stk_metrics *m, int n,
+                            uint64_t step, uint64_t epoch, stk_err *err)
+{
+    (void)be, (void)err;
+    stk_metrics_close(m, n, step, epoch);
+    return 0;
+}
+
+static int cpu_sumsq(stk_backend *be, const float *x, size_t n, double *out,
+                     stk_err *err);
+
+static int cpu_grad_norm(stk_backend *be, float *g, size_t n, float clip,
+                         uint64_t step, uint64_t epoch, stk_metrics *m,
+                         stk_err *err)
+{
+    double ss;
+    int rc = cpu_sumsq(be, g, n, &ss, err);
+    float f = rc ? 1.0f : stk_metrics_norm(m, ss, clip, step, epoch);
+    return rc || f == 1.0f ? rc : cpu_scale(be, n, f, g, err);
 }
 
 typedef struct transform_job {
@@ -1703,6 +1821,13 @@ const backend_ops stk_cpu_ops = {
     .copy = cpu_copy,
     .memzero = cpu_memzero,
     .sync = cpu_sync,
+    .event_create = cpu_event_create,
+    .event_destroy = cpu_event_destroy,
+    .event_record = cpu_event_record,
+    .stream_wait = cpu_stream_wait,
+    .event_query = cpu_event_query,
+    .event_wait = cpu_event_wait,
+    .upload = cpu_upload,
     .gemm = cpu_gemm,
     .gemm_batched = cpu_gemm_batched,
     .relu_fwd = cpu_relu_fwd,
@@ -1731,6 +1856,10 @@ const backend_ops stk_cpu_ops = {
     .bn_running = cpu_bn_running,
     .dropout = cpu_dropout,
     .xent = cpu_xent,
+    .xent_metrics = cpu_xent_metrics,
+    .count_hits = cpu_count_hits,
+    .metrics_step = cpu_metrics_step,
+    .grad_norm = cpu_grad_norm,
     .transform = cpu_transform,
     .axpy = cpu_axpy,
     .scale = cpu_scale,

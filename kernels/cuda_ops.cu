@@ -3,9 +3,10 @@
 // ops_inline.h, so the GPU runs the arithmetic the CPU tests check (cpu.c is
 // the reference; names and semantics here mirror it).
 //
-// State lives in the backend (be->impl): one non-blocking stream, a cuBLAS
-// handle bound to it, and a small device scratch buffer that grows for the
-// reductions (cross-entropy, sum of squares, the batchnorm and bias
+// State lives in the backend (be->impl): one non-blocking stream for the
+// ops, a second for stk_upload (batches copy while kernels run), a cuBLAS
+// handle bound to the first, and a small device scratch buffer that grows
+// for the reductions (cross-entropy, sum of squares, the batchnorm and bias
 // gradient's partial sums) and holds the batchnorm passes' per-channel
 // coefficients and the input transform's per-sample draws (read by kernels
 // queued behind; the buffer is only replaced after a stream sync). Every
@@ -43,6 +44,7 @@ typedef struct reduce_result {
 
 typedef struct cuda_impl {
     cudaStream_t stream;
+    cudaStream_t copy; // stk_upload's: batches upload while compute runs
     cublasHandle_t blas;
     void *scratch; // reduce_result + array; idle between calls
     size_t scratch_bytes;
@@ -175,12 +177,16 @@ static void impl_release(cuda_impl *cu)
         return;
     if (cu->stream)
         cuda_quiet(cudaStreamSynchronize(cu->stream));
+    if (cu->copy)
+        cuda_quiet(cudaStreamSynchronize(cu->copy));
     if (cu->blas) // void, nothing to report to; it syncs the device itself
         (void)cublasDestroy(cu->blas);
     if (cu->scratch)
         cuda_quiet(cudaFree(cu->scratch));
     if (cu->stream)
         cuda_quiet(cudaStreamDestroy(cu->stream));
+    if (cu->copy)
+        cuda_quiet(cudaStreamDestroy(cu->copy));
     free(cu);
 }
 
@@ -264,6 +270,7 @@ static void cuda_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
     cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->copy)); // an upload's target
     cuda_quiet(cudaFree(p));
 }
 
@@ -284,6 +291,7 @@ static void cuda_host_free(stk_backend *be, void *p)
 {
     cuda_quiet(cudaSetDevice(be->device));
     cuda_quiet(cudaStreamSynchronize(impl(be)->stream));
+    cuda_quiet(cudaStreamSynchronize(impl(be)->copy)); // an upload's source
     cuda_quiet(cudaFreeHost(p));
 }
 
@@ -325,6 +333,102 @@ static int cuda_sync(stk_backend *be, stk_err *err)
     if (rc)
         return rc;
     CUDA_TRY("cuda sync", cudaStreamSynchronize, (impl(be)->stream));
+    return 0;
+}
+
+// ---- the copy stream and events ---------------------------------------------
+
+// A stk_event is the cudaEvent_t itself (timing off: the cheapest kind).
+static cudaEvent_t cuda_event(stk_event *ev)
+{
+    return (cudaEvent_t)(void *)ev;
+}
+
+static cudaStream_t stream_of(stk_backend *be, stk_stream_id s)
+{
+    return s == STK_STREAM_COPY ? impl(be)->copy : impl(be)->stream;
+}
+
+static int cuda_event_create(stk_backend *be, stk_event **out, stk_err *err)
+{
+    const char *op = "cuda event_create";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    cudaEvent_t e = NULL;
+    CUDA_TRY(op, cudaEventCreateWithFlags, (&e, cudaEventDisableTiming));
+    *out = (stk_event *)(void *)e;
+    return 0;
+}
+
+static void cuda_event_destroy(stk_backend *be, stk_event *ev)
+{
+    cuda_quiet(cudaSetDevice(be->device));
+    cuda_quiet(cudaEventDestroy(cuda_event(ev)));
+}
+
+static int cuda_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                             stk_err *err)
+{
+    const char *op = "cuda event_record";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaEventRecord, (cuda_event(ev), stream_of(be, s)));
+    return 0;
+}
+
+static int cuda_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                            stk_err *err)
+{
+    const char *op = "cuda stream_wait";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaStreamWaitEvent, (stream_of(be, s), cuda_event(ev), 0));
+    return 0;
+}
+
+// cudaErrorNotReady is the answer "not yet", not a failure; it is cleared
+// from the thread's last error (as PyTorch does) so that no later launch
+// check reports it. Every launch is checked as it is queued, so nothing
+// else is lost, and a kernel's failure is sticky: it comes back anyway.
+static int cuda_event_query(stk_backend *be, stk_event *ev, bool *done,
+                            stk_err *err)
+{
+    const char *op = "cuda event_query";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    cudaError_t e = cudaEventQuery(cuda_event(ev));
+    *done = e == cudaSuccess;
+    if (e != cudaErrorNotReady)
+        return cuda_check(e, op, "cudaEventQuery", err);
+    (void)cudaGetLastError();
+    return 0;
+}
+
+static int cuda_event_wait(stk_backend *be, stk_event *ev, stk_err *err)
+{
+    const char *op = "cuda event_wait";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaEventSynchronize, (cuda_event(ev)));
+    return 0;
+}
+
+// From page-locked host memory the copy is asynchronous: it runs on the
+// copy engine beside the compute stream's kernels.
+static int cuda_upload(stk_backend *be, void *dst, const void *src, size_t n,
+                       stk_err *err)
+{
+    const char *op = "cuda upload";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    CUDA_TRY(op, cudaMemcpyAsync,
+             (dst, src, n, cudaMemcpyHostToDevice, impl(be)->copy));
     return 0;
 }
 
@@ -1289,6 +1393,141 @@ static int cuda_sumsq(stk_backend *be, const float *x, size_t n, double *out,
     return 0;
 }
 
+// ---- training metrics (stk_metrics: ops_inline.h) -------------------------
+
+// One block: the row losses' sum (sum_kernel's order, so the same double as
+// cuda_xent's), added to m unless a row was flagged.
+static __global__ void xent_metrics_kernel(const float *row_loss, int n,
+                                           const int32_t *labels,
+                                           const reduce_result *res,
+                                           stk_metrics *m)
+{
+    double s = 0.0;
+    for (size_t i = threadIdx.x; i < (size_t)n; i += blockDim.x)
+        s += (double)row_loss[i];
+    s = block_sum(s);
+    if (threadIdx.x != 0)
+        return;
+    if (res->bad_row == UINT_MAX) {
+        stk_metrics_add_loss(m, s, n);
+    } else if (m->bad_row == 0) {
+        m->bad_row = (double)res->bad_row + 1;
+        m->bad_label = labels[res->bad_row];
+    }
+}
+
+static int cuda_xent_metrics(stk_backend *be, const float *logits,
+                             const int32_t *labels, int n, int c,
+                             float smoothing, float *dlogits, stk_metrics *m,
+                             stk_err *err)
+{
+    const char *op = "cuda xent_metrics";
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(float), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    reduce_result *res = scratch_result(be);
+    float *row_loss = scratch_array<float>(be);
+    CUDA_TRY(op, cudaMemsetAsync,
+             (&res->bad_row, 0xff, sizeof res->bad_row, s));
+    rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
+                smoothing, dlogits, row_loss, &res->bad_row);
+    if (rc)
+        return rc;
+    xent_metrics_kernel<<<1, THREADS, 0, s>>>(row_loss, n, labels, res, m);
+    return launched(op, err);
+}
+
+// Each block counts its rows' hits; one atomic add per block (counts in a
+// double are exact, so the order does not matter).
+static __global__ void count_hits_kernel(const float *logits,
+                                         const int32_t *labels, int n, int c,
+                                         stk_metrics *m)
+{
+    double hits = 0.0;
+    for (size_t r = first_index(); r < (size_t)n; r += index_step())
+        hits += stk_argmax_row(logits, c, (int)r) == labels[r];
+    hits = block_sum(hits);
+    if (threadIdx.x == 0 && hits > 0)
+        atomicAdd(&m->step_hits, hits);
+}
+
+static int cuda_count_hits(stk_backend *be, const float *logits,
+                           const int32_t *labels, int n, int c, stk_metrics *m,
+                           stk_err *err)
+{
+    return launch(be, "cuda count_hits", (size_t)n, err, count_hits_kernel,
+                  logits, labels, n, c, m);
+}
+
+static __global__ void metrics_step_kernel(stk_metrics *m, int n,
+                                           uint64_t step, uint64_t epoch)
+{
+    stk_metrics_close(m, n, step, epoch);
+}
+
+static int cuda_metrics_step(stk_backend *be, stk_metrics *m, int n,
+                             uint64_t step, uint64_t epoch, stk_err *err)
+{
+    const char *op = "cuda metrics_step";
+    int rc = use_device(be, op, err);
+    if (rc)
+        return rc;
+    metrics_step_kernel<<<1, 1, 0, impl(be)->stream>>>(m, n, step, epoch);
+    return launched(op, err);
+}
+
+// One block: the partial sums of squares added as sum_kernel adds them (so
+// the same double as cuda_sumsq's), then the norm's check and clip factor.
+static __global__ void grad_norm_kernel(const double *partial, size_t blocks,
+                                        float clip, uint64_t step,
+                                        uint64_t epoch, stk_metrics *m)
+{
+    double s = 0.0;
+    for (size_t i = threadIdx.x; i < blocks; i += blockDim.x)
+        s += partial[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0)
+        stk_metrics_norm(m, s, clip, step, epoch);
+}
+
+static __global__ void clip_kernel(size_t n, const stk_metrics *m, float *g)
+{
+    float f = (float)m->scale;
+    if (f == 1.0f)
+        return;
+    for (size_t i = first_index(); i < n; i += index_step())
+        g[i] *= f;
+}
+
+static int cuda_grad_norm(stk_backend *be, float *g, size_t n, float clip,
+                          uint64_t step, uint64_t epoch, stk_metrics *m,
+                          stk_err *err)
+{
+    const char *op = "cuda grad_norm";
+    unsigned blocks = grid_for(n ? n : 1);
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
+                             err);
+    if (rc)
+        return rc;
+    cudaStream_t s = impl(be)->stream;
+    double *partial = scratch_array<double>(be);
+    sumsq_partial_kernel<<<blocks, THREADS, 0, s>>>(g, n, partial);
+    if ((rc = launched(op, err)))
+        return rc;
+    grad_norm_kernel<<<1, THREADS, 0, s>>>(partial, blocks, clip, step, epoch,
+                                           m);
+    if ((rc = launched(op, err)))
+        return rc;
+    return clip > 0 ? launch(be, op, n, err, clip_kernel, n, (const stk_metrics *)m, g)
+                    : 0;
+}
+
 // ---- optimizers ------------------------------------------------------------
 
 static __global__ void sgd_kernel(float *w, const float *g, float *buf,
@@ -1333,6 +1572,13 @@ static constexpr backend_ops cuda_ops_table()
     o.copy = cuda_copy;
     o.memzero = cuda_memzero;
     o.sync = cuda_sync;
+    o.event_create = cuda_event_create;
+    o.event_destroy = cuda_event_destroy;
+    o.event_record = cuda_event_record;
+    o.stream_wait = cuda_stream_wait;
+    o.event_query = cuda_event_query;
+    o.event_wait = cuda_event_wait;
+    o.upload = cuda_upload;
     o.gemm = cuda_gemm;
     o.gemm_batched = cuda_gemm_batched;
     o.relu_fwd = cuda_relu_fwd;
@@ -1361,6 +1607,10 @@ static constexpr backend_ops cuda_ops_table()
     o.bn_running = cuda_bn_running;
     o.dropout = cuda_dropout;
     o.xent = cuda_xent;
+    o.xent_metrics = cuda_xent_metrics;
+    o.count_hits = cuda_count_hits;
+    o.metrics_step = cuda_metrics_step;
+    o.grad_norm = cuda_grad_norm;
     o.transform = cuda_transform;
     o.axpy = cuda_axpy;
     o.scale = cuda_scale;
@@ -1397,6 +1647,8 @@ static int impl_create(cuda_impl *cu, stk_err *err)
     cudaStream_t s = NULL; // handles are kept only once valid
     CUDA_TRY(op, cudaStreamCreateWithFlags, (&s, cudaStreamNonBlocking));
     cu->stream = s;
+    CUDA_TRY(op, cudaStreamCreateWithFlags, (&s, cudaStreamNonBlocking));
+    cu->copy = s;
     cublasHandle_t h = NULL;
     int rc = blas_check(cublasCreate(&h), op, "cublasCreate", err);
     if (rc)

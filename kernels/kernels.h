@@ -5,7 +5,8 @@
  *
  * Pointers passed to ops are backend memory (stk_dev_alloc); on the CPU
  * that is host memory. Tensors are float32, NCHW, row-major. Ops are
- * asynchronous on CUDA (one stream per backend): stk_sync waits. Every op
+ * asynchronous on CUDA (queued on the backend's compute stream; stk_upload
+ * on its copy stream): stk_sync waits for the compute stream. Every op
  * returns 0 or a negative STK_E* code with err (when non-NULL) naming the
  * op and the cause. */
 #ifndef STK_KERNELS_H
@@ -76,6 +77,36 @@ int stk_copy_to_host(stk_backend *be, void *dst, const void *src, size_t n,
                      stk_err *err);
 int stk_memzero(stk_backend *be, void *p, size_t n, stk_err *err);
 int stk_sync(stk_backend *be, stk_err *err);
+
+/* ---- the copy stream and events ---------------------------------------- */
+
+/* CUDA keeps two streams per backend: compute, where every op runs, and
+ * copy, where stk_upload runs, so that the next batch's upload overlaps
+ * this one's compute. An event marks the point one stream has reached
+ * when it is recorded; the other stream, or the host, can wait for it.
+ * On the CPU ops are done when they return: stk_upload is a memcpy and an
+ * event is complete once recorded. Events belong to their backend. */
+typedef enum stk_stream_id { STK_STREAM_COMPUTE = 0, STK_STREAM_COPY = 1 } stk_stream_id;
+typedef struct stk_event stk_event;
+
+int stk_event_create(stk_backend *be, stk_event **out, stk_err *err);
+void stk_event_destroy(stk_backend *be, stk_event *ev); /* NULL is a no-op */
+/* Marks the work queued on stream s so far. */
+int stk_event_record(stk_backend *be, stk_event *ev, stk_stream_id s,
+                     stk_err *err);
+/* Work queued on s from now on starts after ev's work is done (the host
+ * does not wait). An event never recorded is complete. */
+int stk_stream_wait(stk_backend *be, stk_stream_id s, stk_event *ev,
+                    stk_err *err);
+/* *done: whether ev's work is complete, without waiting. */
+int stk_event_query(stk_backend *be, stk_event *ev, bool *done, stk_err *err);
+/* The host waits for ev's work; also reports its asynchronous failure. */
+int stk_event_wait(stk_backend *be, stk_event *ev, stk_err *err);
+/* n bytes from host src (page-locked: stk_pinned_alloc) to device dst on
+ * the copy stream. src belongs to the copy until an event recorded on the
+ * copy stream after it completes. */
+int stk_upload(stk_backend *be, void *dst, const void *src, size_t n,
+               stk_err *err);
 
 /* ---- GEMM --------------------------------------------------------------- */
 
@@ -255,6 +286,26 @@ int stk_dropout(stk_backend *be, float *x, size_t n, size_t first,
 int stk_xent(stk_backend *be, const float *logits, const int32_t *labels,
              int n, int c, float smoothing, float *loss, float *dlogits,
              stk_err *err);
+
+/* ---- training metrics on the device (stk_metrics, ops_inline.h) -------- */
+
+/* stk_xent with its mean loss added (times n) to m->step_loss instead of
+ * returned: nothing waits. A label out of range is recorded in m (bad_row,
+ * bad_label, the first one only) instead of failing; the loss is then not
+ * added and dlogits is unspecified. */
+int stk_xent_metrics(stk_backend *be, const float *logits,
+                     const int32_t *labels, int n, int c, float smoothing,
+                     float *dlogits, stk_metrics *m, stk_err *err);
+/* m->step_hits += the rows whose first largest logit is at their label. */
+int stk_count_hits(stk_backend *be, const float *logits, const int32_t *labels,
+                   int n, int c, stk_metrics *m, stk_err *err);
+/* Closes step `step` (0-based) of `epoch`, n samples: stk_metrics_close. */
+int stk_metrics_step(stk_backend *be, stk_metrics *m, int n, uint64_t step,
+                     uint64_t epoch, stk_err *err);
+/* The norm of g (stk_sumsq's sum) checked into m, and g scaled to norm
+ * clip where it is larger (clip > 0): stk_metrics_norm, on the device. */
+int stk_grad_norm(stk_backend *be, float *g, size_t n, float clip,
+                  uint64_t step, uint64_t epoch, stk_metrics *m, stk_err *err);
 
 /* uint8 batch [n, c, h, w] -> normalised float, with the transform's random
  * crop and flip keyed by sample_ids (n entries, device memory). */

@@ -704,6 +704,80 @@ STK_HD float stk_xent_row(const float *logits, const int32_t *labels, int n,
     return lse - (1.0f - e) * z[labels[r]] - off * zsum;
 }
 
+/* ---- training metrics kept on the device ----------------------------------- */
+
+/* What training sums on the device between the host's reads (once per
+ * logging window), so that a step never waits for the GPU. Doubles: their
+ * counts stay exact. All zero (stk_memzero) is the empty state; *_step,
+ * *_epoch and bad_row are 1-based, 0 meaning none. */
+typedef struct stk_metrics {
+    double step_loss, step_hits; /* the open step: mean loss x n per
+                                    micro-batch, argmax hits */
+    double last_loss, last_hits; /* the last closed step's */
+    double loss, hits, n;        /* closed steps: each step's mean loss as
+                                    a float, times its n */
+    double bad_step, bad_epoch;  /* the first non-finite step */
+    double bad_kind;             /* 1: its loss, 2: its gradient norm */
+    double bad_nan;              /* 1: NaN, 0: infinite */
+    double bad_row, bad_label;   /* the first label out of range */
+    double scale;                /* the gradient clip factor last applied */
+} stk_metrics;
+
+/* A micro-batch's mean loss as stk_xent returns it (a float), times n. */
+STK_HD void stk_metrics_add_loss(stk_metrics *m, double row_sum, int n)
+{
+    m->step_loss += (double)(float)(row_sum / n) * n;
+}
+
+STK_HD void stk_metrics_check(stk_metrics *m, int kind, float v, uint64_t step,
+                              uint64_t epoch)
+{
+    if (m->bad_step == 0 && !isfinite(v)) {
+        m->bad_step = (double)(step + 1);
+        m->bad_epoch = (double)(epoch + 1);
+        m->bad_kind = kind;
+        m->bad_nan = isnan(v) ? 1 : 0;
+    }
+}
+
+/* Closes a step of n samples: its loss is (float)sum / n in float (what a
+ * float all-reduce of the sums gives), checked, and added times n. */
+STK_HD void stk_metrics_close(stk_metrics *m, int n, uint64_t step,
+                              uint64_t epoch)
+{
+    float l = (float)m->step_loss / (float)n;
+    stk_metrics_check(m, 1, l, step, epoch);
+    m->last_loss = m->step_loss;
+    m->last_hits = m->step_hits;
+    m->loss += (double)l * n;
+    m->hits += m->step_hits;
+    m->n += n;
+    m->step_loss = m->step_hits = 0.0;
+}
+
+/* The gradient norm from its sum of squares, checked; the factor that
+ * clips it to clip (clip > 0), else 1, kept in m->scale. */
+STK_HD float stk_metrics_norm(stk_metrics *m, double sumsq, float clip,
+                              uint64_t step, uint64_t epoch)
+{
+    float norm = (float)sqrt(sumsq);
+    stk_metrics_check(m, 2, norm, step, epoch);
+    float f = clip > 0 && norm > clip ? clip / (norm + 1e-6f) : 1.0f;
+    m->scale = f;
+    return f;
+}
+
+/* The first largest logit of row r of [n, c]. */
+STK_HD int stk_argmax_row(const float *logits, int c, int r)
+{
+    const float *z = logits + (size_t)r * c;
+    int best = 0;
+    for (int j = 1; j < c; j++)
+        if (z[j] > z[best])
+            best = j;
+    return best;
+}
+
 /* ---- the device-side input transform ------------------------------------- */
 
 typedef struct stk_transform {

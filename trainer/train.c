@@ -94,68 +94,63 @@ float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
 
 /* ---- one step ---------------------------------------------------------- */
 
-/* Moves a loader batch to the device (the CPU backend uses it in place)
- * and runs the input transform. */
-static int stage_batch(run_state *r, const stk_batch *b, uint64_t epoch,
-                       bool train, stk_err *err)
+static void loader_release(void *l, stk_batch *b) { stk_loader_release(l, b); }
+
+/* Uploads a batch of loader l (the CPU backend uses it in place) and runs
+ * the input transform. The batch goes back to l in a later settle. */
+static int stage_batch(run_state *r, stk_loader *l, const stk_batch *b,
+                       uint64_t epoch, bool train, stk_err *err)
 {
-    stk_backend *be = r->be;
-    const uint8_t *x = b->data;
-    const uint64_t *ids = b->indices;
-    const int32_t *labels = b->labels;
-    int rc = 0;
-    if (stk_backend_kind(be) != STK_DEV_CPU) {
-        rc = stk_copy_to_dev(be, r->x_u8, b->data, (size_t)b->n * b->sample_bytes, err);
-        if (!rc)
-            rc = stk_copy_to_dev(be, r->ids, b->indices, (size_t)b->n * sizeof *ids, err);
-        if (!rc)
-            rc = stk_copy_to_dev(be, r->labels, b->labels, (size_t)b->n * sizeof *labels, err);
-        x = r->x_u8;
-        ids = r->ids;
-        labels = r->labels;
-    }
-    r->dev_labels = labels;
+    stk_batch d;
+    int rc = uploader_put(&r->up, b, loader_release, l, &d, err);
+    if (rc)
+        return rc;
+    r->dev_labels = d.labels;
     stk_transform t = r->transform;
     t.stream = epoch;
     if (!train)
         t.pad = t.flip = 0;
-    return rc ? rc : stk_transform_batch(be, x, ids, b->n, &t, r->x_f, err);
+    return stk_transform_batch(r->be, d.data, d.indices, b->n, &t, r->x_f, err);
 }
 
-/* Counts argmax hits of logits against the batch's labels. */
-static int count_correct(run_state *r, const float *logits, const stk_batch *b,
-                         int *correct, stk_err *err)
+/* Gives back the batch still held before its loader closes; the first
+ * error wins. */
+static int settle(run_state *r, int rc, stk_err *err)
 {
-    size_t n = (size_t)b->n * r->classes;
-    const float *z = logits;
-    if (stk_backend_kind(r->be) != STK_DEV_CPU) {
-        int rc = stk_copy_to_host(r->be, r->host_logits, logits, n * sizeof(float), err);
-        if (!rc)
-            rc = stk_sync(r->be, err);
-        if (rc)
-            return rc;
-        z = r->host_logits;
-    }
-    *correct = 0;
-    for (int i = 0; i < b->n; i++) {
-        int best = 0;
-        for (int c = 1; c < r->classes; c++)
-            if (z[(size_t)i * r->classes + c] > z[(size_t)i * r->classes + best])
-                best = c;
-        *correct += best == b->labels[i];
-    }
+    stk_err later = {0, {0}};
+    int s = uploader_settle(&r->up, rc < 0 ? &later : err);
+    return rc < 0 ? rc : s ? s : rc;
+}
+
+/* The device's metrics since the last read, zeroed there: the one wait of
+ * a logging window (pinned memory and an event; nothing on the CPU). A
+ * non-finite step or a label out of range recorded there is the run's
+ * error, naming its step: the steps after it changed only weights that are
+ * never saved. */
+static int read_metrics(run_state *r, stk_metrics *m, stk_err *err)
+{
+    stk_backend *be = r->be;
+    int rc = stk_copy_to_host(be, r->mhost, r->mdev, sizeof *m, err);
+    if (!rc)
+        rc = stk_event_record(be, r->mread, STK_STREAM_COMPUTE, err);
+    if (!rc)
+        rc = stk_event_wait(be, r->mread, err);
+    if (!rc)
+        rc = stk_memzero(be, r->mdev, sizeof *m, err);
+    if (rc)
+        return rc;
+    *m = *r->mhost;
+    if (m->bad_row > 0)
+        return stk_fail(err, STK_ERANGE, "cross-entropy: label %d of row %d is not in 0..%d",
+                        (int)m->bad_label, (int)m->bad_row - 1, r->classes - 1);
+    if (m->bad_step > 0)
+        return stk_fail(err, STK_ERANGE,
+                        "%s is %s at step %llu (epoch %llu); stopped, the last good "
+                        "checkpoint is kept (lower --lr or set --clip)",
+                        m->bad_kind == 1 ? "loss" : "gradient norm",
+                        m->bad_nan ? "NaN" : "infinite", (unsigned long long)m->bad_step,
+                        (unsigned long long)m->bad_epoch);
     return 0;
-}
-
-static int clip_grads(run_state *r, float *norm, stk_err *err)
-{
-    double ss;
-    size_t n = stk_model_param_count(r->model);
-    int rc = stk_sumsq(r->be, stk_model_grads(r->model), n, &ss, err);
-    *norm = (float)sqrt(ss);
-    if (!rc && r->o->clip > 0 && *norm > r->o->clip)
-        rc = stk_scale(r->be, n, r->o->clip / (*norm + 1e-6f), stk_model_grads(r->model), err);
-    return rc;
 }
 
 /* The update of floats [off, off + n) of the flat buffers, with weight
@@ -203,20 +198,22 @@ static int optimizer_step(run_state *r, float lr, stk_err *err)
  * the gradients to DDP as backward finishes them. The model runs in
  * training mode (batchnorm on batch statistics) even under --no-dropout,
  * which load_spec made p = 0 (the identity). */
-static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
-                      int group_n, float *loss, int *correct, stk_err *err)
+static int micro_step(run_state *r, stk_loader *l, const stk_batch *b, int micro,
+                      bool last, int group_n, stk_err *err)
 {
     const float *logits;
     stk_philox_key key = r->key;
     float *dl = stk_model_dlogits(r->model);
-    int rc = stage_batch(r, b, b->epoch, true, err);
+    int rc = stage_batch(r, l, b, b->epoch, true, err);
     if (!rc)
         rc = stk_model_forward(r->model, r->x_f, b->n, true, key, r->step, &logits, err);
     if (!rc)
-        rc = stk_xent(r->be, logits, r->dev_labels, b->n, r->classes,
-                      r->o->label_smoothing, loss, dl, err);
+        rc = stk_xent_metrics(r->be, logits, r->dev_labels, b->n, r->classes,
+                              r->o->label_smoothing, dl, r->mdev, err);
     if (!rc)
-        rc = count_correct(r, logits, b, correct, err);
+        rc = stk_count_hits(r->be, logits, r->dev_labels, b->n, r->classes, r->mdev, err);
+    if (!rc) /* the labels' last reader */
+        rc = uploader_used(&r->up, err);
     if (!rc && group_n != b->n)
         rc = stk_scale(r->be, (size_t)b->n * r->classes, (float)b->n / (float)group_n,
                        dl, err);
@@ -229,47 +226,77 @@ static int micro_step(run_state *r, const stk_batch *b, int micro, bool last,
 }
 
 typedef struct step_out {
-    double loss;     /* the step's mean loss over all ranks */
-    uint64_t hits, n; /* over all ranks */
+    bool read;       /* the metrics below were read (else all 0) */
+    double loss_sum; /* the steps read: each one's mean loss times its n */
+    uint64_t hits, n;
     bool stop;       /* some rank was asked to stop */
     double waited, busy; /* DDP: waited after backward, reductions took */
 } step_out;
 
-/* Ends a step: the averaged gradients, the ranks' loss and stop decision
- * (the same on every rank, so all stop at the same step), then the update.
- * A non-finite loss or gradient stops every rank before the weights
- * change. */
-static int finish_step(run_state *r, double loss_sum, int hits, int n,
-                       uint64_t epoch, step_out *out, stk_err *err)
+/* A data-parallel step's loss, hits and stop decision summed over the
+ * ranks (the same on every rank, so all stop at the same step). */
+static int group_step(run_state *r, const stk_metrics *m, int n, uint64_t epoch,
+                      step_out *out, stk_err *err)
 {
-    int rc = stk_ddp_finish(r->ddp, &out->waited, &out->busy, err);
-    float v[4] = {r->o->stop && *r->o->stop ? 1.0f : 0.0f, (float)loss_sum,
-                  (float)hits, (float)n};
-    if (!rc)
-        rc = group_sum(r, v, 4, err);
+    float v[4] = {out->stop ? 1.0f : 0.0f, (float)m->last_loss, (float)m->last_hits,
+                  (float)n};
+    int rc = group_sum(r, v, 4, err);
     if (rc)
         return rc;
     out->stop = v[0] > 0;
-    out->loss = v[1] / v[3];
+    double loss = v[1] / v[3];
     out->hits = (uint64_t)v[2];
     out->n = (uint64_t)v[3];
-    if (!isfinite(out->loss))
+    out->loss_sum = loss * (double)out->n;
+    if (!isfinite(loss))
         return stk_fail(err, STK_ERANGE,
                         "loss is %s at step %llu (epoch %llu); stopped, the last good "
                         "checkpoint is kept (lower --lr or set --clip)",
-                        isnan(out->loss) ? "NaN" : "infinite",
+                        isnan(loss) ? "NaN" : "infinite",
                         (unsigned long long)r->step + 1, (unsigned long long)epoch + 1);
-    float norm;
-    rc = clip_grads(r, &norm, err);
-    if (!rc && !isfinite(norm)) /* never let a non-finite step into the weights */
-        return stk_fail(err, STK_ERANGE,
-                        "gradient norm is %s at step %llu (epoch %llu); stopped, the "
-                        "last good checkpoint is kept (lower --lr or set --clip)",
-                        isnan(norm) ? "NaN" : "infinite",
-                        (unsigned long long)r->step + 1, (unsigned long long)epoch + 1);
+    return 0;
+}
+
+/* Ends a step of n samples: the averaged gradients, the step's metrics
+ * closed and the gradient norm checked (and clipped) on the device, the
+ * update. The metrics come to the host only when `read` (a step line, the
+ * epoch's end, a stop), on the CPU (no wait there) and under data
+ * parallelism (the ranks agree on every step's stop); a non-finite loss or
+ * gradient norm is found then and names its step. */
+static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
+                       step_out *out, stk_err *err)
+{
+    stk_backend *be = r->be;
+    size_t np = stk_model_param_count(r->model);
+    *out = (step_out){.stop = r->o->stop && *r->o->stop};
+    int rc = stk_ddp_finish(r->ddp, &out->waited, &out->busy, err);
+    if (!rc)
+        rc = stk_metrics_step(be, r->mdev, n, r->step, epoch, err);
+    if (!rc)
+        rc = stk_grad_norm(be, stk_model_grads(r->model), np, r->o->clip, r->step,
+                           epoch, r->mdev, err);
     if (!rc) {
         r->lr = stk_train_lr(r->o, r->step, r->total_steps, (int)epoch);
         rc = optimizer_step(r, r->lr, err);
+    }
+    bool world = r->rank.world > 1;
+    out->read = read || out->stop || world || stk_backend_kind(be) == STK_DEV_CPU;
+    if (rc || !out->read)
+        return rc;
+    stk_metrics m;
+    if (world) { /* the ranks' loss first: every rank names it alike */
+        rc = stk_copy_to_host(be, r->mhost, r->mdev, sizeof m, err);
+        if (!rc)
+            rc = stk_sync(be, err);
+        if (!rc)
+            rc = group_step(r, r->mhost, n, epoch, out, err);
+    }
+    if (!rc)
+        rc = read_metrics(r, &m, err);
+    if (!rc && !world) {
+        out->loss_sum = m.loss;
+        out->hits = (uint64_t)m.hits;
+        out->n = (uint64_t)m.n;
     }
     return rc;
 }
@@ -290,28 +317,32 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     if (rc)
         return rc;
     stk_batch b;
-    double sum = 0;
-    uint64_t seen = 0, hits = 0;
-    while (!rc && (rc = stk_loader_next(l, &b, err)) == 1) {
+    uint64_t seen = 0;
+    while (!rc && !(rc = uploader_settle(&r->up, err)) &&
+           (rc = stk_loader_next(l, &b, err)) == 1) {
         const float *logits;
-        float bl = 0;
-        int correct = 0;
-        rc = stage_batch(r, &b, 0, false, err);
+        rc = stage_batch(r, l, &b, 0, false, err);
         if (!rc)
             rc = stk_model_forward(r->model, r->x_f, b.n, false, r->key, 0, &logits, err);
         if (!rc)
-            rc = stk_xent(r->be, logits, r->dev_labels, b.n, r->classes,
-                          r->o->label_smoothing, &bl, NULL, err);
+            rc = stk_xent_metrics(r->be, logits, r->dev_labels, b.n, r->classes,
+                                  r->o->label_smoothing, NULL, r->mdev, err);
         if (!rc)
-            rc = count_correct(r, logits, &b, &correct, err);
-        sum += (double)bl * b.n;
+            rc = stk_count_hits(r->be, logits, r->dev_labels, b.n, r->classes, r->mdev,
+                                err);
+        if (!rc)
+            rc = uploader_used(&r->up, err);
         seen += (uint64_t)b.n;
-        hits += (uint64_t)correct;
-        stk_loader_release(l, &b);
     }
+    rc = settle(r, rc, err);
     stk_loader_close(l);
+    stk_metrics m; /* the sums of the open step: one read for the split */
+    if (rc >= 0)
+        rc = read_metrics(r, &m, err);
     if (rc < 0)
         return rc;
+    double sum = m.step_loss;
+    uint64_t hits = (uint64_t)m.step_hits;
     /* each rank read its own shard exactly once: the sums are the split's */
     float v[3] = {(float)sum, (float)hits, (float)seen};
     if ((rc = group_sum(r, v, 3, err)))
@@ -414,48 +445,47 @@ static int log_step(run_state *r, stk_loader *l, window *w, stk_err *err)
     return 0;
 }
 
-static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
+static int train_batches(run_state *r, stk_loader *l, stk_err *err)
 {
     stk_batch b;
     int rc;
     int accum = r->o->accum;
-    double loss_sum = 0, step_loss = 0;
+    double loss_sum = 0;
     uint64_t seen = 0, hits = 0;
-    int step_hits = 0, step_n = 0;
+    int step_n = 0;
     window w = {.t0 = stk_now()};
-    while ((rc = stk_loader_next(l, &b, err)) == 1) {
+    while (!(rc = uploader_settle(&r->up, err)) &&
+           (rc = stk_loader_next(l, &b, err)) == 1) {
         int micro = (int)(b.index % (uint64_t)accum);
         uint64_t first = b.index - (uint64_t)micro;
         uint64_t end = first + (uint64_t)accum < r->batches ? first + (uint64_t)accum
                                                             : r->batches;
         bool last = b.index + 1 >= end;
-        float loss;
-        int correct;
         uint64_t epoch = b.epoch;
-        rc = micro_step(r, &b, micro, last, samples_in(r, first, end), &loss,
-                        &correct, err);
-        step_loss += (double)loss * b.n;
-        step_hits += correct;
+        rc = micro_step(r, l, &b, micro, last, samples_in(r, first, end), err);
         step_n += b.n;
-        stk_loader_release(l, &b);
         if (rc)
             return rc;
         if (!last)
             continue;
+        /* the metrics come to the host for a step line, at the epoch's end
+         * and at the last step */
+        uint64_t max = (uint64_t)r->o->max_steps;
+        bool read = (r->step + 1) % (uint64_t)r->o->log_every == 0 ||
+                    end >= r->batches || (max && r->step + 1 >= max);
         step_out so;
-        rc = finish_step(r, step_loss, step_hits, step_n, epoch, &so, err);
+        rc = finish_step(r, step_n, epoch, read, &so, err);
         if (rc)
             return rc;
-        step_loss = 0;
-        step_hits = step_n = 0;
+        step_n = 0;
         r->step++;
         stk_loader_pos pos = stk_loader_position(l);
         r->pos_epoch = pos.epoch;
         r->pos_batch = pos.batch;
-        loss_sum += so.loss * (double)so.n;
+        loss_sum += so.loss_sum;
         seen += so.n;
         hits += so.hits;
-        w.loss += so.loss * (double)so.n;
+        w.loss += so.loss_sum;
         w.n += so.n;
         w.hits += so.hits;
         w.steps++;
@@ -473,6 +503,12 @@ static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
     r->train_loss = seen ? loss_sum / seen : 0;
     r->train_acc = seen ? (double)hits / seen : 0;
     return 0;
+}
+
+/* An epoch's batches; the last one held goes back before l closes. */
+static int train_epoch(run_state *r, stk_loader *l, stk_err *err)
+{
+    return settle(r, train_batches(r, l, err), err);
 }
 
 /* Rank 0, which writes metrics.jsonl, redraws RUN_DIR/curves.svg from it. */
@@ -590,9 +626,6 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 
 /* ---- setting up -------------------------------------------------------------- */
 
-static void *pinned_alloc(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
-static void pinned_free(void *p, void *ctx) { stk_pinned_free(ctx, p); }
-
 /* Whether --model names a built-in rather than a file. */
 static bool is_builtin(const char *name)
 {
@@ -679,21 +712,22 @@ static int setup_buffers(run_state *r, stk_err *err)
     size_t n = (size_t)r->o->batch, sb = stk_meta_sample_bytes(m);
     size_t np = stk_model_param_count(r->model);
     r->x_f = stk_dev_alloc(be, n * sb * sizeof(float), err);
-    r->host_logits = malloc(n * (size_t)r->classes * sizeof(float));
+    r->mdev = stk_dev_alloc(be, sizeof *r->mdev, err);
+    r->mhost = stk_pinned_alloc(be, sizeof *r->mhost);
     r->state1 = stk_dev_alloc(be, np * sizeof(float), err);
     r->state2 = r->o->optim == STK_OPT_ADAMW ? stk_dev_alloc(be, np * sizeof(float), err)
                                              : NULL;
-    if (stk_backend_kind(be) != STK_DEV_CPU) {
-        r->x_u8 = stk_dev_alloc(be, n * sb, err);
-        r->ids = stk_dev_alloc(be, n * sizeof(uint64_t), err);
-        r->labels = stk_dev_alloc(be, n * sizeof(int32_t), err);
-        if (!r->x_u8 || !r->ids || !r->labels)
-            return STK_ENOMEM;
-    }
-    if (!r->x_f || !r->host_logits || !r->state1 ||
+    int rc = uploader_init(&r->up, be, n, sb, err);
+    if (!rc)
+        rc = stk_event_create(be, &r->mread, err);
+    if (rc)
+        return rc;
+    if (!r->x_f || !r->mdev || !r->mhost || !r->state1 ||
         (r->o->optim == STK_OPT_ADAMW && !r->state2))
         return stk_fail(err, STK_ENOMEM, "out of memory for a batch of %zu", n);
-    int rc = stk_memzero(be, r->state1, np * sizeof(float), err);
+    rc = stk_memzero(be, r->mdev, sizeof *r->mdev, err);
+    if (!rc)
+        rc = stk_memzero(be, r->state1, np * sizeof(float), err);
     if (!rc && r->state2)
         rc = stk_memzero(be, r->state2, np * sizeof(float), err);
     return rc;
@@ -820,7 +854,7 @@ static int setup(run_state *r, stk_err *err)
         rc = setup_data(r, err);
     if (!rc) {
         const stk_meta *m = stk_store_meta(r->store);
-        r->host = (stk_host_alloc){pinned_alloc, pinned_free, r->be};
+        r->host = pinned_ring_host(&r->ring, r->be);
         rc =
             stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
                              m->nclasses, o->batch, o->seed, &r->model, err);
@@ -851,13 +885,14 @@ static void teardown(run_state *r)
         close(r->lock_fd); /* the last: RUN_DIR is free once all is written */
     if (r->be) {
         stk_dev_free(r->be, r->x_f);
-        stk_dev_free(r->be, r->x_u8);
-        stk_dev_free(r->be, r->ids);
-        stk_dev_free(r->be, r->labels);
+        uploader_free(&r->up);
+        stk_dev_free(r->be, r->mdev);
+        stk_pinned_free(r->be, r->mhost);
+        stk_event_destroy(r->be, r->mread);
+        pinned_ring_free(&r->ring); /* every loader is closed */
         stk_dev_free(r->be, r->state1);
         stk_dev_free(r->be, r->state2);
     }
-    free(r->host_logits);
     free(r->epoch_steps);
     stk_model_destroy(r->model);
     stk_store_close(r->store);

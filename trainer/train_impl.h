@@ -9,6 +9,66 @@
 
 #include <stdio.h>
 
+/* ---- uploads (upload.c) ----------------------------------------------------- */
+
+typedef void (*batch_release_fn)(void *ctx, stk_batch *b);
+
+typedef struct upload_buf {
+    uint8_t *x;          /* the device copy of a batch */
+    uint64_t *ids;
+    int32_t *labels;
+    stk_event *copied;   /* copy stream: after the batch's copies */
+    stk_event *consumed; /* compute stream: after its last reader */
+    bool read;           /* consumed was recorded */
+} upload_buf;
+
+/* Batch k copies into buf[k % 2] while batch k - 1 computes; the last batch
+ * put stays held until its copy is seen complete. */
+typedef struct uploader {
+    stk_backend *be;
+    upload_buf buf[2]; /* none on the CPU: batches are used in place */
+    int next;
+    stk_batch held;
+    upload_buf *held_buf;
+    batch_release_fn release;
+    void *ctx;
+    bool holding;
+} uploader;
+
+/* Device buffers for batches of up to `batch` samples of sample_bytes. */
+int uploader_init(uploader *u, stk_backend *be, size_t batch,
+                  size_t sample_bytes, stk_err *err);
+void uploader_free(uploader *u);
+/* Gives back any batch held, queues b's upload and makes the compute
+ * stream wait for it; *dev is b with device pointers (b itself on the
+ * CPU). b is held: release(ctx, b) gives it back in a later settle. */
+int uploader_put(uploader *u, const stk_batch *b, batch_release_fn release,
+                 void *ctx, stk_batch *dev, stk_err *err);
+/* The compute stream has queued every read of the last batch put: its
+ * buffer may take another batch once they are done. */
+int uploader_used(uploader *u, stk_err *err);
+/* Gives the held batch back once its copy is complete (the host waits for
+ * the copy, which was queued a step ago, never for compute). */
+int uploader_settle(uploader *u, stk_err *err);
+
+/* The loaders' pinned blocks, allocated once per run and freed at its end. */
+enum { PINNED_RING_MAX = 2 * STK_LOADER_MAX_WORKERS + 8 };
+typedef struct pinned_block {
+    void *p;
+    size_t bytes;
+    bool used;
+} pinned_block;
+typedef struct pinned_ring {
+    stk_backend *be;
+    pinned_block block[PINNED_RING_MAX];
+    int n;
+} pinned_ring;
+
+/* The allocator for stk_loader_opts.host: blocks a closed loader freed go
+ * to the next loader. */
+stk_host_alloc pinned_ring_host(pinned_ring *pr, stk_backend *be);
+void pinned_ring_free(pinned_ring *pr);
+
 typedef struct run_state {
     const stk_train_opts *o;
     stk_backend *be;
@@ -19,12 +79,13 @@ typedef struct run_state {
     stk_philox_key key;
     stk_transform transform;
     stk_host_alloc host;     /* the loader's ring comes from the backend */
-    uint8_t *x_u8;           /* device copies of a batch (CUDA only) */
-    uint64_t *ids;
-    int32_t *labels;
+    pinned_ring ring;        /* the loaders' slots, pinned once */
+    uploader up;             /* batches to the device */
     const int32_t *dev_labels;
     float *x_f;              /* the transformed batch */
-    float *host_logits;
+    stk_metrics *mdev;       /* the steps' metrics, summed on the device */
+    stk_metrics *mhost;      /* pinned: where they are read into */
+    stk_event *mread;        /* the read's copy */
     float *state1, *state2;  /* momentum, or AdamW's m and v */
     uint64_t step, total_steps, eval_seen, start_batch;
     uint64_t pos_epoch, pos_batch; /* loader position after the last step */
