@@ -3,7 +3,8 @@
  * each shape as a batch of `count` GEMMs on distinct operands (16 for a
  * Winograd layer's point GEMMs, a piece's samples for im2col), checked
  * against a double-precision reference first, then timed A/B interleaved.
- * Prints ns per batch of each and OpenBLAS's time over ours. */
+ * With an argument (cold), 8 MiB are written between batches. Prints ns
+ * per batch of each and OpenBLAS's time over ours. */
 #include "kernels/cpu_gemm.h"
 
 #include <cblas.h>
@@ -102,8 +103,13 @@ static int check(const shape *s, const float *a, const float *b, float *c)
     return 0;
 }
 
-int main(void)
+enum { FLUSH = 1 << 21 }; /* 8 MiB */
+
+int main(int argc, char **argv)
 {
+    (void)argv;
+    bool cold = argc > 1; /* any argument: the caches flushed before each batch */
+    float *flush = calloc(FLUSH, 4);
     openblas_set_num_threads(1);
     if (!stk_small_gemm_wins(false, false, 16, 16, 16))
         printf("(this CPU lacks AVX2+FMA: the small path is off)\n");
@@ -124,9 +130,13 @@ int main(void)
         if (check(s, a, b, c))
             return 1;
         double best[2] = {1e9, 1e9};
-        int reps = (int)(2e8 / (2.0 * s->m * s->n * s->k * s->count)) + 1;
-        for (int round = 0; round < 10; round++)
+        int reps = cold ? 1
+                        : (int)(2e8 / (2.0 * s->m * s->n * s->k * s->count)) + 1;
+        for (int round = 0; round < (cold ? 40 : 10); round++)
             for (int small = 0; small < 2; small++) {
+                if (cold) /* the operands out of L1/L2, as after a transform */
+                    for (size_t i = 0; i < FLUSH; i++)
+                        flush[i] += 1.0f;
                 double t0 = now();
                 for (int r = 0; r < reps; r++)
                     run(s, small, a, b, c);

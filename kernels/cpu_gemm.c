@@ -30,7 +30,8 @@
 enum {
     MR = 4,  /* rows of a tile */
     NR = 24, /* columns of an NN/TN tile: 3 vectors */
-    DR = 3   /* columns of an NT tile (rows of B) */
+    DR = 3,  /* columns of an NT tile (rows of B) */
+    ROW_K_MAX = 256 /* K on the row path at most (stk_small_gemm_wins) */
 };
 
 /* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */
@@ -79,6 +80,12 @@ AVX2_INLINE void row_tile(int k, const float *a, size_t rs, size_t ps,
             acc[r][v] = _mm256_setzero_ps();
     for (int p = 0; p < k; p++) {
         const float *bp = b + (size_t)p * ldb;
+        /* the next column block's row p, 4 points 8 apart: every line of
+         * its 24 floats (K short strided runs escape the prefetchers) */
+#pragma GCC unroll 4
+        for (int x = 0; x < 32; x += 8)
+            _mm_prefetch((const char *)(bp + NR + (x < 24 ? x : 23)),
+                         _MM_HINT_T0);
         __m256 bv[3];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
@@ -102,31 +109,51 @@ AVX2_INLINE void row_tile(int k, const float *a, size_t rs, size_t ps,
                        edge && v == nv - 1, mask);
 }
 
+/* B's K x NR panel from column j into buf (rows of NR floats). */
+static void copy_panel(const float *b, int ldb, int k, int cols, float *buf)
+{
+    for (int p = 0; p < k; p++)
+        for (int x = 0; x < cols; x++)
+            buf[p * NR + x] = b[(size_t)p * ldb + x];
+}
+
 /* C = alpha op(A) B + beta C: columns of NR outermost, so that B's K x NR
- * panel is reused by every row tile. */
+ * panel is reused by every row tile. A row stride of B that is a multiple
+ * of 256 bytes (nt = 256 tiles, layer3's pieces) puts the panel's rows in
+ * a few of L1's sets, which evict each other: then the panel is copied
+ * (K x NR floats, used by m / MR row tiles). */
 AVX2 static void gemm_rows(bool ta, int m, int n, int k, float alpha,
                            const float *a, int lda, const float *b, int ldb,
                            float beta, float *c, int ldc)
 {
     size_t rs = ta ? 1 : (size_t)lda, ps = ta ? (size_t)lda : 1;
+    bool copy = k > 8 && ldb % 64 == 0 && m > MR;
+    _Alignas(32) float buf[ROW_K_MAX * NR];
     for (int j = 0; j < n; j += NR) {
         int cols = n - j < NR ? n - j : NR, nv = (cols + 7) / 8;
         bool edge = cols % 8 != 0;
+        const float *bj = b + j;
+        int ldbj = ldb;
+        if (copy) {
+            copy_panel(bj, ldb, k, cols, buf);
+            bj = buf;
+            ldbj = NR;
+        }
         for (int i = 0; i < m; i += MR) {
             int rows = m - i < MR ? m - i : MR;
-            const float *ai = a + (size_t)i * rs, *bj = b + j;
+            const float *ai = a + (size_t)i * rs;
             float *cij = c + (size_t)i * ldc + j;
             if (nv == 3 && !edge)
-                row_tile(k, ai, rs, ps, bj, ldb, cij, ldc, rows, cols, alpha,
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
                          beta, 3, false);
             else if (nv == 3)
-                row_tile(k, ai, rs, ps, bj, ldb, cij, ldc, rows, cols, alpha,
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
                          beta, 3, true);
             else if (nv == 2)
-                row_tile(k, ai, rs, ps, bj, ldb, cij, ldc, rows, cols, alpha,
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
                          beta, 2, true);
             else
-                row_tile(k, ai, rs, ps, bj, ldb, cij, ldc, rows, cols, alpha,
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
                          beta, 1, true);
         }
     }
@@ -238,17 +265,19 @@ static void gemm_dots(int m, int n, int k, float alpha, const float *a,
 #endif
 
 /* From bench/small_gemm_bench on resnet20's shapes (Zen 3, one thread):
- * OpenBLAS wins from about 64 x 64 dot products of K ~ 256 and over a K
- * of 288 on the row path, where both run near the core's peak; the K and
- * A bounds keep a row tile's operands in L1/L2 and a dot tile's rows in
- * L2 (nothing here blocks for cache). */
+ * OpenBLAS wins from about 64 x 64 dot products of K ~ 256, on dot
+ * products shorter than about 128 (the lanes' sums at the end of a tile
+ * cost as much as the tile) and over a K of 288 on the row path, where
+ * both run near the core's peak; the K and A bounds keep a row tile's
+ * operands in L1/L2 and a dot tile's rows in L2 (nothing here blocks for
+ * cache). */
 bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
 {
     if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
         return false;
     if (tb) /* dot products: C small, K long */
-        return (size_t)m * n <= 2048 && k >= 8 && k <= 4096;
-    return k <= 256 && (size_t)m * k <= 64 * 1024;
+        return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
+    return k <= 256 && (size_t)m * k <= 64 * 1024; /* ROW_K_MAX */
 }
 
 void stk_small_gemm(bool ta, bool tb, int m, int n, int k, float alpha,
