@@ -235,14 +235,11 @@ AVX2 static void gemm_dots(int m, int n, int k, float alpha, const float *a,
     }
 }
 
+/* (libgcc's constructor has filled in what __builtin_cpu_supports reads:
+ * no state of our own to race on) */
 bool stk_small_gemm_available(void)
 {
-    static int have = -1; /* a property of the CPU, asked once */
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return have;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 #else /* no x86-64: OpenBLAS serves every GEMM */
