@@ -10,6 +10,7 @@
  * (panels, elements, planes, channels, fixed-size chunks), so results are
  * the same for any thread count. */
 #include "backend_impl.h"
+#include "cpu_gemm.h"
 
 #include <cblas.h>
 #include <sched.h>
@@ -177,7 +178,7 @@ static int cpu_upload(stk_backend *be, void *dst, const void *src, size_t n,
 /* ---- GEMM ------------------------------------------------------------------ */
 
 typedef struct gemm_job {
-    bool ta, tb, split_n, whole;
+    bool ta, tb, split_n, whole, small; /* small: stk_small_gemm's shape */
     int m, n, k, lda, ldb, ldc, panel;
     float alpha, beta;
     const float *a, *b;
@@ -198,6 +199,11 @@ static void gemm_panel(const gemm_job *g, int from, int to)
         a += g->ta ? (size_t)from : (size_t)from * g->lda;
         c += (size_t)from * g->ldc;
         m = to - from;
+    }
+    if (g->small) {
+        stk_small_gemm(g->ta, g->tb, m, n, g->k, g->alpha, a, g->lda, b,
+                       g->ldb, g->beta, c, g->ldc);
+        return;
     }
     /* A small C over a long K (a convolution's weight gradient on large
      * images: K runs over a sample's output pixels) goes down OpenBLAS's
@@ -240,19 +246,22 @@ static void gemm_part(void *v, size_t lo, size_t hi)
 }
 
 /* The job of one GEMM and its number of panels: about GEMM_PANELS along
- * the longer side of C, a multiple of 16 wide; whole under about a
- * megaflop, where a split costs more than it saves. */
+ * the longer side of C, a multiple of 16 wide (48 on the small-GEMM path:
+ * whole tiles of its 24 columns); whole under about a megaflop, where a
+ * split costs more than it saves. */
 static gemm_job gemm_plan(bool ta, bool tb, int m, int n, int k, float alpha,
                           const float *a, int lda, const float *b, int ldb,
                           float beta, float *c, int ldc, size_t *panels)
 {
-    gemm_job g = {ta, tb, n >= m, 2.0 * m * n * k < 1e6, m, n, k, lda, ldb,
-                  ldc, 0, alpha, beta, a, b, c};
-    int len = g.split_n ? n : m;
-    g.panel = ((len + GEMM_PANELS - 1) / GEMM_PANELS + 15) / 16 * 16;
-    g.panel = g.panel < GEMM_PANEL_MIN   ? GEMM_PANEL_MIN
-              : g.panel > GEMM_PANEL_MAX ? GEMM_PANEL_MAX
-                                         : g.panel;
+    gemm_job g = {ta,  tb, n >= m, 2.0 * m * n * k < 1e6,
+                  stk_small_gemm_wins(ta, tb, m, n, k),
+                  m,   n,  k,      lda, ldb, ldc, 0, alpha, beta, a, b, c};
+    int len = g.split_n ? n : m, unit = g.small ? 48 : 16;
+    int want = (len + GEMM_PANELS - 1) / GEMM_PANELS;
+    want = want < GEMM_PANEL_MIN   ? GEMM_PANEL_MIN
+           : want > GEMM_PANEL_MAX ? GEMM_PANEL_MAX
+                                   : want;
+    g.panel = (want + unit - 1) / unit * unit;
     *panels = g.whole ? 1 : (size_t)(len + g.panel - 1) / (size_t)g.panel;
     return g;
 }

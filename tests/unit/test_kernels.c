@@ -4,6 +4,7 @@
  * forward. */
 #include "unit.h"
 
+#include "kernels/cpu_gemm.h"
 #include "kernels/kernels.h"
 
 #include <math.h>
@@ -118,6 +119,139 @@ static void gemm_all_transposes(void **state)
     assert_int_equal(stk_gemm(be, false, false, 2, 2, 2, 1, x, 1, x, 2, 0, x,
                               2, &err),
                      STK_EINVAL);
+}
+
+/* ---- the small-GEMM path (cpu_gemm.c) ----------------------------------- */
+
+typedef struct small_case {
+    bool ta, tb;
+    int m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+} small_case;
+
+/* alpha op(A) op(B) + beta C0 in double (C0 unused when beta is 0) */
+static double *small_want(const small_case *t, const float *a, const float *b,
+                          const float *c0)
+{
+    double *want = malloc((size_t)t->m * t->ldc * sizeof *want);
+    assert_non_null(want);
+    for (int i = 0; i < t->m; i++)
+        for (int j = 0; j < t->n; j++) {
+            double s = 0;
+            for (int p = 0; p < t->k; p++)
+                s += (double)(t->ta ? a[p * t->lda + i] : a[i * t->lda + p]) *
+                     (t->tb ? b[j * t->ldb + p] : b[p * t->ldb + j]);
+            want[i * t->ldc + j] =
+                t->alpha * s +
+                (t->beta != 0.0f ? t->beta * c0[i * t->ldc + j] : 0.0);
+        }
+    return want;
+}
+
+/* One case straight through stk_small_gemm: C prefilled with NaN when
+ * beta is 0 (C must not be read), columns past n (the padding) untouched. */
+static void small_case_check(const small_case *t)
+{
+    size_t na = (size_t)(t->ta ? t->k : t->m) * t->lda,
+           nb = (size_t)(t->tb ? t->n : t->k) * t->ldb,
+           nc = (size_t)t->m * t->ldc;
+    float *a = malloc(na * 4), *b = malloc(nb * 4), *c = malloc(nc * 4),
+          *c0 = malloc(nc * 4);
+    assert_true(a && b && c && c0);
+    fill(a, na, 71 + t->k);
+    fill(b, nb, 72 + t->n);
+    fill(c0, nc, 73);
+    for (size_t i = 0; i < nc; i++)
+        c[i] = t->beta != 0.0f || (int)(i % t->ldc) >= t->n ? c0[i] : NAN;
+    double *want = small_want(t, a, b, c0);
+    stk_small_gemm(t->ta, t->tb, t->m, t->n, t->k, t->alpha, a, t->lda, b,
+                   t->ldb, t->beta, c, t->ldc);
+    for (int i = 0; i < t->m; i++) {
+        near(c + (size_t)i * t->ldc, want + (size_t)i * t->ldc, (size_t)t->n,
+             t->k > 9 ? 1e-4 : 1e-5, "small gemm");
+        for (int j = t->n; j < t->ldc; j++)
+            assert_memory_equal(&c[i * t->ldc + j], &c0[i * t->ldc + j], 4);
+    }
+    free(a), free(b), free(c), free(c0), free(want);
+}
+
+/* Ragged edges of the 4 x 24 row tiles and 4 x 3 dot tiles and of K's
+ * vectors, every transpose the path serves, beta 0 and 1, alpha 1.5,
+ * padded leading dimensions. */
+static void small_gemm_matches_double(void **state)
+{
+    (void)state;
+    if (!stk_small_gemm_available())
+        skip(); /* no AVX2 + FMA: OpenBLAS serves every GEMM */
+    static const int ms[] = {1, 5, 18}, ns[] = {1, 7, 1000},
+                     ks[] = {1, 3, 16, 64};
+    for (int tr = 0; tr < 3; tr++)
+        for (int im = 0; im < 3; im++)
+            for (int in = 0; in < 3; in++)
+                for (int ik = 0; ik < 4; ik++)
+                    for (int beta = 0; beta < 2; beta++) {
+                        small_case t = {tr == 1, tr == 2, ms[im], ns[in],
+                                        ks[ik], 0, 0, 0, 1.5f, (float)beta};
+                        t.lda = (t.ta ? t.m : t.k) + 3;
+                        t.ldb = (t.tb ? t.k : t.n) + 5;
+                        t.ldc = t.n + 2;
+                        small_case_check(&t);
+                    }
+}
+
+/* Through the backend, shapes it hands to the small path (the Winograd
+ * point GEMMs as a batch of 16, an im2col-like single GEMM cut into
+ * panels, a dot-product GEMM): the double reference, and the same bytes
+ * on 1, 2 and 3 threads. */
+static void small_gemm_same_on_1_2_3_threads(void **state)
+{
+    (void)state;
+    static const small_case cases[] = {
+        {false, false, 32, 1003, 32, 32, 1003, 1003, 1.0f, 0.0f},
+        {false, true, 16, 16, 997, 997, 997, 16, 1.0f, 1.0f},
+        {true, false, 16, 1003, 16, 16, 1003, 1003, 1.0f, 0.0f},
+        {false, false, 32, 999, 144, 147, 1001, 1000, 0.5f, 1.0f},
+        {false, true, 32, 16, 999, 1001, 1002, 19, 1.5f, 1.0f},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const small_case *t = &cases[ci];
+        int count = ci < 3 ? 16 : 1;
+        size_t sa = (size_t)(t->ta ? t->k : t->m) * t->lda,
+               sb = (size_t)(t->tb ? t->n : t->k) * t->ldb,
+               sc = (size_t)t->m * t->ldc;
+        float *a = malloc(sa * count * 4), *b = malloc(sb * count * 4),
+              *c0 = malloc(sc * count * 4), *c[3];
+        assert_true(a && b && c0);
+        fill(a, sa * count, 81);
+        fill(b, sb * count, 82);
+        fill(c0, sc * count, 83);
+        for (int th = 0; th < 3; th++) {
+            stk_backend *bk;
+            stk_err err;
+            assert_int_equal(
+                stk_backend_create(STK_DEV_CPU, 0, th + 1, &bk, &err), 0);
+            c[th] = malloc(sc * count * 4);
+            assert_non_null(c[th]);
+            memcpy(c[th], c0, sc * count * 4);
+            assert_int_equal(stk_gemm_batched(bk, t->ta, t->tb, t->m, t->n,
+                                              t->k, t->alpha, a, t->lda, sa,
+                                              b, t->ldb, sb, t->beta, c[th],
+                                              t->ldc, sc, count, &err),
+                             0);
+            stk_backend_destroy(bk);
+        }
+        for (int i = 0; i < count; i++) {
+            double *want = small_want(t, a + i * sa, b + i * sb, c0 + i * sc);
+            for (int r = 0; r < t->m; r++)
+                near(c[0] + i * sc + (size_t)r * t->ldc,
+                     want + (size_t)r * t->ldc, (size_t)t->n, 1e-4,
+                     "gemm batch");
+            free(want);
+        }
+        for (int th = 1; th < 3; th++)
+            assert_memory_equal(c[th], c[0], sc * count * 4);
+        free(a), free(b), free(c0), free(c[0]), free(c[1]), free(c[2]);
+    }
 }
 
 /* ---- finite differences ----------------------------------------------- */
@@ -1433,6 +1567,8 @@ static void cuda_without_gpu_fails_clearly(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(philox_known_answers),
     cmocka_unit_test(gemm_all_transposes),
+    cmocka_unit_test(small_gemm_matches_double),
+    cmocka_unit_test(small_gemm_same_on_1_2_3_threads),
     cmocka_unit_test(relu_backward_matches_fd),
     cmocka_unit_test(linear_backward_matches_fd),
     cmocka_unit_test(conv_backward_matches_fd),

@@ -1,0 +1,288 @@
+/* cpu_gemm.c - small GEMMs on AVX2 + FMA, for the CPU backend's
+ * convolutions: the Winograd point GEMMs (16-64 channels by a few hundred
+ * to a few thousand tiles) and the im2col GEMMs of the strided and 1x1
+ * convolutions. OpenBLAS packs both operands, zeroes C in a separate pass
+ * and pays its call overhead on each of them; here nothing is packed:
+ *
+ * - op(B) = B (NN, TN): C is computed in tiles of MR rows by NR columns,
+ *   each row of the tile one broadcast of A's element times NR contiguous
+ *   floats of B's row, over all of K (the K x NR panel of B stays in L1
+ *   across the rows of C).
+ * - NT: each element of C is a dot product of a row of A and a row of B,
+ *   both contiguous; MR x DR of them at once, in 8 lanes each, the lanes
+ *   added at the end in a fixed order.
+ *
+ * Beta is applied in the tile's stores. Each element of C is summed by one
+ * tile in one order, whatever part of C a call covers, so the results do
+ * not depend on how the caller splits C among threads. Explicit FMA: GEMM
+ * results are not bit-specified against OpenBLAS or cuBLAS. */
+#include "cpu_gemm.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+
+enum {
+    MR = 4,  /* rows of a tile */
+    NR = 24, /* columns of an NN/TN tile: 3 vectors */
+    DR = 3,  /* columns of an NT tile (rows of B) */
+    ROW_K_MAX = 256 /* K on the row path at most (stk_small_gemm_wins) */
+};
+
+/* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */
+static const int32_t lanes_src[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                      0,  0,  0,  0,  0,  0,  0,  0};
+
+AVX2_INLINE __m256i first_lanes(int r)
+{
+    r = r < 0 ? 0 : r > 8 ? 8 : r;
+    return _mm256_loadu_si256((const __m256i *)(lanes_src + 8 - r));
+}
+
+/* alpha acc + beta C (C not read when beta is 0) into C's 8 floats at c,
+ * only the lanes of `mask` when masked. */
+AVX2_INLINE void store8(float *c, __m256 acc, float alpha, float beta,
+                        bool masked, __m256i mask)
+{
+    __m256 o = _mm256_mul_ps(_mm256_set1_ps(alpha), acc);
+    if (beta != 0.0f) {
+        __m256 old = masked ? _mm256_maskload_ps(c, mask) : _mm256_loadu_ps(c);
+        o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(beta), old));
+    }
+    if (masked)
+        _mm256_maskstore_ps(c, mask, o);
+    else
+        _mm256_storeu_ps(c, o);
+}
+
+/* One tile of C (NN, TN): rows [0, rows) x columns [0, cols) at c, with
+ * nv = ceil(cols / 8) vectors (a constant at each call); A's element
+ * (r, p) at a[r * rs + p * ps]. Rows past `rows` repeat the last row
+ * (computed, not stored); edge: cols < 8 nv, the last vector masked. */
+AVX2_INLINE void row_tile(int k, const float *a, size_t rs, size_t ps,
+                          const float *b, int ldb, float *c, int ldc, int rows,
+                          int cols, float alpha, float beta, int nv, bool edge)
+{
+    const float *ar[MR];
+    for (int r = 0; r < MR; r++)
+        ar[r] = a + (size_t)(r < rows ? r : rows - 1) * rs;
+    __m256i mask = first_lanes(cols - 8 * (nv - 1));
+    __m256 acc[MR][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = _mm256_setzero_ps();
+    for (int p = 0; p < k; p++) {
+        const float *bp = b + (size_t)p * ldb;
+        /* the next column block's row p, 4 points 8 apart: every line of
+         * its 24 floats (K short strided runs escape the prefetchers) */
+#pragma GCC unroll 4
+        for (int x = 0; x < 32; x += 8)
+            _mm_prefetch((const char *)(bp + NR + (x < 24 ? x : 23)),
+                         _MM_HINT_T0);
+        __m256 bv[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++)
+            bv[v] = edge && v == nv - 1 ? _mm256_maskload_ps(bp + 8 * v, mask)
+                                        : _mm256_loadu_ps(bp + 8 * v);
+        size_t off = (size_t)p * ps;
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            __m256 x = _mm256_broadcast_ss(ar[r] + off);
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++)
+                acc[r][v] = _mm256_fmadd_ps(x, bv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+        if (r < rows)
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++)
+                store8(c + (size_t)r * ldc + 8 * v, acc[r][v], alpha, beta,
+                       edge && v == nv - 1, mask);
+}
+
+/* B's K x NR panel from column j into buf (rows of NR floats). */
+static void copy_panel(const float *b, int ldb, int k, int cols, float *buf)
+{
+    for (int p = 0; p < k; p++)
+        for (int x = 0; x < cols; x++)
+            buf[p * NR + x] = b[(size_t)p * ldb + x];
+}
+
+/* C = alpha op(A) B + beta C: columns of NR outermost, so that B's K x NR
+ * panel is reused by every row tile. A row stride of B that is a multiple
+ * of 256 bytes (nt = 256 tiles, layer3's pieces) puts the panel's rows in
+ * a few of L1's sets, which evict each other: then the panel is copied
+ * (K x NR floats, used by m / MR row tiles). */
+AVX2 static void gemm_rows(bool ta, int m, int n, int k, float alpha,
+                           const float *a, int lda, const float *b, int ldb,
+                           float beta, float *c, int ldc)
+{
+    size_t rs = ta ? 1 : (size_t)lda, ps = ta ? (size_t)lda : 1;
+    bool copy = k > 8 && ldb % 64 == 0 && m > MR;
+    _Alignas(32) float buf[ROW_K_MAX * NR];
+    for (int j = 0; j < n; j += NR) {
+        int cols = n - j < NR ? n - j : NR, nv = (cols + 7) / 8;
+        bool edge = cols % 8 != 0;
+        const float *bj = b + j;
+        int ldbj = ldb;
+        if (copy) {
+            copy_panel(bj, ldb, k, cols, buf);
+            bj = buf;
+            ldbj = NR;
+        }
+        for (int i = 0; i < m; i += MR) {
+            int rows = m - i < MR ? m - i : MR;
+            const float *ai = a + (size_t)i * rs;
+            float *cij = c + (size_t)i * ldc + j;
+            if (nv == 3 && !edge)
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
+                         beta, 3, false);
+            else if (nv == 3)
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
+                         beta, 3, true);
+            else if (nv == 2)
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
+                         beta, 2, true);
+            else
+                row_tile(k, ai, rs, ps, bj, ldbj, cij, ldc, rows, cols, alpha,
+                         beta, 1, true);
+        }
+    }
+}
+
+/* The four sums of a0..a3's lanes, each in one fixed order. */
+AVX2_INLINE __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* acc[r][j] += A's row r times B's row j, 8 lanes from p (masked: the
+ * lanes of mask, the rest 0). */
+AVX2_INLINE void dot_step(const float *const *ar, const float *const *bc,
+                          int p, bool masked, __m256i mask,
+                          __m256 acc[MR][DR])
+{
+    __m256 bv[DR];
+#pragma GCC unroll 3
+    for (int j = 0; j < DR; j++)
+        bv[j] = masked ? _mm256_maskload_ps(bc[j] + p, mask)
+                       : _mm256_loadu_ps(bc[j] + p);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++) {
+        __m256 x = masked ? _mm256_maskload_ps(ar[r] + p, mask)
+                          : _mm256_loadu_ps(ar[r] + p);
+#pragma GCC unroll 3
+        for (int j = 0; j < DR; j++)
+            acc[r][j] = _mm256_fmadd_ps(x, bv[j], acc[r][j]);
+    }
+}
+
+/* One NT tile: C[r][j] = dot(A's row r, B's row j) for r < rows, j < cols;
+ * rows and columns past them repeat the last (computed, not stored); K's
+ * last partial vector masked. */
+AVX2_INLINE void dot_tile(int k, const float *a, int lda, const float *b,
+                          int ldb, float *c, int ldc, int rows, int cols,
+                          float alpha, float beta)
+{
+    const float *ar[MR], *bc[DR];
+    for (int r = 0; r < MR; r++)
+        ar[r] = a + (size_t)(r < rows ? r : rows - 1) * lda;
+    for (int j = 0; j < DR; j++)
+        bc[j] = b + (size_t)(j < cols ? j : cols - 1) * ldb;
+    __m256 acc[MR][DR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < DR; j++)
+            acc[r][j] = _mm256_setzero_ps();
+    int p = 0;
+    for (; p + 8 <= k; p += 8)
+        dot_step(ar, bc, p, false, first_lanes(8), acc);
+    if (p < k)
+        dot_step(ar, bc, p, true, first_lanes(k - p), acc);
+    for (int j = 0; j < cols; j++) {
+        float s[4];
+        _mm_storeu_ps(s, sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+        for (int r = 0; r < rows; r++) {
+            float *cr = c + (size_t)r * ldc + j, o = alpha * s[r];
+            *cr = beta != 0.0f ? o + beta * *cr : o;
+        }
+    }
+}
+
+/* C = alpha A B^T + beta C, tile by tile: A's MR rows stay in cache while
+ * B's rows go by. */
+AVX2 static void gemm_dots(int m, int n, int k, float alpha, const float *a,
+                           int lda, const float *b, int ldb, float beta,
+                           float *c, int ldc)
+{
+    for (int i = 0; i < m; i += MR) {
+        int rows = m - i < MR ? m - i : MR;
+        for (int j = 0; j < n; j += DR)
+            dot_tile(k, a + (size_t)i * lda, lda, b + (size_t)j * ldb, ldb,
+                     c + (size_t)i * ldc + j, ldc, rows,
+                     n - j < DR ? n - j : DR, alpha, beta);
+    }
+}
+
+/* (libgcc's constructor has filled in what __builtin_cpu_supports reads:
+ * no state of our own to race on) */
+bool stk_small_gemm_available(void)
+{
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+#else /* no x86-64: OpenBLAS serves every GEMM */
+
+bool stk_small_gemm_available(void) { return false; }
+static void gemm_rows(bool ta, int m, int n, int k, float alpha,
+                      const float *a, int lda, const float *b, int ldb,
+                      float beta, float *c, int ldc)
+{
+    (void)ta, (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda;
+    (void)b, (void)ldb, (void)beta, (void)c, (void)ldc;
+}
+static void gemm_dots(int m, int n, int k, float alpha, const float *a,
+                      int lda, const float *b, int ldb, float beta, float *c,
+                      int ldc)
+{
+    gemm_rows(false, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+#endif
+
+/* From bench/small_gemm_bench on resnet20's shapes (Zen 3, one thread):
+ * OpenBLAS wins from about 64 x 64 dot products of K ~ 256, on dot
+ * products shorter than about 128 (the lanes' sums at the end of a tile
+ * cost as much as the tile) and over a K of 288 on the row path, where
+ * both run near the core's peak; the K and A bounds keep a row tile's
+ * operands in L1/L2 and a dot tile's rows in L2 (nothing here blocks for
+ * cache). */
+bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
+{
+    if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
+        return false;
+    if (tb) /* dot products: C small, K long */
+        return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
+    return k <= 256 && (size_t)m * k <= 64 * 1024; /* ROW_K_MAX */
+}
+
+void stk_small_gemm(bool ta, bool tb, int m, int n, int k, float alpha,
+                    const float *a, int lda, const float *b, int ldb,
+                    float beta, float *c, int ldc)
+{
+    if (tb)
+        gemm_dots(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    else
+        gemm_rows(ta, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
