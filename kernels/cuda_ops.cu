@@ -1220,13 +1220,13 @@ static __global__ void sum_kernel(const T *v, size_t n, reduce_result *out)
         out->sum = s;
 }
 
-// Row losses on the device, their sum in one block, then the mean and the
-// label check on the host. On STK_ERANGE dlogits is unspecified.
-static int cuda_xent(stk_backend *be, const float *logits,
+// Each row's loss (and dlogits) into the scratch array, the first bad
+// label's row into res->bad_row (~0u: none): what both cross-entropies
+// reduce.
+static int xent_rows(stk_backend *be, const char *op, const float *logits,
                      const int32_t *labels, int n, int c, float smoothing,
-                     float *loss, float *dlogits, stk_err *err)
+                     float *dlogits, stk_err *err)
 {
-    const char *op = "cuda xent";
     int rc = use_device(be, op, err);
     if (!rc)
         rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(float), op,
@@ -1235,13 +1235,26 @@ static int cuda_xent(stk_backend *be, const float *logits,
         return rc;
     cudaStream_t s = impl(be)->stream;
     reduce_result *res = scratch_result(be);
-    float *row_loss = scratch_array<float>(be);
     CUDA_TRY(op, cudaMemsetAsync,
              (&res->bad_row, 0xff, sizeof res->bad_row, s));
     rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
-                smoothing, dlogits, row_loss, &res->bad_row);
+                smoothing, dlogits, scratch_array<float>(be), &res->bad_row);
+    return rc;
+}
+
+// Row losses on the device, their sum in one block, then the mean and the
+// label check on the host. On STK_ERANGE dlogits is unspecified.
+static int cuda_xent(stk_backend *be, const float *logits,
+                     const int32_t *labels, int n, int c, float smoothing,
+                     float *loss, float *dlogits, stk_err *err)
+{
+    const char *op = "cuda xent";
+    int rc = xent_rows(be, op, logits, labels, n, c, smoothing, dlogits, err);
     if (rc)
         return rc;
+    cudaStream_t s = impl(be)->stream;
+    reduce_result *res = scratch_result(be);
+    float *row_loss = scratch_array<float>(be);
     sum_kernel<float><<<1, THREADS, 0, s>>>(row_loss, (size_t)n, res);
     if ((rc = launched(op, err)))
         return rc;
@@ -1422,21 +1435,12 @@ static int cuda_xent_metrics(stk_backend *be, const float *logits,
                              stk_err *err)
 {
     const char *op = "cuda xent_metrics";
-    int rc = use_device(be, op, err);
-    if (!rc)
-        rc = scratch_reserve(be, ARRAY_OFFSET + (size_t)n * sizeof(float), op,
-                             err);
+    int rc = xent_rows(be, op, logits, labels, n, c, smoothing, dlogits, err);
     if (rc)
         return rc;
     cudaStream_t s = impl(be)->stream;
     reduce_result *res = scratch_result(be);
     float *row_loss = scratch_array<float>(be);
-    CUDA_TRY(op, cudaMemsetAsync,
-             (&res->bad_row, 0xff, sizeof res->bad_row, s));
-    rc = launch(be, op, (size_t)n, err, xent_rows_kernel, logits, labels, n, c,
-                smoothing, dlogits, row_loss, &res->bad_row);
-    if (rc)
-        return rc;
     xent_metrics_kernel<<<1, THREADS, 0, s>>>(row_loss, n, labels, res, m);
     return launched(op, err);
 }

@@ -11,7 +11,7 @@
  * the shared element-wise bodies) but sum in other orders (cuBLAS, the
  * two-pass reductions), so results differ by float rounding, grown through
  * the layers; a wrong op differs by far more (an O(1) fraction). */
-#include "unit.h"
+#include "unit_gpu.h"
 
 #include "trainer/trainer.h"
 
@@ -233,30 +233,4 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(resnet18_agrees),
 };
 
-int main(int argc, char **argv)
-{
-    stk_err err = {0};
-    /* STK_GPU_TESTS_ON_CPU=1: a second CPU backend (2 threads) stands in
-     * for the GPU, to run the tests' CPU side on a machine without one */
-    bool on_cpu = getenv("STK_GPU_TESTS_ON_CPU") != NULL;
-    int n = 0, rc = on_cpu ? 0 : stk_cuda_device_count(&n, &err);
-    if (rc == STK_ENODEV) {
-        printf("SKIP: %s\n", err.msg);
-        return 77;
-    }
-    if (rc || stk_backend_create(STK_DEV_CPU, 0, 0, &cpu, &err) ||
-        stk_backend_create(on_cpu ? STK_DEV_CPU : STK_DEV_CUDA, 0,
-                           on_cpu ? 2 : 0, &gpu, &err)) {
-        printf("FAIL: %s\n", err.msg);
-        return 1;
-    }
-    if (argc > 1 && !unit_filter_matches(tests, sizeof tests / sizeof *tests, argv[1]))
-        rc = 1;
-    else if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    if (!rc)
-        rc = cmocka_run_group_tests(tests, NULL, NULL);
-    stk_backend_destroy(gpu);
-    stk_backend_destroy(cpu);
-    return rc;
-}
+UNIT_GPU_MAIN(tests, 0)
