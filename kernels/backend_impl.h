@@ -161,8 +161,9 @@ stk_pool *stk_pool_create(int threads, stk_err *err);
 void stk_pool_destroy(stk_pool *p); /* NULL is a no-op */
 int stk_pool_threads(const stk_pool *p);
 /* Runs fn over [0, n) split into at most one contiguous range per thread,
- * each at least `grain` long, and returns when all are done. One loop at a
- * time: the pool belongs to the thread driving its backend. */
+ * each at least `grain` long, each run by whichever thread claims it first
+ * (the caller too), and returns when all are done. One loop at a time: the
+ * pool belongs to the thread driving its backend. */
 void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
                   void *arg);
 /* Fills be for CUDA device `device`; defined in cuda_ops.cu, or in

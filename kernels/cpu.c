@@ -34,6 +34,22 @@ enum {
 
 static stk_pool *pool(stk_backend *be) { return be->impl; }
 
+/* The loops of each op's part function twice, for AVX2 (8 floats a
+ * vector) and for baseline x86-64 (SSE2, 4), the copy chosen once at load
+ * time (an ifunc). AVX2 without FMA, and no contraction anyway: the same
+ * operations in the same order, so the same bits as the baseline copy and
+ * as CUDA. flatten inlines the helpers into each copy, which compiles them
+ * for its target too. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones) && __has_attribute(flatten)
+#define CPU_HOT __attribute__((target_clones("avx2", "default"), flatten))
+#endif
+#endif
+#ifndef CPU_HOT
+#define CPU_HOT
+#endif
+
+
 static void cpu_destroy(stk_backend *be)
 {
     stk_pool_destroy(be->impl);
@@ -327,7 +343,7 @@ typedef struct ew_job {
     float alpha;
 } ew_job;
 
-static void relu_fwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void relu_fwd_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     for (size_t i = b; i < e; i++)
@@ -343,7 +359,7 @@ static int cpu_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
     return 0;
 }
 
-static void relu_bwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void relu_bwd_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     for (size_t i = b; i < e; i++)
@@ -359,7 +375,7 @@ static int cpu_relu_bwd(stk_backend *be, const float *y, const float *dy,
     return 0;
 }
 
-static void axpy_part(void *v, size_t b, size_t e)
+CPU_HOT static void axpy_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     for (size_t i = b; i < e; i++)
@@ -375,7 +391,7 @@ static int cpu_axpy(stk_backend *be, size_t n, float alpha, const float *x,
     return 0;
 }
 
-static void scale_part(void *v, size_t b, size_t e)
+CPU_HOT static void scale_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     for (size_t i = b; i < e; i++)
@@ -401,7 +417,7 @@ typedef struct bias_job {
 
 /* (row, channel) planes [b, e) of y [rows, cols, inner]; with inner 1
  * (a linear layer) rows [b, e), added along the row. */
-static void bias_add_part(void *v, size_t b, size_t e)
+CPU_HOT static void bias_add_part(void *v, size_t b, size_t e)
 {
     const bias_job *j = v;
     if (j->inner == 1) {
@@ -438,7 +454,7 @@ static int cpu_bias_add(stk_backend *be, float *y, const float *b, int rows,
  * does not depend on the split. With inner 1 (a linear layer) the rows
  * are walked outside, so that the reads run along memory; each channel
  * still adds its rows in order. */
-static void bias_grad_part(void *v, size_t b, size_t e)
+CPU_HOT static void bias_grad_part(void *v, size_t b, size_t e)
 {
     const bias_job *j = v;
     if (j->inner == 1) {
@@ -556,7 +572,7 @@ static void im2col_row(const conv_job *j, int c, int ky, int kx, float *col)
     }
 }
 
-static void im2col_part(void *v, size_t b, size_t e)
+CPU_HOT static void im2col_part(void *v, size_t b, size_t e)
 {
     const conv_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -579,7 +595,7 @@ static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
 /* Channels [b, e) of dx: the transpose of im2col as a scatter, row by row,
  * so each pixel receives its terms in the same (ky, kx) order as
  * stk_col2im1's gather and the two give the same floats. */
-static void col2im_part(void *v, size_t b, size_t e)
+CPU_HOT static void col2im_part(void *v, size_t b, size_t e)
 {
     const conv_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -624,7 +640,7 @@ typedef struct swap_job {
     size_t a, b, inner;
 } swap_job;
 
-static void swap01_part(void *v, size_t lo, size_t hi)
+CPU_HOT static void swap01_part(void *v, size_t lo, size_t hi)
 {
     const swap_job *j = v;
     for (size_t bi = lo; bi < hi; bi++)
@@ -664,7 +680,7 @@ static int lanes_in(size_t b, size_t n)
 }
 
 /* Blocks [b, e) of the cout * c filters. */
-static void wino_filter_part(void *v, size_t b, size_t e)
+CPU_HOT static void wino_filter_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf);
@@ -678,7 +694,7 @@ static void wino_filter_part(void *v, size_t b, size_t e)
     }
 }
 
-static void wino_filter_grad_part(void *v, size_t b, size_t e)
+CPU_HOT static void wino_filter_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     size_t nf = (size_t)j->ch * j->n, us = stk_wino_stride(nf);
@@ -730,31 +746,33 @@ static wino_job wino_columns(const float *src, const float *bias, float *dst,
  * stk_wino_output_grad1 (the same floats as CUDA). */
 enum { ROW_TILES = 16, ROW_W = ROW_TILES * STK_WINO_M + STK_WINO_A - STK_WINO_M };
 
+/* The rows above and below an image, as the first pass reads them. */
+static const float zero_row[ROW_W];
+
 /* The first pass of a row of tiles: t[k * ROW_W + x] = map (k) of the
  * `in` image values below (y0, x0 + x), 0 outside the image. Rows inside
  * the image are read in place (a copy would be read back through
- * mismatched store-to-load forwarding); a zero column is the map of zeros,
- * the value the padded tile has there. */
+ * mismatched store-to-load forwarding), rows outside from zero_row, so
+ * the padded rows of tiles vectorise as the others; a zero column is the
+ * map of zeros, the value the padded tile has there. */
 static void wino_first_pass(const float *plane, int h, int w, int y0, int x0,
                             int width, stk_wino_map map, int in, float *t)
 {
-    if (y0 < 0 || y0 + in > h) { /* padding rows: a column at a time */
-        for (int x = 0; x < width; x++) {
-            float v[STK_WINO_A] = {0.0f};
-            for (int k = 0; k < in; k++)
-                if (y0 + k >= 0 && y0 + k < h && x0 + x >= 0 && x0 + x < w)
-                    v[k] = plane[(size_t)(y0 + k) * w + x0 + x];
-            stk_wino_1d(map, v, 1, t + x, ROW_W);
-        }
-        return;
-    }
     float zero[STK_WINO_A] = {0.0f}, z[STK_WINO_A];
     stk_wino_1d(map, zero, 1, z, 1);
     int lo = x0 < 0 ? -x0 : 0, hi = w - x0 < width ? w - x0 : width;
     hi = hi < lo ? lo : hi;
-    const float *in0 = plane + (size_t)y0 * w + x0;
-    for (int x = lo; x < hi; x++)
-        stk_wino_1d(map, in0 + x, (size_t)w, t + x, ROW_W);
+    const float *row[STK_WINO_A]; /* row k from column x0 + lo */
+    for (int k = 0; k < in; k++)
+        row[k] = y0 + k >= 0 && y0 + k < h
+                     ? plane + (size_t)(y0 + k) * w + x0 + lo
+                     : zero_row;
+    for (int x = lo; x < hi; x++) {
+        float v[STK_WINO_A] = {0.0f};
+        for (int k = 0; k < in; k++)
+            v[k] = row[k][x - lo];
+        stk_wino_1d(map, v, 1, t + x, ROW_W);
+    }
     for (int k = 0; k < STK_WINO_A; k++) {
         for (int x = 0; x < lo; x++)
             t[k * ROW_W + x] = z[k];
@@ -807,6 +825,9 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
     }
 }
 
+/* Not CPU_HOT, nor wino_output_grad_part: their rows of 4 to 16 tiles are
+ * short for 8 lanes, and the AVX2 copy ran 22% more instructions than the
+ * baseline one on resnet20's shapes (callgrind). */
 static void wino_input_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
@@ -840,30 +861,52 @@ enum { LANES_MAX = 64 };
  * pixel at tile column 2k + e (e = 0, 1) takes tile k - 1's column e + 2,
  * then tile k's column e: with the rows of tiles in order, every pixel
  * adds its tiles in stk_wino_gather1's order. */
+/* Pixels x, x + 1 of a row from tile k (tx0 <= k <= tx1) and its left
+ * neighbour, as wino_scatter_row, where either may be outside the image. */
+static inline void wino_scatter_edge(float *row, int w, int x, int k, int tx0,
+                                     int tx1, const float *const c[4], int i)
+{
+    if (x >= 0 && x < w)
+        row[x] = k == tx0   ? row[x] + c[0][i]
+                 : k == tx1 ? row[x] + c[2][i - 1]
+                            : (row[x] + c[2][i - 1]) + c[0][i];
+    if (x + 1 >= 0 && x + 1 < w)
+        row[x + 1] = k == tx0   ? row[x + 1] + c[1][i]
+                     : k == tx1 ? row[x + 1] + c[3][i - 1]
+                                : (row[x + 1] + c[3][i - 1]) + c[1][i];
+}
+
 static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
                              int tx0, int tx1, const float *o, int lanes)
 {
+    /* tiles [in0, in1]: both columns inside the image, both neighbours
+     * added; the loop over them has no test and vectorises */
+    int in0 = (s->pw + 1) / 2, in1 = (s->w + s->pw - 2) / 2;
+    in0 = in0 > tx0 + 1 ? in0 : tx0 + 1;
+    in1 = in1 < tx1 - 1 ? in1 : tx1 - 1;
     for (int r = 0; r < STK_WINO_A; r++) {
         int y = ty * STK_WINO_M - s->ph + r;
         if (y < 0 || y >= s->h)
             continue;
         float *row = plane + (size_t)y * s->w;
-        /* point (r, c) of tile k at cc[k - tx0], cc = c0 .. c3 */
-        const float *c0 = o + (size_t)r * STK_WINO_A * lanes;
-        const float *c1 = c0 + lanes, *c2 = c1 + lanes, *c3 = c2 + lanes;
+        /* point (r, c) of tile k at c[c][k - tx0] */
+        const float *c[4];
+        for (int cc = 0; cc < STK_WINO_A; cc++)
+            c[cc] = o + (size_t)(r * STK_WINO_A + cc) * lanes;
         /* tile columns 2k + e, k = tx0 .. tx1 (the last only from tile
-         * tx1 - 1), inside the image */
-        for (int k = tx0, i = 0; k <= tx1; k++, i++) {
-            int x = k * STK_WINO_M - s->pw;
-            if (x >= 0 && x < s->w)
-                row[x] = k == tx0   ? row[x] + c0[i]
-                         : k == tx1 ? row[x] + c2[i - 1]
-                                    : (row[x] + c2[i - 1]) + c0[i];
-            if (x + 1 >= 0 && x + 1 < s->w)
-                row[x + 1] = k == tx0   ? row[x + 1] + c1[i]
-                             : k == tx1 ? row[x + 1] + c3[i - 1]
-                                        : (row[x + 1] + c3[i - 1]) + c1[i];
+         * tx1 - 1) */
+        int k = tx0;
+        for (; k <= tx1 && k < in0; k++)
+            wino_scatter_edge(row, s->w, k * STK_WINO_M - s->pw, k, tx0, tx1,
+                              c, k - tx0);
+        for (; k <= in1; k++) {
+            int x = k * STK_WINO_M - s->pw, i = k - tx0;
+            row[x] = (row[x] + c[2][i - 1]) + c[0][i];
+            row[x + 1] = (row[x + 1] + c[3][i - 1]) + c[1][i];
         }
+        for (; k <= tx1; k++)
+            wino_scatter_edge(row, s->w, k * STK_WINO_M - s->pw, k, tx0, tx1,
+                              c, k - tx0);
     }
 }
 
@@ -872,7 +915,7 @@ static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
  * plane a row of tiles at a time in stk_wino_gather1's order (the same
  * floats as CUDA's transform in place and gather). dV is read once, not
  * rewritten. */
-static void wino_input_grad_part(void *v, size_t b, size_t e)
+CPU_HOT static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -930,7 +973,7 @@ static void wino_output_row(float *plane, const stk_conv_shape *s, int ty,
 /* Planes [b, e) of y (sample * cout + co): the plane's tiles, up to
  * LANES_MAX side by side through stk_wino_2d, plus the bias, a row of
  * tiles at a time. */
-static void wino_output_part(void *v, size_t b, size_t e)
+CPU_HOT static void wino_output_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -1011,7 +1054,7 @@ static void maxpool2_row(const float *x, int w, int oy, int ow, float *y,
 }
 
 /* Planes [b, e). */
-static void maxpool_fwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void maxpool_fwd_part(void *v, size_t b, size_t e)
 {
     const pool_job *j = v;
     size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
@@ -1044,7 +1087,7 @@ static int cpu_maxpool_fwd(stk_backend *be, const float *x, int planes, int h,
     return 0;
 }
 
-static void maxpool_bwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void maxpool_bwd_part(void *v, size_t b, size_t e)
 {
     const pool_job *j = v;
     size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
@@ -1089,7 +1132,7 @@ static avgpool_job avgpool_plan(const float *x, float *y, int h, int w, int kh,
 }
 
 /* Planes [b, e). */
-static void avgpool_fwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void avgpool_fwd_part(void *v, size_t b, size_t e)
 {
     const avgpool_job *j = v;
     size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
@@ -1129,7 +1172,7 @@ static int cpu_avgpool_fwd(stk_backend *be, const float *x, int planes, int h,
  * ascending output order starting from 0, the sum stk_avgpool_grad1
  * gathers (what the CUDA kernel runs): the same floats, also where windows
  * overlap, and a tenth of the gather's work. */
-static void avgpool_bwd_part(void *v, size_t b, size_t e)
+CPU_HOT static void avgpool_bwd_part(void *v, size_t b, size_t e)
 {
     const avgpool_job *j = v;
     size_t in = (size_t)j->h * j->w, out = (size_t)j->oh * j->ow;
@@ -1161,7 +1204,7 @@ static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
 /* ---- residual add and device copies --------------------------------------
  */
 
-static void add_part(void *v, size_t b, size_t e)
+CPU_HOT static void add_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     const float *x = j->x, *y = j->y;
@@ -1255,7 +1298,7 @@ static void bn_sums_rows(const bn_job *j, size_t b, size_t e)
 }
 
 /* Channels [b, e). */
-static void bn_sums_part(void *v, size_t b, size_t e)
+CPU_HOT static void bn_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1311,7 +1354,7 @@ static stk_bn_fwd_coef bn_fwd_coef(const bn_job *j, size_t ch)
 }
 
 /* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
-static void bn_apply_part(void *v, size_t b, size_t e)
+CPU_HOT static void bn_apply_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1433,7 +1476,7 @@ static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
 }
 
 /* Channels [b, e): sum g and sum g (x - mean) in lanes, as bn_sums_part. */
-static void bn_grad_sums_part(void *v, size_t b, size_t e)
+CPU_HOT static void bn_grad_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1478,7 +1521,7 @@ static stk_bn_bwd_coef bn_bwd_coef(const bn_job *j, size_t ch)
 }
 
 /* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
-static void bn_input_grad_part(void *v, size_t b, size_t e)
+CPU_HOT static void bn_input_grad_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1559,7 +1602,7 @@ typedef struct dropout_job {
  * (block 0 here is the one holding element first's group): four groups
  * (dropout2d: a channel of a sample) or elements each, the same numbers
  * stk_dropout_scale1 draws. */
-static void dropout_part(void *v, size_t b, size_t e)
+CPU_HOT static void dropout_part(void *v, size_t b, size_t e)
 {
     const dropout_job *j = v;
     uint32_t r[4];
@@ -1687,7 +1730,7 @@ typedef struct transform_job {
 /* Samples [b, e): one draw per sample, then its pixels in order: the same
  * floats as stk_transform1 per element (the CUDA kernel), without per-pixel
  * index arithmetic or Philox calls. */
-static void transform_part(void *v, size_t b, size_t e)
+CPU_HOT static void transform_part(void *v, size_t b, size_t e)
 {
     const transform_job *j = v;
     const stk_transform *t = j->t;
@@ -1734,7 +1777,7 @@ typedef struct sumsq_job {
 } sumsq_job;
 
 /* Chunks [b, e), each in four vectorisable double lanes. */
-static void sumsq_part(void *v, size_t b, size_t e)
+CPU_HOT static void sumsq_part(void *v, size_t b, size_t e)
 {
     const sumsq_job *j = v;
     for (size_t c = b; c < e; c++) {
@@ -1782,7 +1825,7 @@ typedef struct optim_job {
 /* The settings copied to a local: through the pointer the compiler must
  * assume every store to w may change them, and reloads and tests them per
  * element instead of vectorising. */
-static void sgd_part(void *v, size_t b, size_t e)
+CPU_HOT static void sgd_part(void *v, size_t b, size_t e)
 {
     const optim_job *j = v;
     const stk_sgd_cfg c = *j->sgd;
@@ -1801,7 +1844,7 @@ static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
     return 0;
 }
 
-static void adamw_part(void *v, size_t b, size_t e)
+CPU_HOT static void adamw_part(void *v, size_t b, size_t e)
 {
     const optim_job *j = v;
     const stk_adamw_cfg c = *j->adamw; /* a local, as in sgd_part */

@@ -1,16 +1,19 @@
-/* pool.c - the CPU backend's threads: one parallel loop at a time, the
- * caller running the first part itself.
+/* pool.c - the CPU backend's threads: one parallel loop at a time, its
+ * ranges claimed by whichever thread is free first, the caller included.
  *
  * A training step is a chain of short ops (tens of microseconds each), so
  * waking threads through a condition variable per op would cost as much as
- * the work. Workers spin on a generation counter for a while after each job
- * and only then sleep; the caller spins on a pending count, which the
- * balanced parts keep short. */
+ * the work. Workers spin on the job word for a while after each job and
+ * only then sleep. The caller runs ranges too and waits only for ranges a
+ * worker has started: when a worker is descheduled (a core shared with
+ * another process), the caller takes its range instead of waiting for the
+ * scheduler to bring it back. */
 #include "backend_impl.h"
 
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -30,41 +33,64 @@ struct stk_pool {
     pthread_t *tid;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    atomic_uint gen;    /* bumped once per job */
-    atomic_int pending; /* workers that have not finished the job */
+    /* the job word: generation << 32 | ranges << 16 | next range to claim.
+     * A claim is one fetch_add; its result says which job and range it
+     * got, so a worker that wakes late claims in the current job or in
+     * none, never in a finished one. */
+    _Atomic uint64_t job;
+    atomic_size_t done; /* ranges of the job finished */
     atomic_int sleepers;
     atomic_bool stop;
-    /* the job; written by the caller before gen is bumped */
+    uint32_t gen; /* the caller's count of jobs */
+    /* the job; written by the caller before the job word is published,
+     * read only by a thread holding one of its ranges */
     stk_pool_fn fn;
     void *arg;
     size_t n;
-    int parts;
 };
 
-typedef struct worker_arg {
-    stk_pool *pool;
-    int index;
-} worker_arg;
+enum { RANGES_MAX = 0xffff };
+
+static uint32_t job_gen(uint64_t w) { return (uint32_t)(w >> 32); }
 
 /* Part i of [0, n) in `parts` nearly equal contiguous ranges. */
-static void part_range(size_t n, int parts, int i, size_t *b, size_t *e)
+static void part_range(size_t n, size_t parts, size_t i, size_t *b, size_t *e)
 {
-    *b = n * (size_t)i / (size_t)parts;
-    *e = n * (size_t)(i + 1) / (size_t)parts;
+    *b = n * i / parts;
+    *e = n * (i + 1) / parts;
 }
 
-static unsigned wait_job(stk_pool *p, unsigned seen)
+/* Claims and runs ranges of the current job until none is left. */
+static void run_ranges(stk_pool *p)
+{
+    for (;;) {
+        uint64_t w = atomic_fetch_add_explicit(&p->job, 1,
+                                               memory_order_acq_rel);
+        size_t i = w & 0xffff, parts = (w >> 16) & 0xffff;
+        if (i >= parts)
+            return;
+        size_t b, e;
+        part_range(p->n, parts, i, &b, &e);
+        p->fn(p->arg, b, e);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+    }
+}
+
+/* Waits for a job of another generation than `seen`, or for stop. */
+static uint32_t wait_job(stk_pool *p, uint32_t seen)
 {
     for (int i = 0; i < SPIN_ROUNDS; i++) {
-        unsigned g = atomic_load_explicit(&p->gen, memory_order_acquire);
+        uint32_t g = job_gen(atomic_load_explicit(&p->job,
+                                                  memory_order_relaxed));
         if (g != seen || atomic_load(&p->stop))
             return g;
         cpu_relax();
     }
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add(&p->sleepers, 1);
-    unsigned g;
-    while ((g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop))
+    uint32_t g;
+    while ((g = job_gen(atomic_load(&p->job))) == seen &&
+           !atomic_load(&p->stop))
         pthread_cond_wait(&p->cv, &p->mu);
     atomic_fetch_sub(&p->sleepers, 1);
     pthread_mutex_unlock(&p->mu);
@@ -73,21 +99,13 @@ static unsigned wait_job(stk_pool *p, unsigned seen)
 
 static void *worker_main(void *v)
 {
-    worker_arg *wa = v;
-    stk_pool *p = wa->pool;
-    int index = wa->index;
-    free(wa);
-    unsigned seen = 0;
+    stk_pool *p = v;
+    uint32_t seen = 0;
     for (;;) {
         seen = wait_job(p, seen);
         if (atomic_load(&p->stop))
             return NULL;
-        if (index < p->parts) {
-            size_t b, e;
-            part_range(p->n, p->parts, index, &b, &e);
-            p->fn(p->arg, b, e);
-        }
-        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+        run_ranges(p);
     }
 }
 
@@ -129,11 +147,7 @@ stk_pool *stk_pool_create(int threads, stk_err *err)
     pthread_cond_init(&p->cv, NULL);
     p->threads = 1; /* grows as workers start, so destroy joins only those */
     for (int i = 1; i < threads; i++) {
-        worker_arg *wa = malloc(sizeof *wa);
-        if (wa)
-            *wa = (worker_arg){p, i};
-        if (!wa || pthread_create(&p->tid[i], NULL, worker_main, wa)) {
-            free(wa);
+        if (pthread_create(&p->tid[i], NULL, worker_main, p)) {
             stk_pool_destroy(p);
             stk_fail(err, STK_ENOMEM, "cpu: cannot start compute thread %d "
                      "of %d", i + 1, threads);
@@ -152,9 +166,11 @@ void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
     if (n == 0)
         return;
     size_t want = grain ? (n + grain - 1) / grain : n;
-    int parts = p && p->threads > 1 ? p->threads : 1;
-    if ((size_t)parts > want)
-        parts = (int)want;
+    size_t parts = p && p->threads > 1 ? (size_t)p->threads : 1;
+    if (parts > want)
+        parts = want;
+    if (parts > RANGES_MAX)
+        parts = RANGES_MAX;
     if (parts == 1) {
         fn(arg, 0, n);
         return;
@@ -162,15 +178,14 @@ void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
     p->fn = fn;
     p->arg = arg;
     p->n = n;
-    p->parts = parts;
-    atomic_store_explicit(&p->pending, p->threads - 1, memory_order_relaxed);
-    atomic_fetch_add(&p->gen, 1); /* publishes the job (seq_cst) */
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    /* publishes the job (seq_cst: ordered before the sleepers check) */
+    atomic_store(&p->job, (uint64_t)++p->gen << 32 | (uint64_t)parts << 16);
     wake_all(p);
-    size_t b, e;
-    part_range(n, parts, 0, &b, &e);
-    fn(arg, b, e);
+    run_ranges(p);
     for (unsigned spins = 0;
-         atomic_load_explicit(&p->pending, memory_order_acquire) > 0; spins++) {
+         atomic_load_explicit(&p->done, memory_order_acquire) < parts;
+         spins++) {
         if (spins < SPIN_ROUNDS)
             cpu_relax();
         else

@@ -1226,6 +1226,43 @@ static void bn_same_on_1_2_3_threads(void **state)
     }
 }
 
+/* The pool's threads claim a job's ranges, whoever is free first: over
+ * thousands of short jobs of changing lengths, on more threads than this
+ * machine's cores (so workers are descheduled and wake inside later jobs),
+ * y += 1 (axpy of ones) must run every index exactly once per job that
+ * covers it. */
+static void pool_runs_every_range_once(void **state)
+{
+    (void)state;
+    enum { N = 200000, JOBS = 3000 };
+    float *x = malloc(N * 4), *y = calloc(N, 4);
+    int *covers = calloc(N + 1, sizeof *covers);
+    for (size_t i = 0; i < N; i++)
+        x[i] = 1.0f;
+    for (int threads = 2; threads <= 5; threads += 3) {
+        stk_backend *b;
+        stk_err err;
+        assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, threads, &b, &err),
+                         0);
+        memset(y, 0, N * 4);
+        memset(covers, 0, (N + 1) * sizeof *covers);
+        for (int j = 0; j < JOBS; j++) {
+            size_t n = 1 + (size_t)j * 7919 % N;
+            covers[n]++; /* indices below n */
+            assert_int_equal(stk_axpy(b, n, 1.0f, x, y, &err), 0);
+        }
+        stk_backend_destroy(b);
+        int expect = 0;
+        for (size_t i = N; i-- > 0;) {
+            expect += covers[i + 1];
+            if (y[i] != (float)expect)
+                fail_msg("%d threads: index %zu ran %g times, not %d", threads,
+                         i, (double)y[i], expect);
+        }
+    }
+    free(x), free(y), free(covers);
+}
+
 /* ---- label smoothing -----------------------------------------------------
  */
 
@@ -1585,6 +1622,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(batchnorm_training_matches_fd),
     cmocka_unit_test(bn_running_follows_pytorch),
     cmocka_unit_test(bn_same_on_1_2_3_threads),
+    cmocka_unit_test(pool_runs_every_range_once),
     cmocka_unit_test(bn_cuda_ranges_cover_the_batch),
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
