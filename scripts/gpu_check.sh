@@ -102,7 +102,7 @@ fi
 
 # 4. benchmarks
 bench_json=$OUT/gpu_bench.json
-check "gpu_bench (uploads, SGEMM peak)" 300 sh -c "'$B/gpu_bench' --db '$W/db' --workers "$(nproc)" > '$bench_json'"
+check "gpu_bench (uploads, SGEMM peak)" 300 sh -c "'$B/gpu_bench' --db '$W/db' --workers 4 > '$bench_json'"
 epoch_line() { grep '"type":"epoch"' "$1/metrics.jsonl" 2>/dev/null | tail -1; }
 rows=()
 for m in "cnn 128" "cnn 512" "resnet20 128" "resnet20 512" "resnet18 128"; do

@@ -15,8 +15,8 @@ for split, prefix, count in (("train", "train", 60000), ("test", "t10k", 10000))
     assert meta["splits"][split]["count"] == count, meta["splits"][split]
     with env.begin(db=env.open_db(split.encode(), create=False)) as txn:
         assert txn.stat()["entries"] == count
-    imgs = t.read_idx(f"/usr/share/datasets/fashion-mnist/{prefix}-images-idx3-ubyte.gz")
-    labels = t.read_idx(f"/usr/share/datasets/fashion-mnist/{prefix}-labels-idx1-ubyte.gz")
+    imgs = t.read_idx(f"{t.FASHION}/{prefix}-images-idx3-ubyte.gz")
+    labels = t.read_idx(f"{t.FASHION}/{prefix}-labels-idx1-ubyte.gz")
     idx = list(rng.choice(count, 300, replace=False)) + [0, count - 1]
     for i in idx:
         label, px = r["read_sample"](env, meta, split, int(i))
@@ -47,7 +47,7 @@ import numpy as np, stoke_test as t
 from PIL import Image
 im = np.asarray(Image.open("sheet.png"))
 assert im.shape == (8 * 28 + 9 * 2,) * 2, im.shape
-imgs = t.read_idx("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+imgs = t.read_idx(f"{t.FASHION}/train-images-idx3-ubyte.gz")
 assert np.array_equal(im[2:30, 2:30], imgs[0]) and np.array_equal(im[2:30, 32:60], imgs[1])
 assert np.array_equal(im[2 + 7 * 30:30 + 7 * 30, 2 + 7 * 30:30 + 7 * 30], imgs[63])
 print("ok: dbinfo --grid tiles equal samples 0, 1 and 63")

@@ -10,8 +10,8 @@ import stoke_test as t
 out, n = sys.argv[1], int(sys.argv[2])
 side = int(sys.argv[3]) if len(sys.argv) > 3 else 64
 bad = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-imgs = t.read_idx("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-labels = t.read_idx("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz")
+imgs = t.read_idx(os.path.join(t.FASHION, "train-images-idx3-ubyte.gz"))
+labels = t.read_idx(os.path.join(t.FASHION, "train-labels-idx1-ubyte.gz"))
 for i in range(n):
     d = os.path.join(out, f"class{labels[i]}")
     os.makedirs(d, exist_ok=True)

@@ -6,6 +6,10 @@ tests without PyTorch use them too); need() for the Python modules the
 tests use."""
 import gzip, importlib, json, os, re, struct, sys
 
+# Debian's dataset-fashion-mnist, unless STK_FASHION points elsewhere (as
+# tests/e2e/lib.sh: scripts/gpu_check.sh on a machine without the package)
+FASHION = os.environ.get("STK_FASHION", "/usr/share/datasets/fashion-mnist")
+
 # The Debian package of each module the tests import (scripts/deps.sh test
 # installs them all).
 DEBIAN = {"numpy": "python3-numpy", "PIL": "python3-pil", "lmdb": "python3-lmdb",
@@ -123,7 +127,7 @@ def read_idx(path):
 def fashion_images(n, seed=0):
     """n Fashion-MNIST training images (28x28 uint8), a real-data source for
     generated image folders."""
-    imgs = read_idx("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+    imgs = read_idx(os.path.join(FASHION, "train-images-idx3-ubyte.gz"))
     rng = np.random.default_rng(seed)
     return imgs[rng.choice(len(imgs), n, replace=False)]
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import stoke_test as t
 
-FASHION = "/usr/share/datasets/fashion-mnist"
+FASHION = t.FASHION
 
 
 # ---- the models (trainer/spec.c's built-ins) -------------------------------

@@ -20,7 +20,7 @@ import gzip, os
 os.makedirs("tinyraw")
 for split, n in (("train", 512), ("t10k", 2)):
     for kind, per in (("images-idx3", 28 * 28), ("labels-idx1", 1)):
-        data = gzip.open(f"/usr/share/datasets/fashion-mnist/{split}-{kind}-ubyte.gz").read()
+        data = gzip.open(os.environ.get("STK_FASHION", "/usr/share/datasets/fashion-mnist") + f"/{split}-{kind}-ubyte.gz").read()
         head = bytearray(data[:4 + 4 * data[3]])
         head[4:8] = n.to_bytes(4, "big")
         open(f"tinyraw/{split}-{kind}-ubyte", "wb").write(bytes(head) + data[len(head):len(head) + n * per])
