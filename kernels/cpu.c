@@ -1728,7 +1728,8 @@ typedef struct transform_job {
 } transform_job;
 
 /* Samples [b, e): one draw per sample, then its pixels in order: the same
- * floats as stk_transform1 per element (the CUDA kernel), without per-pixel
+ * floats as stk_transform1 per element (a draw per pixel, the reference the
+ * tests compare with; CUDA draws once per sample too), without per-pixel
  * index arithmetic or Philox calls. */
 CPU_HOT static void transform_part(void *v, size_t b, size_t e)
 {

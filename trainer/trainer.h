@@ -58,7 +58,7 @@ typedef struct stk_layer_spec {
 } stk_layer_spec;
 
 /* How 3x3 convolutions of stride 1 (and at least 8 channels in and out)
- * are computed: Winograd F(4x4, 3x3), the default, or im2col + GEMM like
+ * are computed: Winograd F(2x2, 3x3), the default, or im2col + GEMM like
  * every other convolution (docs/architecture.md, "Convolutions"). */
 typedef enum stk_conv_algo { STK_CONV_AUTO = 0, STK_CONV_IM2COL } stk_conv_algo;
 
