@@ -125,6 +125,8 @@ static int device_done(nccl_comm *n, cudaEvent_t ev, bool *done,
 {
     cudaError_t q = ev ? cudaEventQuery(ev) : cudaStreamQuery(n->stream);
     *done = q == cudaSuccess;
+    if (q == cudaErrorNotReady) /* "not yet" also sets this thread's last */
+        (void)cudaGetLastError(); /* error, which the next launch check reads */
     return q == cudaSuccess || q == cudaErrorNotReady ? 0 : cuda_ok(q, what, err);
 }
 
@@ -390,6 +392,11 @@ int nccl_queue_allreduce(nccl_comm *n, int slot, float *buf, size_t count,
 
 int nccl_wait(nccl_comm *n, int slot, stk_err *err)
 {
+    if (n->broken || atomic_load(&n->abort_requested)) { /* comm may be freed */
+        abort_comm(n);
+        return stk_fail(err, STK_EPEER,
+                        "nccl: the communicator was aborted after an earlier error");
+    }
     if (slot < 0 || slot >= MARKS || !n->done[slot])
         return aborted_on(n, stk_fail(err, STK_EINVAL,
                                       "nccl: bucket %d was never queued", slot));

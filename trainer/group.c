@@ -72,11 +72,14 @@ void group_close(run_state *r)
 {
     stk_ddp_destroy(r->ddp);
     r->ddp = NULL;
+    /* the communicator first: an aborted one is torn down (ncclCommAbort)
+     * here, and a cudaFree before it would wait for the whole device, an
+     * all-reduce a gone peer never matches included */
+    stk_comm_destroy(r->comm);
+    r->comm = NULL;
     if (r->sync_dev)
         stk_dev_free(r->be, r->sync_dev);
     r->sync_dev = NULL;
-    stk_comm_destroy(r->comm);
-    r->comm = NULL;
     stk_kv_close(r->kv);
     r->kv = NULL;
     stk_store_server_stop(r->srv);
