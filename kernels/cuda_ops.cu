@@ -1375,6 +1375,22 @@ static __global__ void sumsq_partial_kernel(const float *x, size_t n,
         partial[blockIdx.x] = s;
 }
 
+// The first pass of a sum of squares: one double per block of a grid fixed
+// by n (`blocks`) into the scratch array, for the sum or the norm to finish.
+static int sumsq_partials(stk_backend *be, const char *op, const float *x,
+                          size_t n, unsigned blocks, stk_err *err)
+{
+    int rc = use_device(be, op, err);
+    if (!rc)
+        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
+                             err);
+    if (rc)
+        return rc;
+    sumsq_partial_kernel<<<blocks, THREADS, 0, impl(be)->stream>>>(
+        x, n, scratch_array<double>(be));
+    return launched(op, err);
+}
+
 // Two passes with a grid fixed by n, so the sum repeats exactly run to run.
 static int cuda_sumsq(stk_backend *be, const float *x, size_t n, double *out,
                       stk_err *err)
@@ -1384,19 +1400,12 @@ static int cuda_sumsq(stk_backend *be, const float *x, size_t n, double *out,
     if (n == 0)
         return 0;
     unsigned blocks = grid_for(n);
-    int rc = use_device(be, op, err);
-    if (!rc)
-        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
-                             err);
+    int rc = sumsq_partials(be, op, x, n, blocks, err);
     if (rc)
         return rc;
     cudaStream_t s = impl(be)->stream;
-    double *partial = scratch_array<double>(be);
-    sumsq_partial_kernel<<<blocks, THREADS, 0, s>>>(x, n, partial);
-    if ((rc = launched(op, err)))
-        return rc;
-    sum_kernel<double>
-        <<<1, THREADS, 0, s>>>(partial, blocks, scratch_result(be));
+    sum_kernel<double><<<1, THREADS, 0, s>>>(scratch_array<double>(be), blocks,
+                                             scratch_result(be));
     if ((rc = launched(op, err)))
         return rc;
     reduce_result host;
@@ -1513,19 +1522,12 @@ static int cuda_grad_norm(stk_backend *be, float *g, size_t n, float clip,
 {
     const char *op = "cuda grad_norm";
     unsigned blocks = grid_for(n ? n : 1);
-    int rc = use_device(be, op, err);
-    if (!rc)
-        rc = scratch_reserve(be, ARRAY_OFFSET + blocks * sizeof(double), op,
-                             err);
+    int rc = sumsq_partials(be, op, g, n, blocks, err);
     if (rc)
         return rc;
     cudaStream_t s = impl(be)->stream;
-    double *partial = scratch_array<double>(be);
-    sumsq_partial_kernel<<<blocks, THREADS, 0, s>>>(g, n, partial);
-    if ((rc = launched(op, err)))
-        return rc;
-    grad_norm_kernel<<<1, THREADS, 0, s>>>(partial, blocks, clip, step, epoch,
-                                           m);
+    grad_norm_kernel<<<1, THREADS, 0, s>>>(scratch_array<double>(be), blocks,
+                                           clip, step, epoch, m);
     if ((rc = launched(op, err)))
         return rc;
     return clip > 0 ? launch(be, op, n, err, clip_kernel, n, (const stk_metrics *)m, g)

@@ -10,6 +10,7 @@
 # launcher's memory stays bounded), and a taken port or an unreachable
 # master are clear errors.
 source "$STK_SRC/tests/e2e/lib.sh"
+source "$STK_SRC/tests/e2e/dist_lib.sh"
 T="$STK_BIN/train"
 $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" raw 6144
 "$STK_BIN/prep" --quiet raw db
@@ -75,20 +76,6 @@ follow mlp 100
 [ "$M" != cnn ] || follow cnn 30
 
 # ---- a rank that dies ---------------------------------------------------------
-# rank_pid LAUNCHER K: the pid of rank K among the launcher's children
-rank_pid() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
-  done
-}
-wait_for_step() { # RUN_DIR: until its first step line (or 60 s)
-  for _ in $(seq 600); do
-    grep -q '"type":"step"' "$1/metrics.jsonl" 2>/dev/null && return 0
-    sleep 0.1
-  done
-  fail "no step line in $1"
-}
 "$T" "${common[@]}" --nproc 2 --batch 64 --epochs 20 --log-every 2 --out killed \
   > killed.out 2>&1 &
 L=$!
