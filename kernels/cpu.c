@@ -40,7 +40,15 @@ static stk_pool *pool(stk_backend *be) { return be->impl; }
  * operations in the same order, so the same bits as the baseline copy and
  * as CUDA. flatten inlines the helpers into each copy, which compiles them
  * for its target too. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if defined(__SANITIZE_THREAD__)
+#define STK_NO_CLONES /* GCC's TSan: the ifunc resolvers run before its runtime */
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define STK_NO_CLONES /* and clang's */
+#endif
+#endif
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute) &&  \
+    !defined(STK_NO_CLONES)
 #if __has_attribute(target_clones) && __has_attribute(flatten)
 #define CPU_HOT __attribute__((target_clones("avx2", "default"), flatten))
 #endif
