@@ -366,8 +366,7 @@ static int wino_backward_piece(layer *l, const piece_ctx *pc, const float *x,
         rc = stk_gemm_batched(be, false, true, oc, c, nt, 1.0f, pc->dcol, nt,
                               sm, pc->col, nt, sv, 0.0f, pc->dw, c, su,
                               STK_WINO_P, err);
-    if (!rc && dx) {
-        l->col_kept = false; /* V's place now holds dV */
+    if (!rc && dx) { /* V's place then holds dV */
         rc = stk_gemm_batched(be, true, false, c, nt, oc, 1.0f, l->u, c, su,
                               pc->dcol, nt, sm, 0.0f, pc->col, nt, sv,
                               STK_WINO_P, err);
@@ -508,9 +507,9 @@ static int conv_backward(stk_model *m, int i, const float *x, const float *dy,
         piece_ctx pc = layer_ctx(m, l);
         rc = conv_backward_piece(&r, &pc, 0, n, err);
     } else {
-        l->col_kept = false;
         rc = conv_rounds(&r, backward_task, add_partials, err);
     }
+    l->col_kept = false; /* V's place may hold dV now */
     if (!rc && l->wino)
         rc = stk_wino_filter_grad(m->be, l->du, l->oc, l->c, grad_of(m, l->pw),
                                   err);
