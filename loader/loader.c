@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_HELD };
 
@@ -352,7 +353,11 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
                         (unsigned long long)n, l->o.batch_size);
     l->first_abs = l->o.start_epoch * l->nbatches + l->o.start_batch;
     pthread_mutex_init(&l->mu, NULL);
-    pthread_cond_init(&l->ready, NULL);
+    pthread_condattr_t monotonic; /* stk_loader_next_for's deadline */
+    pthread_condattr_init(&monotonic);
+    pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+    pthread_cond_init(&l->ready, &monotonic);
+    pthread_condattr_destroy(&monotonic);
     pthread_cond_init(&l->freed, NULL);
     l->started = true;
     if (!l->t_open)
@@ -437,7 +442,10 @@ int stk_loader_open_raw(const stk_source *src, int split,
 
 /* Waits until slot holds seq, filling it here when there are no workers
  * (mu held). */
-static int await_slot(stk_loader *l, slot *sl, uint64_t seq, stk_err *err)
+/* Waits (until `deadline` on stk_now's clock; 0: for ever) for slot sl
+ * to hold batch seq; STK_ETIMEDOUT, with no message, when it passed. */
+static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
+                      stk_err *err)
 {
     if (sl->state == SLOT_HELD || (sl->state != SLOT_FREE && sl->seq != seq &&
                                    !l->o.workers))
@@ -464,7 +472,21 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, stk_err *err)
                             "all %d prefetch buffers are held; release a "
                             "batch before asking for the next",
                             l->nslots);
-        pthread_cond_wait(&l->ready, &l->mu);
+        if (!deadline) {
+            pthread_cond_wait(&l->ready, &l->mu);
+            continue;
+        }
+        double left = deadline - stk_now();
+        if (left <= 0) {
+            l->wait += stk_now() - t0;
+            return STK_ETIMEDOUT;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        double end = (double)ts.tv_nsec * 1e-9 + left;
+        ts.tv_sec += (time_t)end;
+        ts.tv_nsec = (long)((end - (double)(time_t)end) * 1e9);
+        pthread_cond_timedwait(&l->ready, &l->mu, &ts);
     }
     l->wait += stk_now() - t0;
     return 0;
@@ -487,6 +509,13 @@ static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
 
 int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
 {
+    return stk_loader_next_for(l, b, 0, err);
+}
+
+int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
+                        stk_err *err)
+{
+    double deadline = seconds > 0 ? stk_now() + seconds : 0;
     pthread_mutex_lock(&l->mu);
     int rc = l->failed;
     if (rc) {
@@ -506,7 +535,11 @@ int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
         return 0;
     }
     slot *sl = &l->slots[l->take_seq % (uint64_t)l->nslots];
-    rc = await_slot(l, sl, l->take_seq, err);
+    rc = await_slot(l, sl, l->take_seq, deadline, err);
+    if (rc == STK_ETIMEDOUT) {
+        pthread_mutex_unlock(&l->mu);
+        return rc;
+    }
     if (!rc && sl->rc) {
         rc = l->failed = sl->rc;
         l->fail_err = sl->err;
@@ -536,6 +569,8 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
 }
 
 uint64_t stk_loader_batches(const stk_loader *l) { return l->nbatches; }
+
+int stk_loader_slots(const stk_loader *l) { return l->nslots; }
 
 stk_loader_pos stk_loader_position(const stk_loader *l)
 {

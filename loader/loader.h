@@ -118,7 +118,21 @@ int stk_loader_open_raw(const stk_source *src, int split,
  * the split and key of the sample that failed. */
 int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err);
 
-/* Gives a batch's buffer back to the ring. */
+/* stk_loader_next waiting at most `seconds` (> 0) for the workers:
+ * STK_ETIMEDOUT (err untouched, nothing taken, the loader as it was) when
+ * the batch is not ready by then. For callers that must look up between
+ * waits (an interpreter checking for Ctrl-C). */
+int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
+                        stk_err *err);
+
+/* The ring's buffers: batch k of the loader's life (counting from open,
+ * over epochs) lives in buffer k % stk_loader_slots until released; a
+ * batch still held when the ring comes round to its buffer stops
+ * stk_loader_next with an error. */
+int stk_loader_slots(const stk_loader *l);
+
+/* Gives a batch's buffer back to the ring. Thread-safe against
+ * stk_loader_next. */
 void stk_loader_release(stk_loader *l, stk_batch *b);
 
 /* Batches per epoch for this rank. */

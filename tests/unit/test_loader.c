@@ -314,8 +314,11 @@ static void check_batch(const stk_batch *b, trace *t)
     record(t, b->data, (size_t)b->n * SB);
 }
 
-/* Runs `batches` batches (crossing epochs) and returns their trace. */
-static trace run(stk_store *s, stk_loader_opts o, int batches)
+/* Runs `batches` batches (crossing epochs) and returns their trace;
+ * `wait` > 0 takes them through stk_loader_next_for, calling again after
+ * each timeout. */
+static trace run_waiting(stk_store *s, stk_loader_opts o, int batches,
+                         double wait)
 {
     trace t = {0};
     stk_loader *l;
@@ -324,7 +327,10 @@ static trace run(stk_store *s, stk_loader_opts o, int batches)
     stk_batch b;
     int got = 0, ends = 0;
     while (got < batches) {
-        int rc = stk_loader_next(l, &b, &err);
+        int rc = wait > 0 ? stk_loader_next_for(l, &b, wait, &err)
+                          : stk_loader_next(l, &b, &err);
+        if (rc == STK_ETIMEDOUT)
+            continue;
         assert_true(rc >= 0);
         if (rc == 0) {
             ends++;
@@ -338,6 +344,32 @@ static trace run(stk_store *s, stk_loader_opts o, int batches)
     assert_int_equal(ends, (int)((o.start_batch + batches - 1) / nb));
     stk_loader_close(l);
     return t;
+}
+
+static trace run(stk_store *s, stk_loader_opts o, int batches)
+{
+    return run_waiting(s, o, batches, 0);
+}
+
+/* Timed waits (a microsecond: most of them time out) take the same
+ * batches as waiting for ever; the ring has `prefetch` buffers. */
+static void timed_waits_take_the_same_batches(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 64, .shuffle = true, .seed = 5,
+                         .prefetch = 3, .workers = 2};
+    trace ref = run(s, o, 40), t = run_waiting(s, o, 40, 1e-6);
+    assert_int_equal(t.len, ref.len);
+    assert_memory_equal(t.bytes, ref.bytes, ref.len);
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    assert_int_equal(stk_loader_slots(l), 3);
+    stk_loader_close(l);
+    free(ref.bytes), free(t.bytes);
+    stk_store_close(s);
 }
 
 static void batches_identical_for_any_workers_and_prefetch(void **state)
@@ -643,6 +675,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(sampler_known_answers),
     cmocka_unit_test(sampler_follows_the_documented_algorithm),
     cmocka_unit_test(batches_identical_for_any_workers_and_prefetch),
+    cmocka_unit_test(timed_waits_take_the_same_batches),
     cmocka_unit_test(resume_equals_uninterrupted),
     cmocka_unit_test(loader_delivers_the_known_shards),
     cmocka_unit_test(drop_last_and_short_batches),
