@@ -9,6 +9,8 @@
  * output order is fixed whatever the scheduling, and memory is K buffers. */
 #include "loader.h"
 
+#include "kernels/ops_inline.h"
+
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,6 +65,7 @@ struct stk_loader {
     stk_sampler sampler;
     uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
     size_t sample_bytes;
+    int c, h, w; /* the sample's shape (augmentation) */
     int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
@@ -211,6 +214,41 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
     return 0;
 }
 
+void stk_loader_aug_key(uint64_t seed, uint32_t key[2])
+{
+    key[0] = (uint32_t)seed ^ 0x243f6a88u;
+    key[1] = ((uint32_t)(seed >> 32) ^ 0x5bd1e995u) ^ 0x85a308d3u;
+}
+
+/* Sample index's crop and flip (stk_transform_draw, as the trainer's
+ * device transform draws them) applied to its uint8 CHW image in place,
+ * through tmp (sample_bytes). */
+static void augment(const stk_loader *l, uint64_t epoch, uint64_t index,
+                    uint8_t *img, uint8_t *tmp)
+{
+    uint32_t k[2];
+    stk_loader_aug_key(l->o.seed, k);
+    stk_transform t = {.c = l->c, .h = l->h, .w = l->w, .pad = l->o.aug_pad,
+                       .flip = l->o.aug_flip, .key = {k[0], k[1]},
+                       .stream = epoch};
+    int dy, dx, mirror;
+    stk_transform_draw(&t, index, &dy, &dx, &mirror);
+    if (!dy && !dx && !mirror)
+        return;
+    memcpy(tmp, img, l->sample_bytes);
+    for (int c = 0; c < t.c; c++)
+        for (int y = 0; y < t.h; y++) {
+            uint8_t *row = img + ((size_t)c * t.h + y) * t.w;
+            int sy = y + dy;
+            for (int x = 0; x < t.w; x++) {
+                int sx = (mirror ? t.w - 1 - x : x) + dx;
+                row[x] = sy >= 0 && sy < t.h && sx >= 0 && sx < t.w
+                             ? tmp[((size_t)c * t.h + sy) * t.w + sx]
+                             : 0;
+            }
+        }
+}
+
 static void fill(stk_loader *l, void *ctx, slot *sl)
 {
     /* Start every record's cache misses before the first copy waits on
@@ -225,6 +263,19 @@ static void fill(stk_loader *l, void *ctx, slot *sl)
         if (sl->rc)
             sl->err = e;
     }
+    if (sl->rc || (!l->o.aug_pad && !l->o.aug_flip))
+        return;
+    uint8_t *tmp = malloc(l->sample_bytes);
+    if (!tmp) {
+        sl->rc = stk_fail(&sl->err, STK_ENOMEM, "out of memory");
+        return;
+    }
+    uint64_t epoch, batch;
+    seq_pos(l, sl->seq, &epoch, &batch);
+    for (int i = 0; i < sl->n; i++)
+        augment(l, epoch, sl->indices[i],
+                sl->data + (size_t)i * l->sample_bytes, tmp);
+    free(tmp);
 }
 
 static void *worker_main(void *arg)
@@ -285,6 +336,10 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
     if (o->prefetch < 1 || o->prefetch > 1024)
         return stk_fail(err, STK_EINVAL, "prefetch must be 1..1024, not %d",
                         o->prefetch);
+    if (o->aug_pad < 0 || o->aug_pad > 4096)
+        return stk_fail(err, STK_EINVAL,
+                        "augmentation padding must be 0..4096, not %d",
+                        o->aug_pad);
     if (!o->split)
         o->split = "train";
     return 0;
@@ -408,6 +463,9 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     l->ops = &store_ops;
     l->store = store;
     l->sample_bytes = stk_meta_sample_bytes(stk_store_meta(store));
+    l->c = stk_store_meta(store)->channels;
+    l->h = stk_store_meta(store)->height;
+    l->w = stk_store_meta(store)->width;
     l->nclasses = stk_store_meta(store)->nclasses;
     l->t_open = stk_now(); /* indexing the split counts toward first batch */
     /* the view checks that the split exists and knows its size */
@@ -435,15 +493,15 @@ int stk_loader_open_raw(const stk_source *src, int split,
     l->src = src;
     l->src_split = split;
     l->sample_bytes = (size_t)c * h * w;
+    l->c = c, l->h = h, l->w = w;
     return finish_open(l, stk_source_split_count(src, split), out, err);
 }
 
 /* ---- consuming --------------------------------------------------------- */
 
-/* Waits until slot holds seq, filling it here when there are no workers
- * (mu held). */
 /* Waits (until `deadline` on stk_now's clock; 0: for ever) for slot sl
- * to hold batch seq; STK_ETIMEDOUT, with no message, when it passed. */
+ * to hold batch seq, filling it here when there are no workers (mu held);
+ * STK_ETIMEDOUT, with no message, when the deadline passed. */
 static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
                       stk_err *err)
 {

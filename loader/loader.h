@@ -49,6 +49,11 @@ int stk_sampler_shard(const stk_sampler *s, uint64_t epoch, uint64_t *out);
 
 /* ---- the loader -------------------------------------------------------- */
 
+/* The augmentation's Philox key for a seed: train's (its dropout key,
+ * {seed, seed >> 32 ^ 0x5bd1e995}) with train's augmentation change, so
+ * the loader draws the crops and flips `train --augment --seed S` does. */
+void stk_loader_aug_key(uint64_t seed, uint32_t key[2]);
+
 /* Host memory for the batch ring: page-locked on CUDA (cudaHostAlloc),
  * aligned memory on CPU. NULL functions mean aligned_alloc / free. */
 typedef struct stk_host_alloc {
@@ -69,6 +74,13 @@ typedef struct stk_loader_opts {
     bool uneven;          /* see stk_sampler; an empty shard is no error:
                              each stk_loader_next returns 0 (an epoch ended) */
     int rank, world;      /* world 0 means 1 */
+    int aug_pad;          /* augmentation in the workers (train
+                             --augment's, on uint8): a random crop with this
+                             much zero padding; 0: none */
+    bool aug_flip;        /* and a random horizontal flip; both drawn by
+                             stk_transform_draw keyed by the seed
+                             (stk_loader_aug_key), stream the epoch, counter
+                             the sample's index */
     uint64_t start_epoch; /* resume position (see stk_loader_position) */
     uint64_t start_batch;
     stk_host_alloc host;

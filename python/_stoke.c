@@ -1,0 +1,861 @@
+/* _stoke.c - the CPython extension under `import stoke`: a database
+ * (stoke.open), the loader's ring of batches (stoke.Loader) and prep
+ * (stoke.prep), over the C libraries in store/, loader/ and preprocess/.
+ * The Python layer (stoke/__init__.py) shapes what these return into NumPy
+ * arrays and torch tensors.
+ *
+ * Every call that can block releases the GIL, and waits are cut into
+ * slices between which Ctrl-C is looked for, so that it raises
+ * KeyboardInterrupt at once. A batch handed to Python is a Batch object
+ * exporting the ring buffer it lives in: the buffer goes back to the ring
+ * only when the last view of it (an array, a tensor) is gone, so a view is
+ * never overwritten under its holder; a loader whose every buffer is held
+ * stops with an error instead. docs/python.md. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "loader/loader.h"
+#include "preprocess/preprocess.h"
+#include "store/store.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* How long a wait runs before Python gets to look for signals. */
+#define WAIT_SLICE 0.05
+
+/* stoke.Error and its two kinds: ArgumentError (also a ValueError: a bad
+ * argument, a split that does not exist) and DatabaseError (also an
+ * OSError: a missing, incomplete or damaged database, a failed write).
+ * Created once when the module loads, never changed. */
+static PyObject *Error, *ArgumentError, *DatabaseError;
+
+/* Raises the stoke error for a C library failure, carrying its one-line
+ * message and its code's name (e.code, "STK_ENOENT"). */
+static PyObject *raise_stk(int code, const stk_err *err)
+{
+    const char *msg = err && err->msg[0] ? err->msg : stk_strerror(code);
+    if (code == STK_ENOMEM)
+        return PyErr_Format(PyExc_MemoryError, "%s", msg);
+    PyObject *type = code == STK_EINVAL || code == STK_ERANGE ||
+                             code == STK_EUNSUPPORTED
+                         ? ArgumentError
+                         : DatabaseError;
+    PyObject *e = PyObject_CallFunction(type, "s", msg);
+    if (!e)
+        return NULL;
+    PyObject *name = PyUnicode_FromString(stk_err_name(code));
+    if (!name || PyObject_SetAttrString(e, "code", name) < 0) {
+        Py_XDECREF(name);
+        Py_DECREF(e);
+        return NULL;
+    }
+    Py_DECREF(name);
+    PyErr_SetObject(type, e);
+    Py_DECREF(e);
+    return NULL;
+}
+
+static PyObject *raise_arg(const char *fmt, ...)
+{
+    stk_err err;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err.msg, sizeof err.msg, fmt, ap);
+    va_end(ap);
+    return raise_stk(STK_EINVAL, &err);
+}
+
+/* ---- Database: the metadata and records of a database ----------------- */
+
+typedef struct {
+    PyObject_HEAD
+    char *path;
+    pid_t pid; /* the process that opened store (LMDB: not after fork) */
+    stk_store *store;
+    stk_view *views[STK_MAX_SPLITS]; /* opened on first use */
+} DatabaseObject;
+
+static int db_open_here(DatabaseObject *self)
+{
+    stk_err err = {0};
+    int rc;
+    stk_store *s = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = stk_store_open(self->path, 0, &s, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        raise_stk(rc, &err);
+        return -1;
+    }
+    self->store = s;
+    self->pid = getpid();
+    memset(self->views, 0, sizeof self->views);
+    return 0;
+}
+
+/* The store, reopened in a child after fork: the parent's LMDB handles are
+ * the parent's (LMDB: an environment must not be used after fork), so the
+ * child leaves them alone, unclosed, and opens its own. */
+static stk_store *db_store(DatabaseObject *self)
+{
+    if (!self->store) {
+        raise_arg("database %s is closed", self->path);
+        return NULL;
+    }
+    if (self->pid != getpid() && db_open_here(self) < 0)
+        return NULL;
+    return self->store;
+}
+
+static int db_init(DatabaseObject *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"path", NULL};
+    PyObject *path;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&", names,
+                                     PyUnicode_FSConverter, &path))
+        return -1;
+    if (self->path) {
+        PyErr_SetString(PyExc_TypeError, "Database is already initialised");
+        Py_DECREF(path);
+        return -1;
+    }
+    self->path = strdup(PyBytes_AS_STRING(path));
+    Py_DECREF(path);
+    if (!self->path) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return db_open_here(self);
+}
+
+static void db_close_here(DatabaseObject *self)
+{
+    if (self->store && self->pid == getpid()) {
+        for (int i = 0; i < STK_MAX_SPLITS; i++)
+            stk_view_close(self->views[i]);
+        stk_store_close(self->store);
+    }
+    self->store = NULL;
+    memset(self->views, 0, sizeof self->views);
+}
+
+static void db_dealloc(DatabaseObject *self)
+{
+    db_close_here(self);
+    free(self->path);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *db_close(DatabaseObject *self, PyObject *unused)
+{
+    (void)unused;
+    db_close_here(self);
+    Py_RETURN_NONE;
+}
+
+/* The view of a split, by name; an unknown name is an ArgumentError that
+ * lists the splits there are. */
+static stk_view *db_view(DatabaseObject *self, const char *split)
+{
+    stk_store *s = db_store(self);
+    if (!s)
+        return NULL;
+    const stk_meta *m = stk_store_meta(s);
+    int k = stk_meta_split(m, split);
+    if (k < 0) {
+        char have[STK_MAX_SPLITS * (STK_SPLIT_NAME_MAX + 4)] = "";
+        for (int i = 0; i < m->nsplits; i++) {
+            strcat(have, i ? ", \"" : "\"");
+            strcat(have, m->splits[i].name);
+            strcat(have, "\"");
+        }
+        raise_arg("database %s has no split \"%s\" (it has %s)", self->path,
+                  split, have);
+        return NULL;
+    }
+    if (!self->views[k]) {
+        stk_err err = {0};
+        int rc;
+        stk_view *v = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        rc = stk_view_open(s, split, &v, &err);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            raise_stk(rc, &err);
+            return NULL;
+        }
+        self->views[k] = v;
+    }
+    return self->views[k];
+}
+
+/* get(split, index) -> (bytes of the C*H*W pixels, label) */
+static PyObject *db_get(DatabaseObject *self, PyObject *args)
+{
+    const char *split;
+    unsigned long long index;
+    if (!PyArg_ParseTuple(args, "sK", &split, &index))
+        return NULL;
+    stk_view *v = db_view(self, split);
+    if (!v)
+        return NULL;
+    if (index >= stk_view_count(v)) {
+        PyErr_Format(PyExc_IndexError,
+                     "split \"%s\" of %s has %llu records, not index %llu",
+                     split, self->path,
+                     (unsigned long long)stk_view_count(v), index);
+        return NULL;
+    }
+    stk_record rec;
+    stk_err err = {0};
+    int rc = stk_view_get(v, index, &rec, &err);
+    if (rc)
+        return raise_stk(rc, &err);
+    return Py_BuildValue("(y#i)", (const char *)rec.data,
+                         (Py_ssize_t)rec.nbytes, (int)rec.label);
+}
+
+static PyObject *doubles(const double *v, int n)
+{
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *f = PyFloat_FromDouble(v[i]);
+        if (!f) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, f);
+    }
+    return list;
+}
+
+static PyObject *split_dict(const stk_meta *m, const stk_split_meta *s)
+{
+    PyObject *counts = PyList_New(m->nclasses);
+    for (int i = 0; counts && i < m->nclasses; i++) {
+        PyObject *c = PyLong_FromUnsignedLongLong(s->label_counts[i]);
+        if (!c) {
+            Py_CLEAR(counts);
+            break;
+        }
+        PyList_SET_ITEM(counts, i, c);
+    }
+    if (!counts)
+        return NULL;
+    return Py_BuildValue("{s:K,s:N,s:N,s:N,s:K}", "count",
+                         (unsigned long long)s->count, "mean",
+                         doubles(s->mean, m->channels), "std",
+                         doubles(s->std, m->channels), "label_counts", counts,
+                         "skipped", (unsigned long long)s->nskipped);
+}
+
+/* meta() -> the metadata as a dict (docs/formats.md names its fields) */
+static PyObject *db_meta(DatabaseObject *self, PyObject *unused)
+{
+    (void)unused;
+    stk_store *st = db_store(self);
+    if (!st)
+        return NULL;
+    const stk_meta *m = stk_store_meta(st);
+    PyObject *classes = PyList_New(m->nclasses), *splits = PyDict_New();
+    if (!classes || !splits)
+        goto fail;
+    for (int i = 0; i < m->nclasses; i++) {
+        PyObject *name = PyUnicode_FromString(m->classes[i]);
+        if (!name)
+            goto fail;
+        PyList_SET_ITEM(classes, i, name);
+    }
+    for (int k = 0; k < m->nsplits; k++) {
+        PyObject *d = split_dict(m, &m->splits[k]);
+        if (!d || PyDict_SetItemString(splits, m->splits[k].name, d) < 0) {
+            Py_XDECREF(d);
+            goto fail;
+        }
+        Py_DECREF(d);
+    }
+    return Py_BuildValue(
+        "{s:s,s:(iii),s:N,s:N,s:s,s:s,s:s,s:s}", "path", self->path, "shape",
+        m->channels, m->height, m->width, "classes", classes, "splits", splits,
+        "source_path", m->source_path ? m->source_path : "", "source_format",
+        m->source_format ? m->source_format : "", "tool",
+        m->tool ? m->tool : "", "created", m->created ? m->created : "");
+fail:
+    Py_XDECREF(classes);
+    Py_XDECREF(splits);
+    return NULL;
+}
+
+static PyMethodDef db_methods[] = {
+    {"get", (PyCFunction)db_get, METH_VARARGS,
+     "get(split, index) -> (pixels: bytes, label: int)"},
+    {"meta", (PyCFunction)db_meta, METH_NOARGS, "meta() -> dict"},
+    {"close", (PyCFunction)db_close, METH_NOARGS,
+     "close(): frees the LMDB handles (later calls raise)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject DatabaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Database",
+    .tp_basicsize = sizeof(DatabaseObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Database(path): a complete stoke database, read-only",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)db_init,
+    .tp_dealloc = (destructor)db_dealloc,
+    .tp_methods = db_methods,
+};
+
+/* ---- Ring: the loader's workers and ring of batches -------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    stk_store *store;
+    stk_loader *loader;
+    PyObject *alloc; /* Python allocator of ring memory (pinned), or NULL */
+    PyObject *keep;  /* address -> what keeps that memory */
+    int held;        /* Batch objects alive */
+    int busy;        /* next() calls waiting with the GIL released */
+    bool closing;    /* close() asked; done when held and busy reach 0 */
+    int c, h, w;
+} RingObject;
+
+static void ring_close_now(RingObject *self)
+{
+    stk_loader_close(self->loader); /* calls host_free: the GIL is held */
+    stk_store_close(self->store);
+    self->loader = NULL;
+    self->store = NULL;
+    Py_CLEAR(self->keep);
+    Py_CLEAR(self->alloc);
+}
+
+/* The ring memory through the Python allocator: it returns (address,
+ * keeper); the keeper lives in self->keep until host_free. Called by
+ * stk_loader_open and stk_loader_close, with the GIL held. */
+static void *host_alloc(size_t bytes, void *ctx)
+{
+    RingObject *self = ctx;
+    PyObject *r = PyObject_CallFunction(self->alloc, "n", (Py_ssize_t)bytes);
+    if (!r)
+        return NULL;
+    void *p = NULL;
+    PyObject *addr = NULL;
+    if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2)
+        addr = PyTuple_GET_ITEM(r, 0);
+    if (addr && PyLong_Check(addr))
+        p = PyLong_AsVoidPtr(addr);
+    if (p && PyDict_SetItem(self->keep, addr, PyTuple_GET_ITEM(r, 1)) < 0)
+        p = NULL;
+    if (!p && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError,
+                        "the loader's allocator must return (address, keeper)");
+    Py_DECREF(r);
+    return p;
+}
+
+static void host_free(void *p, void *ctx)
+{
+    RingObject *self = ctx;
+    PyObject *addr = PyLong_FromVoidPtr(p);
+    if (addr && PyDict_DelItem(self->keep, addr) < 0)
+        PyErr_Clear();
+    Py_XDECREF(addr);
+}
+
+static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"path",    "split",       "batch_size",
+                            "shuffle", "drop_last",   "seed",
+                            "workers", "prefetch",    "rank",
+                            "world",   "start_epoch", "start_batch",
+                            "uneven",  "pad",         "flip",
+                            "alloc",   NULL};
+    PyObject *path, *alloc = Py_None;
+    const char *split = "train";
+    int shuffle = 1, drop_last = 0, uneven = 0, flip = 0;
+    unsigned long long seed = 0, start_epoch = 0, start_batch = 0;
+    stk_loader_opts o = {.batch_size = 0};
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kw, "O&si|ppKiiiiKKpipO", names, PyUnicode_FSConverter,
+            &path, &split, &o.batch_size, &shuffle, &drop_last, &seed,
+            &o.workers, &o.prefetch, &o.rank, &o.world, &start_epoch,
+            &start_batch, &uneven, &o.aug_pad, &flip, &alloc))
+        return -1;
+    if (self->loader || self->store) {
+        Py_DECREF(path);
+        PyErr_SetString(PyExc_TypeError, "Ring is already initialised");
+        return -1;
+    }
+    o.split = split;
+    o.shuffle = shuffle;
+    o.drop_last = drop_last;
+    o.uneven = uneven;
+    o.aug_flip = flip;
+    o.seed = seed;
+    o.start_epoch = start_epoch;
+    o.start_batch = start_batch;
+    if (alloc != Py_None) {
+        if (!(self->keep = PyDict_New())) {
+            Py_DECREF(path);
+            return -1;
+        }
+        Py_INCREF(alloc);
+        self->alloc = alloc;
+        o.host = (stk_host_alloc){host_alloc, host_free, self};
+    }
+    stk_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = stk_store_open(PyBytes_AS_STRING(path), 0, &self->store, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path);
+    if (rc) {
+        raise_stk(rc, &err);
+        return -1;
+    }
+    if (self->alloc) { /* the allocator is Python: keep the GIL */
+        rc = stk_loader_open(self->store, &o, &self->loader, &err);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = stk_loader_open(self->store, &o, &self->loader, &err);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc) {
+        if (!PyErr_Occurred())
+            raise_stk(rc, &err);
+        stk_store_close(self->store);
+        self->store = NULL;
+        return -1;
+    }
+    const stk_meta *m = stk_store_meta(self->store);
+    self->c = m->channels;
+    self->h = m->height;
+    self->w = m->width;
+    return 0;
+}
+
+static void ring_dealloc(RingObject *self)
+{
+    /* no Batch is alive (each holds the ring), nor a next() (it holds
+     * self): nothing uses the ring any more */
+    if (self->loader || self->store)
+        ring_close_now(self);
+    Py_XDECREF(self->keep);
+    Py_XDECREF(self->alloc);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Ends the loader once nothing uses it: now, or when the last batch view
+ * or waiting next() is gone. */
+static void ring_settle(RingObject *self)
+{
+    if (self->closing && !self->held && !self->busy && self->loader)
+        ring_close_now(self);
+}
+
+static PyObject *ring_close(RingObject *self, PyObject *unused)
+{
+    (void)unused;
+    self->closing = true;
+    ring_settle(self);
+    Py_RETURN_NONE;
+}
+
+/* ---- Batch: one batch's images, a view into the ring ------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    RingObject *ring; /* strong: the ring outlives its batches */
+    stk_batch b;
+} BatchObject;
+
+static void batch_dealloc(BatchObject *self)
+{
+    RingObject *r = self->ring;
+    if (r) {
+        stk_loader_release(r->loader, &self->b);
+        r->held--;
+        ring_settle(r);
+        Py_DECREF(r);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The images as n*C*H*W bytes (uint8 N, C, H, W), writable: the batch is
+ * its holder's until every view of it is gone. */
+static int batch_getbuffer(BatchObject *self, Py_buffer *view, int flags)
+{
+    size_t len = (size_t)self->b.n * self->b.sample_bytes;
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->b.data,
+                             (Py_ssize_t)len, 0, flags);
+}
+
+static PyBufferProcs batch_buffer = {
+    .bf_getbuffer = (getbufferproc)batch_getbuffer,
+};
+
+static PyTypeObject BatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Batch",
+    .tp_basicsize = sizeof(BatchObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the images of one batch, in the loader's ring until every "
+              "view of them is gone",
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_as_buffer = &batch_buffer,
+};
+
+static PyObject *ring_closed(void)
+{
+    return raise_arg("the loader is closed");
+}
+
+/* next() -> None at the end of an epoch (the next call starts the next
+ * one), else (images: Batch, labels: bytes of int32, indices: bytes of
+ * uint64, epoch, index). */
+static PyObject *ring_next(RingObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->closing || !self->loader)
+        return ring_closed();
+    stk_batch b;
+    stk_err err = {0};
+    int rc;
+    self->busy++;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = stk_loader_next_for(self->loader, &b, WAIT_SLICE, &err);
+        Py_END_ALLOW_THREADS
+        if (rc != STK_ETIMEDOUT || self->closing || PyErr_CheckSignals() < 0)
+            break;
+    }
+    self->busy--;
+    if (rc == 1 && self->closing) /* closed from another thread meanwhile */
+        stk_loader_release(self->loader, &b);
+    if (self->closing) {
+        ring_settle(self);
+        return PyErr_Occurred() ? NULL : ring_closed();
+    }
+    if (rc == STK_ETIMEDOUT) /* a signal handler raised */
+        return NULL;
+    if (rc < 0)
+        return raise_stk(rc, &err);
+    if (rc == 0)
+        Py_RETURN_NONE;
+    BatchObject *bo = PyObject_New(BatchObject, &BatchType);
+    if (!bo) {
+        stk_loader_release(self->loader, &b);
+        return NULL;
+    }
+    Py_INCREF(self);
+    bo->ring = self;
+    bo->b = b;
+    self->held++;
+    return Py_BuildValue("(Ny#y#KK)", (PyObject *)bo, (const char *)b.labels,
+                         (Py_ssize_t)b.n * 4, (const char *)b.indices,
+                         (Py_ssize_t)b.n * 8, (unsigned long long)b.epoch,
+                         (unsigned long long)b.index);
+}
+
+static PyObject *ring_position(RingObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->loader)
+        return ring_closed();
+    stk_loader_pos p = stk_loader_position(self->loader);
+    return Py_BuildValue("(KK)", (unsigned long long)p.epoch,
+                         (unsigned long long)p.batch);
+}
+
+static PyObject *ring_stats(RingObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->loader)
+        return ring_closed();
+    stk_loader_stats s;
+    stk_loader_stats_get(self->loader, &s);
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:N}", "batches",
+        (unsigned long long)s.batches, "samples",
+        (unsigned long long)s.samples, "bytes", (unsigned long long)s.bytes,
+        "elapsed", s.elapsed, "first_batch", s.first_batch, "wait", s.wait,
+        "samples_per_s", s.samples_per_s, "bytes_per_s", s.bytes_per_s,
+        "stall", s.stall, "workers", s.workers, "busy",
+        doubles(s.busy, s.workers));
+}
+
+static PyObject *ring_info(RingObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->loader)
+        return ring_closed();
+    return Py_BuildValue("{s:K,s:i,s:(iii)}", "batches",
+                         (unsigned long long)stk_loader_batches(self->loader),
+                         "slots", stk_loader_slots(self->loader), "shape",
+                         self->c, self->h, self->w);
+}
+
+static PyMethodDef ring_methods[] = {
+    {"next", (PyCFunction)ring_next, METH_NOARGS,
+     "next() -> None at an epoch's end, else (images, labels, indices, "
+     "epoch, index)"},
+    {"position", (PyCFunction)ring_position, METH_NOARGS,
+     "position() -> (epoch, batch) of the next batch"},
+    {"stats", (PyCFunction)ring_stats, METH_NOARGS, "stats() -> dict"},
+    {"info", (PyCFunction)ring_info, METH_NOARGS,
+     "info() -> {batches per epoch, slots, shape}"},
+    {"close", (PyCFunction)ring_close, METH_NOARGS,
+     "close(): stops the workers and frees the ring once no batch view "
+     "is left"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(path, split, batch_size, ...): the loader's workers and "
+              "its ring of batches (stoke.Loader wraps it)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ring_init,
+    .tp_dealloc = (destructor)ring_dealloc,
+    .tp_methods = ring_methods,
+};
+
+/* ---- prep ---------------------------------------------------------------- */
+
+typedef struct prep_call {
+    const char *raw, *db;
+    stk_prep_opts o;
+    stk_prep_summary sum;
+    stk_err err;
+    int rc;
+    volatile sig_atomic_t cancel;
+    PyObject *progress; /* callable(split, done, total, skipped, seconds) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+} prep_call;
+
+/* From prep's writer thread: the Python callback, under the GIL. A
+ * callback that raises stops the run (the exception is reported). */
+static void on_progress(const stk_prep_progress *p, void *arg)
+{
+    prep_call *c = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = PyObject_CallFunction(
+        c->progress, "sKKKd", p->split ? p->split : "",
+        (unsigned long long)p->done, (unsigned long long)p->total,
+        (unsigned long long)p->skipped, p->seconds);
+    if (!r) {
+        PyErr_WriteUnraisable(c->progress);
+        c->cancel = 1;
+    }
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
+static void *prep_thread(void *v)
+{
+    prep_call *c = v;
+    c->rc = stk_prep_run(c->raw, c->db, &c->o, &c->sum, &c->err);
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Waits for the prep thread in slices, Ctrl-C asking it to stop (it
+ * leaves the database directory as it was); returns -1 when a signal
+ * handler raised. */
+static int prep_wait(prep_call *c, pthread_t t)
+{
+    int raised = 0;
+    for (bool done = false; !done;) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += (long)(WAIT_SLICE * 1e9);
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        pthread_mutex_lock(&c->mu);
+        if (!c->done)
+            pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+        done = c->done;
+        pthread_mutex_unlock(&c->mu);
+        Py_END_ALLOW_THREADS
+        if (!done && !raised && PyErr_CheckSignals() < 0) {
+            raised = 1;
+            c->cancel = 1;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(t, NULL);
+    Py_END_ALLOW_THREADS
+    return raised ? -1 : 0;
+}
+
+static PyObject *summary_dict(const stk_prep_summary *s)
+{
+    PyObject *splits = PyDict_New();
+    for (int k = 0; splits && k < s->nsplits; k++) {
+        PyObject *v = Py_BuildValue("{s:K,s:K}", "count",
+                                    (unsigned long long)s->count[k], "skipped",
+                                    (unsigned long long)s->skipped[k]);
+        if (!v || PyDict_SetItemString(splits, s->split[k], v) < 0)
+            Py_CLEAR(splits);
+        Py_XDECREF(v);
+    }
+    if (!splits)
+        return NULL;
+    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii)}", "splits", splits,
+                         "samples", (unsigned long long)s->samples, "bytes",
+                         (unsigned long long)s->bytes, "seconds", s->seconds,
+                         "shape", s->channels, s->height, s->width);
+}
+
+static int parse_format(const char *name, stk_src_format *out)
+{
+    static const char *names[] = {"auto", "idx", "cifar", "folder"};
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(name, names[i])) {
+            *out = (stk_src_format)i;
+            return 0;
+        }
+    raise_arg("format must be auto, idx, cifar or folder, not \"%s\"", name);
+    return -1;
+}
+
+/* prep(raw_dir, db_dir, workers, size, channels, format, force, skip_bad,
+ *      created, progress) -> summary dict */
+static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
+{
+    (void)mod;
+    static char *names[] = {"raw_dir", "db_dir",   "workers", "size",
+                            "channels", "format",  "force",   "skip_bad",
+                            "created",  "progress", NULL};
+    PyObject *raw, *db, *progress = Py_None;
+    const char *format = "auto", *created = NULL;
+    prep_call c = {.o = {.workers = 1}};
+    int force = 0, skip_bad = 0;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kw, "O&O&|iiispppzO", names, PyUnicode_FSConverter, &raw,
+            PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
+            &c.o.source.channels, &format, &force, &skip_bad, &created,
+            &progress))
+        return NULL;
+    PyObject *result = NULL;
+    if (parse_format(format, &c.o.source.format) < 0)
+        goto out;
+    c.raw = PyBytes_AS_STRING(raw);
+    c.db = PyBytes_AS_STRING(db);
+    c.o.force = force;
+    c.o.skip_bad = skip_bad;
+    c.o.created = created;
+    c.o.cancel = &c.cancel;
+    if (progress != Py_None) {
+        c.progress = progress;
+        c.o.progress = on_progress;
+        c.o.progress_arg = &c;
+    }
+    pthread_mutex_init(&c.mu, NULL);
+    pthread_cond_init(&c.cv, NULL);
+    pthread_t t;
+    if (pthread_create(&t, NULL, prep_thread, &c)) {
+        PyErr_SetString(PyExc_OSError, "prep: cannot start a thread");
+    } else if (prep_wait(&c, t) == 0) {
+        if (c.rc == STK_ECANCELED && !PyErr_Occurred())
+            raise_arg("prep was canceled; %s was left as it was", c.db);
+        else if (c.rc)
+            raise_stk(c.rc, &c.err);
+        else
+            result = summary_dict(&c.sum);
+    }
+    pthread_cond_destroy(&c.cv);
+    pthread_mutex_destroy(&c.mu);
+out:
+    Py_DECREF(raw);
+    Py_DECREF(db);
+    return result;
+}
+
+/* ---- the module ---------------------------------------------------------- */
+
+static PyMethodDef module_methods[] = {
+    {"prep", (PyCFunction)(void (*)(void))py_prep,
+     METH_VARARGS | METH_KEYWORDS,
+     "prep(raw_dir, db_dir, workers=1, size=0, channels=0, format='auto', "
+     "force=False, skip_bad=False, created=None, progress=None) -> summary"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "stoke._stoke",
+    .m_doc = "stoke's C core; use the stoke package", .m_size = -1,
+    .m_methods = module_methods};
+
+static PyObject *new_error(const char *name, PyObject *bases, const char *doc)
+{
+    return PyErr_NewExceptionWithDoc(name, doc, bases, NULL);
+}
+
+static int add_errors(PyObject *m)
+{
+    Error = new_error("stoke.Error", NULL,
+                      "A stoke failure: str(e) is the C library's one-line "
+                      "message, e.code its name (\"STK_ENOENT\").");
+    PyObject *b1 = Error ? PyTuple_Pack(2, Error, PyExc_ValueError) : NULL;
+    PyObject *b2 = Error ? PyTuple_Pack(2, Error, PyExc_OSError) : NULL;
+    if (b1)
+        ArgumentError = new_error(
+            "stoke.ArgumentError", b1,
+            "A bad argument: a split that does not exist, a batch size of "
+            "0, a rank outside the world (also a ValueError).");
+    if (b2)
+        DatabaseError = new_error(
+            "stoke.DatabaseError", b2,
+            "A database that is missing, incomplete or damaged, or a failed "
+            "read or write (also an OSError).");
+    Py_XDECREF(b1);
+    Py_XDECREF(b2);
+    if (!ArgumentError || !DatabaseError)
+        return -1;
+    Py_INCREF(Error);
+    Py_INCREF(ArgumentError);
+    Py_INCREF(DatabaseError);
+    if (PyModule_AddObject(m, "Error", Error) < 0 ||
+        PyModule_AddObject(m, "ArgumentError", ArgumentError) < 0 ||
+        PyModule_AddObject(m, "DatabaseError", DatabaseError) < 0)
+        return -1;
+    return 0;
+}
+
+static int add_type(PyObject *m, PyTypeObject *t, const char *name)
+{
+    if (PyType_Ready(t) < 0)
+        return -1;
+    Py_INCREF(t);
+    if (PyModule_AddObject(m, name, (PyObject *)t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__stoke(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    if (add_errors(m) < 0 || add_type(m, &DatabaseType, "Database") < 0 ||
+        add_type(m, &RingType, "Ring") < 0 ||
+        PyType_Ready(&BatchType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WORKERS", STK_LOADER_MAX_WORKERS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

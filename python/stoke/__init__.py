@@ -1,0 +1,488 @@
+"""stoke for PyTorch users: a stoke database as a dataset, and its loader.
+
+    import stoke
+    stoke.prep("raw/", "db/")                  # decode once, write LMDB
+    db = stoke.open("db/")                     # splits, shape, classes, mean/std
+    image, label = db["train"][0]              # uint8 (C, H, W) array, int
+    for images, labels in stoke.Loader("db/", batch_size=256, as_torch=True):
+        ...                                    # uint8 (N, C, H, W), int64 (N,)
+
+The loader's batches are views of its ring buffers, not copies: a batch
+stays valid for as long as any view of it (an array, a tensor) is alive,
+and its buffer is reused only after the last view is gone. A loop that
+keeps more batches than the ring holds (prefetch) stops with a
+stoke.ArgumentError saying so; pass copy=True to get batches of your own.
+docs/python.md has a whole training loop, its DDP variant and a comparison
+with torch.utils.data.DataLoader.
+"""
+import collections
+import datetime
+import os
+import sys
+
+import numpy as np
+
+from . import _stoke
+from ._stoke import ArgumentError, DatabaseError, Error
+
+__all__ = ["open", "Database", "Split", "Loader", "prep", "Error",
+           "ArgumentError", "DatabaseError"]
+__version__ = "0.1.0"
+
+_open = open  # the builtin, before stoke.open shadows it here
+
+
+def open(db_dir):  # noqa: A001 - stoke.open, as the docs name it
+    """Opens a complete stoke database (read-only): a Database."""
+    return Database(db_dir)
+
+
+class Database:
+    """A stoke database: its splits by name (db["train"]), the sample shape,
+    the class names, per-split counts and per-channel mean and std (of the
+    pixel values over 255, as torchvision's Normalize wants them).
+
+    Safe to use after fork (DataLoader workers): a child reopens the LMDB
+    environment on first use; pickling (spawn) carries the path only."""
+
+    def __init__(self, db_dir):
+        self.path = os.fspath(db_dir)
+        self._db = _stoke.Database(self.path)
+        self._meta = self._db.meta()
+        self._splits = {}
+
+    # -- what the database holds --
+    @property
+    def shape(self):
+        """(C, H, W) of every sample."""
+        return tuple(self._meta["shape"])
+
+    @property
+    def classes(self):
+        """Class names, by label."""
+        return list(self._meta["classes"])
+
+    @property
+    def num_classes(self):
+        return len(self._meta["classes"])
+
+    @property
+    def splits(self):
+        """Split names, in the database's order."""
+        return list(self._meta["splits"])
+
+    @property
+    def meta(self):
+        """The whole metadata (docs/formats.md) as a dict."""
+        return self._meta
+
+    def counts(self):
+        """{split: records}"""
+        return {k: v["count"] for k, v in self._meta["splits"].items()}
+
+    def mean(self, split="train"):
+        """Per-channel mean of a split's pixels / 255."""
+        return tuple(self._split_meta(split)["mean"])
+
+    def std(self, split="train"):
+        """Per-channel standard deviation of a split's pixels / 255."""
+        return tuple(self._split_meta(split)["std"])
+
+    def _split_meta(self, split):
+        try:
+            return self._meta["splits"][split]
+        except KeyError:
+            raise ArgumentError(
+                'database %s has no split "%s" (it has %s)'
+                % (self.path, split, ", ".join('"%s"' % s for s in self.splits))
+            ) from None
+
+    def __getitem__(self, split):
+        if split not in self._splits:
+            self._split_meta(split)
+            self._splits[split] = Split(self, split)
+        return self._splits[split]
+
+    def __contains__(self, split):
+        return split in self._meta["splits"]
+
+    def __iter__(self):
+        return iter(self.splits)
+
+    def __len__(self):
+        return len(self.splits)
+
+    def __repr__(self):
+        c, h, w = self.shape
+        return "stoke.Database(%r: %s, %dx%dx%d, %d classes)" % (
+            self.path, ", ".join("%s %d" % kv for kv in self.counts().items()),
+            c, h, w, self.num_classes)
+
+    # -- lifetime --
+    def close(self):
+        """Frees the LMDB handles; the database is unusable afterwards."""
+        self._db.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __getstate__(self):
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+class Split:
+    """One split of a database as a map-style dataset: split[i] is
+    (image, label), the image a read-only uint8 NumPy array (C, H, W).
+    torch.utils.data.DataLoader accepts it, with workers too."""
+
+    def __init__(self, db, name):
+        self._dbw = db
+        self.name = name
+        self.shape = db.shape
+        self._len = db.meta["splits"][name]["count"]
+
+    def __len__(self):
+        return self._len
+
+    def __getitem__(self, i):
+        try:
+            i = i.__index__()
+        except AttributeError:
+            raise TypeError("split indices are integers, not %s"
+                            % type(i).__name__) from None
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError('split "%s" has %d records, not index %d'
+                             % (self.name, self._len, i))
+        pixels, label = self._dbw._db.get(self.name, i)
+        image = np.frombuffer(pixels, dtype=np.uint8).reshape(self.shape)
+        return image, label
+
+    @property
+    def labels(self):
+        """label_counts: records per class."""
+        return list(self._dbw.meta["splits"][self.name]["label_counts"])
+
+    def mean(self):
+        return self._dbw.mean(self.name)
+
+    def std(self):
+        return self._dbw.std(self.name)
+
+    def __repr__(self):
+        return "stoke.Split(%r of %r, %d records)" % (
+            self.name, self._dbw.path, self._len)
+
+    def __getstate__(self):
+        return {"path": self._dbw.path, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(Database(state["path"]), state["name"])
+
+
+def _default_workers():
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _world(rank, world_size):
+    """rank and world size: as given, else the torch.distributed process
+    group (when torch is imported and one is initialised), else the
+    RANK / WORLD_SIZE variables torchrun sets, else 0 of 1."""
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    r = w = None
+    torch = sys.modules.get("torch")  # no import: it takes a second
+    if torch is not None:
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+    if r is None:
+        r = int(os.environ.get("RANK", 0))
+        w = int(os.environ.get("WORLD_SIZE", 1))
+    return (int(rank) if rank is not None else r,
+            int(world_size) if world_size is not None else w)
+
+
+class Loader:
+    """Batches of a split, shuffled by (seed, epoch) as DistributedSampler
+    shuffles, loaded by `workers` C threads into a ring of `prefetch`
+    buffers ahead of the loop.
+
+    Iterating yields (images, labels): a uint8 array (N, C, H, W) and an
+    int32 array (N,), or with as_torch=True a uint8 tensor and an int64
+    tensor. Each `for` over the loader is the next epoch (0, 1, 2, ...)
+    unless set_epoch() or load_state_dict() says otherwise: there is no
+    set_epoch trap. rank and world_size default to the torch.distributed
+    process group, else RANK and WORLD_SIZE, else 0 of 1; each rank sees
+    its own shard, padded to equal lengths (drop_last trims instead;
+    uneven=True gives every sample exactly once over the ranks, for
+    evaluation).
+
+    augment=True applies train --augment's transform in the workers: a
+    random crop with H // 8 pixels of zero padding and a horizontal flip,
+    drawn per (seed, epoch, sample).
+
+    Batches are views of the ring (see the module's doc): copy=True gives
+    copies instead. pin_memory (default: when as_torch and CUDA are there)
+    allocates the ring page-locked through torch, so that .to("cuda",
+    non_blocking=True) copies without staging; a buffer then goes back to
+    the ring only after the CUDA work queued while it was current is done.
+    """
+
+    def __init__(self, db_dir, split="train", batch_size=256, shuffle=True,
+                 drop_last=False, seed=0, workers=None, prefetch=None,
+                 rank=None, world_size=None, augment=False, as_torch=False,
+                 copy=False, pin_memory=None, uneven=False):
+        self.path = os.fspath(db_dir)
+        self.split = split
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.uneven = bool(uneven)
+        self.seed = int(seed)
+        self.workers = _default_workers() if workers is None else int(workers)
+        self.rank, self.world_size = _world(rank, world_size)
+        self.augment = bool(augment)
+        self.as_torch = bool(as_torch)
+        self.copy = bool(copy)
+        if prefetch is None:
+            prefetch = max(4, 2 * self.workers)
+        self.prefetch = int(prefetch)
+        if self.batch_size < 1:
+            raise ArgumentError("batch_size must be >= 1, not %d"
+                                % self.batch_size)
+        self._torch = None
+        if self.as_torch:
+            import torch
+            self._torch = torch
+        if pin_memory is None:
+            pin_memory = bool(self._torch is not None
+                              and self._torch.cuda.is_available())
+        self.pin_memory = bool(pin_memory)
+        self._epoch, self._batch = 0, 0  # the next batch an iteration takes
+        self._inflight = collections.deque()  # (batch, CUDA event)
+        self._ring = None
+        self.shape = tuple(_stoke.Database(self.path).meta()["shape"])
+        self._open_ring()
+        self._len = self._ring.info()["batches"]
+
+    # -- the ring --
+    def _pinned(self, nbytes):
+        t = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return t.data_ptr(), t
+
+    def _open_ring(self):
+        self._close_ring()
+        self._inflight.clear()
+        self._ring = _stoke.Ring(
+            self.path, self.split, self.batch_size, shuffle=self.shuffle,
+            drop_last=self.drop_last, seed=self.seed, workers=self.workers,
+            prefetch=self.prefetch, rank=self.rank, world=self.world_size,
+            start_epoch=self._epoch, start_batch=self._batch,
+            uneven=self.uneven, pad=self.shape[1] // 8 if self.augment else 0,
+            flip=self.augment,
+            alloc=self._pinned if self.pin_memory else None)
+        self._ring_at = (self._epoch, self._batch)
+
+    def _close_ring(self):
+        if self._ring is not None:
+            self._inflight.clear()
+            self._ring.close()
+            self._ring = None
+
+    def _take(self):
+        """The ring's next batch; with pinned memory, waits for the CUDA
+        work that still reads a buffer the ring needs back."""
+        while True:
+            try:
+                return self._ring.next()
+            except ArgumentError as e:
+                if "prefetch buffers are held" not in str(e):
+                    raise
+                if self._inflight:
+                    batch, ev = self._inflight.popleft()
+                    ev.synchronize()
+                    del batch
+                    continue
+                raise ArgumentError(
+                    "%s: the loop keeps views of the last %d batches (a list "
+                    "of batches, or tensors an autograd graph keeps); use "
+                    "Loader(..., copy=True) or a larger prefetch"
+                    % (e, self.prefetch)) from None
+
+    def _retire(self, batch):
+        """Keeps a pinned batch's buffer until the CUDA work queued so far
+        (its copy to the GPU among it) is done."""
+        ev = self._torch.cuda.Event()
+        ev.record()
+        self._inflight.append((batch, ev))
+        while self._inflight and self._inflight[0][1].query():
+            self._inflight.popleft()
+
+    def _convert(self, raw):
+        batch, labels, indices, _, _ = raw
+        images = np.frombuffer(batch, dtype=np.uint8).reshape(
+            (len(labels) // 4,) + self.shape)
+        labels = np.frombuffer(labels, dtype=np.int32)
+        if self.copy:
+            images = images.copy()
+        if self._torch is None:
+            return images, labels
+        if self.pin_memory and not self.copy:
+            self._retire(batch)
+        return (self._torch.from_numpy(images),
+                self._torch.from_numpy(labels.astype(np.int64)))
+
+    # -- iteration --
+    def __iter__(self):
+        if self._ring is None or self._ring_at != (self._epoch, self._batch):
+            self._open_ring()
+        epoch = self._epoch
+        done = False
+        try:
+            while True:
+                raw = self._take()
+                if raw is None:
+                    done = True
+                    break
+                self._batch = raw[4] + 1
+                self._ring_at = (epoch, self._batch)
+                yield self._convert(raw)
+                del raw
+        except KeyboardInterrupt:
+            self._close_ring()  # stops the workers
+            raise
+        finally:
+            # the next iteration is the next epoch, whether this one ran to
+            # its end or the loop left it (break): DataLoader's behaviour
+            self._epoch, self._batch = epoch + 1, 0
+            if done:
+                self._ring_at = (epoch + 1, 0)
+
+    def __len__(self):
+        """Batches per epoch for this rank."""
+        return self._len
+
+    def set_epoch(self, epoch):
+        """Makes the next iteration epoch `epoch` (from its first batch)."""
+        self._epoch, self._batch = int(epoch), 0
+
+    @property
+    def epoch(self):
+        """The epoch the next iteration runs."""
+        return self._epoch
+
+    def state_dict(self):
+        """Where the loader stands: inside an iteration, the batch after the
+        last one taken; load_state_dict() on a loader with the same data
+        settings continues from exactly there."""
+        return {"epoch": self._epoch, "batch": self._batch,
+                "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "rank": self.rank, "world_size": self.world_size,
+                "split": self.split, "samples": self._len}
+
+    def load_state_dict(self, state):
+        """The next iteration continues from state (see state_dict)."""
+        mine = self.state_dict()
+        for k in ("seed", "batch_size", "shuffle", "drop_last", "rank",
+                  "world_size", "split"):
+            if k in state and state[k] != mine[k]:
+                raise ArgumentError(
+                    "state_dict: %s is %r, this loader's is %r: the batches "
+                    "would not continue the saved run" % (k, state[k], mine[k]))
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if not 0 <= batch <= self._len:
+            raise ArgumentError("state_dict: batch %d of an epoch of %d"
+                                % (batch, self._len))
+        if batch == self._len:
+            epoch, batch = epoch + 1, 0
+        self._epoch, self._batch = epoch, batch
+
+    @property
+    def stats(self):
+        """samples/s, stall (the share of time the loop waited for a batch),
+        the time to the first batch and each worker's busy seconds, since
+        the ring was opened."""
+        if self._ring is None:
+            return {}
+        return self._ring.stats()
+
+    def close(self):
+        """Stops the workers; the ring's memory goes once no batch view is
+        left. Iterating again reopens it."""
+        self._close_ring()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self._close_ring()
+        except Exception:
+            pass
+
+
+def _progress_bar(stream):
+    last = [0.0]
+
+    def show(split, done, total, skipped, seconds):
+        if seconds - last[0] < 0.1 and done < total:
+            return
+        last[0] = seconds
+        width = 30
+        filled = int(width * done / total) if total else width
+        rate = done / seconds if seconds > 0 else 0
+        stream.write("\rprep: [%s%s] %d/%d %s %.0f samples/s%s" % (
+            "#" * filled, "." * (width - filled), done, total, split, rate,
+            " (%d skipped)" % skipped if skipped else ""))
+        stream.flush()
+    return show
+
+
+def _created():
+    sde = os.environ.get("SOURCE_DATE_EPOCH")
+    t = (datetime.datetime.fromtimestamp(int(sde), datetime.timezone.utc)
+         if sde and sde.isdigit() else datetime.datetime.now(datetime.timezone.utc))
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
+         format="auto", force=False, skip_bad=False, progress=None):
+    """Converts a raw dataset (IDX, CIFAR binaries, or a folder of images
+    with one sub-folder per class) into a stoke database at db_dir, as the
+    prep command does, with the same guarantees: db_dir is complete or left
+    as it was. workers: decoding threads (default: one per CPU); size: the
+    output side for folders (default 64); channels: 1 or 3 (default: the
+    source's). progress: None draws a bar on a terminal, False nothing, or
+    a callable(split, done, total, skipped, seconds). Returns a summary.
+    """
+    if workers is None:
+        try:
+            workers = len(os.sched_getaffinity(0))
+        except AttributeError:
+            workers = os.cpu_count() or 1
+    if progress is None:
+        progress = _progress_bar(sys.stderr) if sys.stderr.isatty() else False
+    summary = _stoke.prep(
+        os.fspath(raw_dir), os.fspath(db_dir), workers=int(workers),
+        size=int(size or 0), channels=int(channels or 0), format=format,
+        force=bool(force), skip_bad=bool(skip_bad), created=_created(),
+        progress=progress or None)
+    if progress and getattr(progress, "__name__", "") == "show":
+        sys.stderr.write("\n")
+    return summary
