@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 san=${1:-address,undefined}
 dir=build-${san//,/-}
-cmake -S . -B "$dir" -DSTK_SANITIZE="$san" -DSTK_CUDA=OFF -DSTK_WERROR=ON \
+cmake -S . -B "$dir" -DSTK_SANITIZE="$san" -DSTK_CUDA=OFF -DSTK_PYTHON=OFF -DSTK_WERROR=ON \
   -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build "$dir" -j "$(nproc)"
 cd "$dir"
@@ -25,7 +25,7 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=66
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:exitcode=66:suppressions=$(cd .. && pwd)/scripts/tsan.supp"
 # The peer tests (stoke against PyTorch) check numbers, not memory or
 # threads, and take minutes under the sanitizers: the plain run covers them.
-skip=(-LE peer)
+skip=(-LE 'peer|python')
 if [ "$san" = thread ]; then
   # the e2e test, not every name holding "interrupt"; and the fuzz of
   # damaged database files, which runs on one thread (nothing for TSan to

@@ -29,7 +29,18 @@ __all__ = ["open", "Database", "Split", "Loader", "prep", "Error",
            "ArgumentError", "DatabaseError"]
 __version__ = "0.1.0"
 
-_open = open  # the builtin, before stoke.open shadows it here
+
+def _arg_error(msg):
+    """A stoke.ArgumentError raised from Python, with its code as the C
+    library's."""
+    e = ArgumentError(msg)
+    e.code = "STK_EINVAL"
+    return e
+
+
+def _no_split(path, split, splits):
+    return _arg_error('database %s has no split "%s" (it has %s)' % (
+        path, split, ", ".join('"%s"' % s for s in splits)))
 
 
 def open(db_dir):  # noqa: A001 - stoke.open, as the docs name it
@@ -92,10 +103,7 @@ class Database:
         try:
             return self._meta["splits"][split]
         except KeyError:
-            raise ArgumentError(
-                'database %s has no split "%s" (it has %s)'
-                % (self.path, split, ", ".join('"%s"' % s for s in self.splits))
-            ) from None
+            raise _no_split(self.path, split, self.splits) from None
 
     def __getitem__(self, split):
         if split not in self._splits:
@@ -260,8 +268,8 @@ class Loader:
             prefetch = max(4, 2 * self.workers)
         self.prefetch = int(prefetch)
         if self.batch_size < 1:
-            raise ArgumentError("batch_size must be >= 1, not %d"
-                                % self.batch_size)
+            raise _arg_error("batch_size must be >= 1, not %d"
+                             % self.batch_size)
         self._torch = None
         if self.as_torch:
             import torch
@@ -273,7 +281,10 @@ class Loader:
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._ring = None
-        self.shape = tuple(_stoke.Database(self.path).meta()["shape"])
+        meta = _stoke.Database(self.path).meta()
+        if split not in meta["splits"]:
+            raise _no_split(self.path, split, meta["splits"])
+        self.shape = tuple(meta["shape"])
         self._open_ring()
         self._len = self._ring.info()["batches"]
 
@@ -315,7 +326,7 @@ class Loader:
                     ev.synchronize()
                     del batch
                     continue
-                raise ArgumentError(
+                raise _arg_error(
                     "%s: the loop keeps views of the last %d batches (a list "
                     "of batches, or tensors an autograd graph keeps); use "
                     "Loader(..., copy=True) or a larger prefetch"
@@ -399,13 +410,13 @@ class Loader:
         for k in ("seed", "batch_size", "shuffle", "drop_last", "rank",
                   "world_size", "split"):
             if k in state and state[k] != mine[k]:
-                raise ArgumentError(
+                raise _arg_error(
                     "state_dict: %s is %r, this loader's is %r: the batches "
                     "would not continue the saved run" % (k, state[k], mine[k]))
         epoch, batch = int(state["epoch"]), int(state["batch"])
         if not 0 <= batch <= self._len:
-            raise ArgumentError("state_dict: batch %d of an epoch of %d"
-                                % (batch, self._len))
+            raise _arg_error("state_dict: batch %d of an epoch of %d"
+                             % (batch, self._len))
         if batch == self._len:
             epoch, batch = epoch + 1, 0
         self._epoch, self._batch = epoch, batch
