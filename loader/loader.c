@@ -72,6 +72,8 @@ struct stk_loader {
     pthread_cond_t ready, freed;
     slot *slots;
     int nslots;
+    size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
+                                            indices, 64-byte aligned */
     shard *shards;
     uint64_t claim_seq, take_seq;
     bool stop, ended, started;
@@ -345,6 +347,14 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
     return 0;
 }
 
+/* Points slot s at block (samples, then labels and indices). */
+static void set_block(const stk_loader *l, slot *s, uint8_t *block)
+{
+    s->data = block;
+    s->labels = (int32_t *)(block + l->at_labels);
+    s->indices = (uint64_t *)(block + l->at_indices);
+}
+
 static int alloc_ring(stk_loader *l, stk_err *err)
 {
     l->nslots = l->o.prefetch;
@@ -355,18 +365,16 @@ static int alloc_ring(stk_loader *l, stk_err *err)
      * that all three copy to a GPU without a pageable staging step */
     size_t n = (size_t)l->o.batch_size;
     size_t bytes = (size_t)l->o.batch_size * l->sample_bytes;
-    size_t at_labels = (bytes + 63) / 64 * 64;
-    size_t at_indices = at_labels + (n * sizeof(int32_t) + 63) / 64 * 64;
-    size_t total = at_indices + n * sizeof(uint64_t);
+    l->at_labels = (bytes + 63) / 64 * 64;
+    l->at_indices = l->at_labels + (n * sizeof(int32_t) + 63) / 64 * 64;
+    l->block = l->at_indices + n * sizeof(uint64_t);
     for (int i = 0; i < l->nslots; i++) {
-        slot *s = &l->slots[i];
-        s->data = host_alloc(l, total);
-        if (!s->data)
+        uint8_t *block = host_alloc(l, l->block);
+        if (!block)
             return stk_fail(err, STK_ENOMEM,
                             "cannot allocate %d batch buffers of %zu bytes",
-                            l->nslots, total);
-        s->labels = (int32_t *)(s->data + at_labels);
-        s->indices = (uint64_t *)(s->data + at_indices);
+                            l->nslots, l->block);
+        set_block(l, &l->slots[i], block);
     }
     return 0;
 }
@@ -617,12 +625,40 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
 
 void stk_loader_release(stk_loader *l, stk_batch *b)
 {
-    if (!b->data)
+    if (!b->data || b->slot < 0) /* none, or detached: not the ring's */
         return;
     pthread_mutex_lock(&l->mu);
     l->slots[b->slot].state = SLOT_FREE;
     pthread_cond_broadcast(&l->freed);
     pthread_mutex_unlock(&l->mu);
+    b->data = NULL;
+}
+
+int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
+{
+    uint8_t *fresh = host_alloc(l, l->block);
+    if (!fresh)
+        return stk_fail(err, STK_ENOMEM,
+                        "cannot allocate a batch buffer of %zu bytes",
+                        l->block);
+    pthread_mutex_lock(&l->mu);
+    slot *sl = &l->slots[b->slot];
+    set_block(l, sl, fresh);
+    sl->state = SLOT_FREE;
+    pthread_cond_broadcast(&l->freed);
+    pthread_mutex_unlock(&l->mu);
+    b->slot = -1;
+    return 0;
+}
+
+void stk_loader_free_detached(const stk_loader *l, stk_batch *b)
+{
+    if (!b->data)
+        return;
+    if (l->o.host.free)
+        l->o.host.free(b->data, l->o.host.ctx);
+    else
+        free(b->data);
     b->data = NULL;
 }
 

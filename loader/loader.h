@@ -147,6 +147,16 @@ int stk_loader_slots(const stk_loader *l);
  * stk_loader_next. */
 void stk_loader_release(stk_loader *l, stk_batch *b);
 
+/* Hands a held batch's buffer to the caller for good, and gives its ring
+ * slot a fresh one (from opts.host), so that the ring goes on while the
+ * caller keeps the batch as long as it likes: for a consumer that cannot
+ * say when it is done with a batch (an interpreter's views of it). The
+ * batch's pointers stay valid until stk_loader_free_detached, which must
+ * come before stk_loader_close; do not release it. STK_ENOMEM leaves the
+ * batch held as it was. */
+int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err);
+void stk_loader_free_detached(const stk_loader *l, stk_batch *b);
+
 /* Batches per epoch for this rank. */
 uint64_t stk_loader_batches(const stk_loader *l);
 

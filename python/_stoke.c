@@ -8,9 +8,10 @@
  * slices between which Ctrl-C is looked for, so that it raises
  * KeyboardInterrupt at once. A batch handed to Python is a Batch object
  * exporting the ring buffer it lives in: the buffer goes back to the ring
- * only when the last view of it (an array, a tensor) is gone, so a view is
- * never overwritten under its holder; a loader whose every buffer is held
- * stops with an error instead. docs/python.md. */
+ * when the last view of it (an array, a tensor) is gone, so a view is
+ * never overwritten under its holder. A batch still viewed when the ring
+ * comes round to its buffer is detached (stk_loader_detach): the view
+ * keeps the old buffer and the ring gets a new one. docs/python.md. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -320,12 +321,19 @@ typedef struct {
     PyObject *keep;  /* address -> what keeps that memory */
     int held;        /* Batch objects alive */
     int busy;        /* next() calls waiting with the GIL released */
+    uint64_t taken;  /* batches taken since open: the next is in buffer
+                        taken % slots */
+    int slots;
+    struct BatchObject **in_slot; /* the Batch viewing each buffer, or NULL
+                                     (borrowed: a Batch clears its own) */
     bool closing;    /* close() asked; done when held and busy reach 0 */
     int c, h, w;
 } RingObject;
 
 static void ring_close_now(RingObject *self)
 {
+    PyMem_Free(self->in_slot);
+    self->in_slot = NULL;
     stk_loader_close(self->loader); /* calls host_free: the GIL is held */
     stk_store_close(self->store);
     self->loader = NULL;
@@ -432,6 +440,12 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         self->store = NULL;
         return -1;
     }
+    self->slots = stk_loader_slots(self->loader);
+    self->in_slot = PyMem_Calloc((size_t)self->slots, sizeof *self->in_slot);
+    if (!self->in_slot) {
+        PyErr_NoMemory();
+        return -1;
+    }
     const stk_meta *m = stk_store_meta(self->store);
     self->c = m->channels;
     self->h = m->height;
@@ -468,17 +482,22 @@ static PyObject *ring_close(RingObject *self, PyObject *unused)
 
 /* ---- Batch: one batch's images, a view into the ring ------------------- */
 
-typedef struct {
+typedef struct BatchObject {
     PyObject_HEAD
     RingObject *ring; /* strong: the ring outlives its batches */
-    stk_batch b;
+    stk_batch b;      /* b.slot < 0: detached, its buffer its own */
 } BatchObject;
 
 static void batch_dealloc(BatchObject *self)
 {
     RingObject *r = self->ring;
     if (r) {
-        stk_loader_release(r->loader, &self->b);
+        if (self->b.slot < 0) {
+            stk_loader_free_detached(r->loader, &self->b);
+        } else {
+            r->in_slot[self->b.slot] = NULL;
+            stk_loader_release(r->loader, &self->b);
+        }
         r->held--;
         ring_settle(r);
         Py_DECREF(r);
@@ -525,6 +544,14 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     stk_batch b;
     stk_err err = {0};
     int rc;
+    /* the buffer the next batch goes to, if a batch there is still
+     * viewed: that batch keeps it, the ring gets a fresh one */
+    BatchObject *old = self->in_slot[self->taken % (uint64_t)self->slots];
+    if (old) {
+        if ((rc = stk_loader_detach(self->loader, &old->b, &err)))
+            return raise_stk(rc, &err);
+        self->in_slot[self->taken % (uint64_t)self->slots] = NULL;
+    }
     self->busy++;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
@@ -555,6 +582,8 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     bo->ring = self;
     bo->b = b;
     self->held++;
+    self->in_slot[b.slot] = bo;
+    self->taken++;
     return Py_BuildValue("(Ny#y#KK)", (PyObject *)bo, (const char *)b.labels,
                          (Py_ssize_t)b.n * 4, (const char *)b.indices,
                          (Py_ssize_t)b.n * 8, (unsigned long long)b.epoch,
@@ -743,7 +772,7 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     prep_call c = {.o = {.workers = 1}};
     int force = 0, skip_bad = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&O&|iiispppzO", names, PyUnicode_FSConverter, &raw,
+            args, kw, "O&O&|iiisppzO", names, PyUnicode_FSConverter, &raw,
             PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
             &c.o.source.channels, &format, &force, &skip_bad, &created,
             &progress))

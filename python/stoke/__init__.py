@@ -9,9 +9,9 @@
 
 The loader's batches are views of its ring buffers, not copies: a batch
 stays valid for as long as any view of it (an array, a tensor) is alive,
-and its buffer is reused only after the last view is gone. A loop that
-keeps more batches than the ring holds (prefetch) stops with a
-stoke.ArgumentError saying so; pass copy=True to get batches of your own.
+and its buffer is refilled only after the last view is gone (a batch kept
+longer than the ring takes to come round gives its buffer up to the view:
+the ring gets a new one). copy=True gives batches of their own instead.
 docs/python.md has a whole training loop, its DDP variant and a comparison
 with torch.utils.data.DataLoader.
 """
@@ -241,8 +241,8 @@ class Loader:
     random crop with H // 8 pixels of zero padding and a horizontal flip,
     drawn per (seed, epoch, sample).
 
-    Batches are views of the ring (see the module's doc): copy=True gives
-    copies instead. pin_memory (default: when as_torch and CUDA are there)
+    Batches are views of the ring, never overwritten while viewed (see the
+    module's doc); copy=True gives copies instead. pin_memory (default: when as_torch and CUDA are there)
     allocates the ring page-locked through torch, so that .to("cuda",
     non_blocking=True) copies without staging; a buffer then goes back to
     the ring only after the CUDA work queued while it was current is done.
@@ -312,34 +312,15 @@ class Loader:
             self._ring.close()
             self._ring = None
 
-    def _take(self):
-        """The ring's next batch; with pinned memory, waits for the CUDA
-        work that still reads a buffer the ring needs back."""
-        while True:
-            try:
-                return self._ring.next()
-            except ArgumentError as e:
-                if "prefetch buffers are held" not in str(e):
-                    raise
-                if self._inflight:
-                    batch, ev = self._inflight.popleft()
-                    ev.synchronize()
-                    del batch
-                    continue
-                raise _arg_error(
-                    "%s: the loop keeps views of the last %d batches (a list "
-                    "of batches, or tensors an autograd graph keeps); use "
-                    "Loader(..., copy=True) or a larger prefetch"
-                    % (e, self.prefetch)) from None
-
     def _retire(self, batch):
         """Keeps a pinned batch's buffer until the CUDA work queued so far
         (its copy to the GPU among it) is done."""
         ev = self._torch.cuda.Event()
         ev.record()
         self._inflight.append((batch, ev))
-        while self._inflight and self._inflight[0][1].query():
-            self._inflight.popleft()
+        while self._inflight and (len(self._inflight) > self.prefetch
+                                  or self._inflight[0][1].query()):
+            self._inflight.popleft()[1].synchronize()
 
     def _convert(self, raw):
         batch, labels, indices, _, _ = raw
@@ -363,7 +344,7 @@ class Loader:
         done = False
         try:
             while True:
-                raw = self._take()
+                raw = self._ring.next()
                 if raw is None:
                     done = True
                     break
