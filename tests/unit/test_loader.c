@@ -595,6 +595,61 @@ static void close_mid_epoch_and_held_buffers(void **state)
     stk_store_close(s);
 }
 
+/* A detached batch keeps its buffer while the ring runs on through a new
+ * one: its bytes stay as delivered; every buffer is freed once. */
+typedef struct alloc_count {
+    int allocs, frees;
+} alloc_count;
+
+static void *count_alloc(size_t n, void *ctx)
+{
+    ((alloc_count *)ctx)->allocs++;
+    return aligned_alloc(64, (n + 63) / 64 * 64);
+}
+
+static void count_free(void *p, void *ctx)
+{
+    ((alloc_count *)ctx)->frees++;
+    free(p);
+}
+
+static void detached_batch_outlives_the_ring_turning(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    alloc_count n = {0, 0};
+    stk_loader_opts o = {.batch_size = 10, .workers = 2, .prefetch = 2,
+                         .shuffle = true,
+                         .host = {count_alloc, count_free, &n}};
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch kept, b;
+    assert_int_equal(stk_loader_next(l, &kept, &err), 1);
+    trace before = {0};
+    check_batch(&kept, &before);
+    assert_int_equal(stk_loader_detach(l, &kept, &err), 0);
+    assert_int_equal(n.allocs, 3);
+    stk_loader_release(l, &kept); /* a no-op: not the ring's any more */
+    for (int i = 0; i < 30; i++) { /* the ring turns 15 times */
+        int rc = stk_loader_next(l, &b, &err);
+        assert_true(rc >= 0);
+        if (rc == 1)
+            stk_loader_release(l, &b);
+    }
+    trace after = {0};
+    check_batch(&kept, &after);
+    assert_int_equal(after.len, before.len);
+    assert_memory_equal(after.bytes, before.bytes, before.len);
+    stk_loader_free_detached(l, &kept);
+    assert_int_equal(n.frees, 1);
+    stk_loader_close(l);
+    assert_int_equal(n.frees, 3);
+    free(before.bytes), free(after.bytes);
+    stk_store_close(s);
+}
+
 static void stats_count_what_was_delivered(void **state)
 {
     (void)state;
@@ -681,6 +736,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(drop_last_and_short_batches),
     cmocka_unit_test(corrupt_record_is_an_error_naming_its_key),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),
+    cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stats_count_what_was_delivered),
     cmocka_unit_test(raw_folder_equals_its_database),
 };
