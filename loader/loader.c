@@ -697,13 +697,18 @@ void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *st)
     }
 }
 
-void stk_loader_close(stk_loader *l)
+void stk_loader_stop(stk_loader *l)
 {
     if (!l)
         return;
     if (l->started) {
         pthread_mutex_lock(&l->mu);
         l->stop = true;
+        if (!l->failed) {
+            l->failed = STK_ECANCELED;
+            stk_fail(&l->fail_err, STK_ECANCELED, "split \"%s\": the loader "
+                     "was stopped", l->split);
+        }
         pthread_cond_broadcast(&l->freed);
         pthread_mutex_unlock(&l->mu);
     }
@@ -712,8 +717,17 @@ void stk_loader_close(stk_loader *l)
     for (int i = 0; l->workers && i < l->nworkers; i++)
         if (l->workers[i].ctx)
             l->ops->close(l->workers[i].ctx);
+    l->nworkers = 0;
     if (l->inline_ctx)
         l->ops->close(l->inline_ctx);
+    l->inline_ctx = NULL;
+}
+
+void stk_loader_close(stk_loader *l)
+{
+    if (!l)
+        return;
+    stk_loader_stop(l);
     for (int i = 0; l->slots && i < l->nslots; i++) {
         if (l->o.host.free)
             l->o.host.free(l->slots[i].data, l->o.host.ctx);

@@ -166,6 +166,11 @@ stk_loader_pos stk_loader_position(const stk_loader *l);
 
 void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *out);
 
+/* Stops and joins the workers, keeping the ring: batches held stay valid
+ * (release them, or free detached ones, before stk_loader_close), and
+ * stk_loader_next fails with STK_ECANCELED from now on. NULL is a no-op. */
+void stk_loader_stop(stk_loader *l);
+
 /* Stops the workers (mid-epoch is fine) and frees everything. NULL is a
  * no-op. Batches not released become invalid. */
 void stk_loader_close(stk_loader *l);

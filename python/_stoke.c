@@ -472,10 +472,17 @@ static void ring_settle(RingObject *self)
         ring_close_now(self);
 }
 
+/* Stops the workers now (no thread outlives close(), nor a Ctrl-C that
+ * closes); the ring's memory goes when no batch view is left. */
 static PyObject *ring_close(RingObject *self, PyObject *unused)
 {
     (void)unused;
     self->closing = true;
+    if (self->loader && !self->busy) {
+        Py_BEGIN_ALLOW_THREADS
+        stk_loader_stop(self->loader);
+        Py_END_ALLOW_THREADS
+    }
     ring_settle(self);
     Py_RETURN_NONE;
 }
