@@ -16,7 +16,6 @@ docs/python.md has a whole training loop, its DDP variant and a comparison
 with torch.utils.data.DataLoader.
 """
 import collections
-import datetime
 import os
 import sys
 
@@ -447,6 +446,7 @@ def _progress_bar(stream):
 
 
 def _created():
+    import datetime  # here: 'import stoke' stays quick
     sde = os.environ.get("SOURCE_DATE_EPOCH")
     t = (datetime.datetime.fromtimestamp(int(sde), datetime.timezone.utc)
          if sde and sde.isdigit() else datetime.datetime.now(datetime.timezone.utc))
