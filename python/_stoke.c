@@ -743,7 +743,7 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     prep_call c = {.o = {.workers = 1}};
     int force = 0, skip_bad = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&O&|iiispppzO", names, PyUnicode_FSConverter, &raw,
+            args, kw, "O&O&|iiisppzO", names, PyUnicode_FSConverter, &raw,
             PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
             &c.o.source.channels, &format, &force, &skip_bad, &created,
             &progress))
