@@ -216,6 +216,16 @@ static PyObject *db_get(DatabaseObject *self, PyObject *args)
     int rc = stk_view_get(v, index, &rec, &err);
     if (rc)
         return raise_stk(rc, &err);
+    /* a label beyond the classes, refused as the loader refuses it: a
+     * dataset must not hand a damaged record to a loss function */
+    int nclasses = stk_store_meta(self->store)->nclasses;
+    if (rec.label < 0 || rec.label >= nclasses) {
+        stk_fail(&err, STK_EFORMAT,
+                 "split \"%s\": key %llu: label %d is not one of the "
+                 "database's %d classes (0..%d)",
+                 split, index, (int)rec.label, nclasses, nclasses - 1);
+        return raise_stk(STK_EFORMAT, &err);
+    }
     return Py_BuildValue("(y#i)", (const char *)rec.data,
                          (Py_ssize_t)rec.nbytes, (int)rec.label);
 }
