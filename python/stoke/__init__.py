@@ -89,13 +89,7 @@ class Database:
         return tuple(self._split_meta(split)["std"])
 
     def _split_meta(self, split):
-        try:
-            return self._meta["splits"][split]
-        except KeyError:
-            raise ArgumentError(
-                'database %s has no split "%s" (it has %s)'
-                % (self.path, split, ", ".join('"%s"' % s for s in self.splits))
-            ) from None
+        return _split_meta(self.path, self._meta, split)
 
     def __getitem__(self, split):
         if split not in self._splits:
@@ -134,6 +128,18 @@ class Database:
 
     def __setstate__(self, state):
         self.__init__(state["path"])
+
+
+def _split_meta(path, meta, split):
+    """meta's entry for split; a split that is not there is an ArgumentError
+    naming the ones that are."""
+    try:
+        return meta["splits"][split]
+    except (KeyError, TypeError):
+        raise ArgumentError(
+            'database %s has no split "%s" (it has %s)'
+            % (path, split, ", ".join('"%s"' % s for s in meta["splits"]))
+        ) from None
 
 
 class Split:
@@ -262,6 +268,12 @@ class Loader:
         if self.batch_size < 1:
             raise ArgumentError("batch_size must be >= 1, not %d"
                                 % self.batch_size)
+        if self.world_size < 1:  # the C loader's 0 means 1
+            raise ArgumentError("world_size must be >= 1, not %d"
+                                % self.world_size)
+        if self.prefetch < 1:  # the C loader's 0 means its default
+            raise ArgumentError("prefetch must be 1..1024, not %d"
+                                % self.prefetch)
         self._torch = None
         if self.as_torch:
             import torch
@@ -273,7 +285,9 @@ class Loader:
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._ring = None
-        self.shape = tuple(_stoke.Database(self.path).meta()["shape"])
+        meta = _stoke.Database(self.path).meta()
+        _split_meta(self.path, meta, split)
+        self.shape = tuple(meta["shape"])
         self._open_ring()
         self._len = self._ring.info()["batches"]
 
