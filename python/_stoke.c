@@ -468,10 +468,22 @@ static void ring_settle(RingObject *self)
         ring_close_now(self);
 }
 
+/* The workers stop now (Ctrl-C leaves no thread behind, even while the
+ * loop variable still holds its batch); the ring's memory goes when the
+ * last view of it does. */
 static PyObject *ring_close(RingObject *self, PyObject *unused)
 {
     (void)unused;
+    bool first = !self->closing;
     self->closing = true;
+    if (first && self->loader && (self->held || self->busy)) {
+        stk_loader *l = self->loader;
+        self->busy++; /* no ring_settle frees it meanwhile */
+        Py_BEGIN_ALLOW_THREADS
+        stk_loader_stop(l); /* waits for the batch each worker fills */
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    }
     ring_settle(self);
     Py_RETURN_NONE;
 }
