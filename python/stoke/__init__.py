@@ -9,9 +9,10 @@
 
 The loader's batches are views of its ring buffers, not copies: a batch
 stays valid for as long as any view of it (an array, a tensor) is alive,
-and its buffer is reused only after the last view is gone. A loop that
-keeps more batches than the ring holds (prefetch) stops with a
-stoke.ArgumentError saying so; pass copy=True to get batches of your own.
+and its buffer is reused only after the last view is gone. The ring's
+`prefetch` buffers are reused in turn, so a loop that keeps a batch while
+`prefetch` newer ones are taken stops with a stoke.ArgumentError saying
+so; pass copy=True to get batches of your own.
 docs/python.md has a whole training loop, its DDP variant and a comparison
 with torch.utils.data.DataLoader.
 """
@@ -271,8 +272,10 @@ class Loader:
         if self.world_size < 1:  # the C loader's 0 means 1
             raise ArgumentError("world_size must be >= 1, not %d"
                                 % self.world_size)
-        if self.prefetch < 1:  # the C loader's 0 means its default
-            raise ArgumentError("prefetch must be 1..1024, not %d"
+        if self.prefetch < 2:  # the C loader's 0 means its default; with
+            # 1 buffer, a `for` holding its batch could never take the next
+            raise ArgumentError("prefetch must be 2..1024, not %d (a loop "
+                                "holds one batch while the next loads)"
                                 % self.prefetch)
         self._torch = None
         if self.as_torch:
@@ -322,7 +325,7 @@ class Loader:
             try:
                 return self._ring.next()
             except ArgumentError as e:
-                if "prefetch buffers are held" not in str(e):
+                if "buffer is still held" not in str(e):
                     raise
                 if self._inflight:
                     batch, ev = self._inflight.popleft()
@@ -330,10 +333,10 @@ class Loader:
                     del batch
                     continue
                 raise ArgumentError(
-                    "%s: the loop keeps views of the last %d batches (a list "
-                    "of batches, or tensors an autograd graph keeps); use "
-                    "Loader(..., copy=True) or a larger prefetch"
-                    % (e, self.prefetch)) from None
+                    "%s: the loop keeps a view of a batch %d batches old (in "
+                    "a list, or a tensor an autograd graph keeps); use "
+                    "Loader(..., copy=True) for batches that live longer, or "
+                    "a larger prefetch" % (e, self.prefetch)) from None
 
     def _retire(self, batch):
         """Keeps a pinned batch's buffer until the CUDA work queued so far
@@ -381,8 +384,10 @@ class Loader:
             # the next iteration is the next epoch, whether this one ran to
             # its end or the loop left it (break): DataLoader's behaviour
             self._epoch, self._batch = epoch + 1, 0
-            if done:
-                self._ring_at = (epoch + 1, 0)
+            # a loop left early may still hold its last batch (the loop
+            # variable), whose buffer this ring would need back: whatever
+            # comes next (load_state_dict to here too) gets a new ring
+            self._ring_at = (epoch + 1, 0) if done else None
 
     def __len__(self):
         """Batches per epoch for this rank."""
