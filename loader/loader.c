@@ -12,6 +12,7 @@
 #include "kernels/ops_inline.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,7 +77,9 @@ struct stk_loader {
                                             indices, 64-byte aligned */
     shard *shards;
     uint64_t claim_seq, take_seq;
-    bool stop, ended, started;
+    atomic_bool stop; /* read by workers mid-batch, without mu */
+    bool ended, started;
+    bool joined; /* stk_loader_stop: the workers are gone */
     int failed;
     stk_err fail_err;
     worker *workers;
@@ -251,6 +254,13 @@ static void augment(const stk_loader *l, uint64_t epoch, uint64_t index,
         }
 }
 
+/* A stopping loader's workers leave the batch they fill (nobody will take
+ * it): stk_loader_stop waits for one sample, not a whole batch. */
+static bool stopping(stk_loader *l)
+{
+    return atomic_load_explicit(&l->stop, memory_order_relaxed);
+}
+
 static void fill(stk_loader *l, void *ctx, slot *sl)
 {
     /* Start every record's cache misses before the first copy waits on
@@ -259,6 +269,10 @@ static void fill(stk_loader *l, void *ctx, slot *sl)
         l->ops->prefetch(ctx, sl->indices[i]);
     for (int i = 0; i < sl->n && !sl->rc; i++) {
         stk_err e = {0};
+        if (stopping(l)) {
+            sl->rc = stk_fail(&sl->err, STK_ECANCELED, "the loader is stopped");
+            return;
+        }
         sl->rc = l->ops->get(l, ctx, sl->indices[i],
                              sl->data + (size_t)i * l->sample_bytes,
                              &sl->labels[i], &e);
@@ -274,7 +288,7 @@ static void fill(stk_loader *l, void *ctx, slot *sl)
     }
     uint64_t epoch, batch;
     seq_pos(l, sl->seq, &epoch, &batch);
-    for (int i = 0; i < sl->n; i++)
+    for (int i = 0; i < sl->n && !stopping(l); i++)
         augment(l, epoch, sl->indices[i],
                 sl->data + (size_t)i * l->sample_bytes, tmp);
     free(tmp);
@@ -507,18 +521,28 @@ int stk_loader_open_raw(const stk_source *src, int split,
 
 /* ---- consuming --------------------------------------------------------- */
 
+/* The slots are used in turn, so one batch held for nslots more batches
+ * blocks the ring: the caller is told which. */
+static int held_error(const stk_loader *l, stk_err *err)
+{
+    return stk_fail(err, STK_EINVAL,
+                    "the next batch's buffer is still held by the batch "
+                    "taken %d batches ago (the %d prefetch buffers are "
+                    "reused in turn); release it before asking for the next",
+                    l->nslots, l->nslots);
+}
+
 /* Waits (until `deadline` on stk_now's clock; 0: for ever) for slot sl
  * to hold batch seq, filling it here when there are no workers (mu held);
  * STK_ETIMEDOUT, with no message, when the deadline passed. */
 static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
                       stk_err *err)
 {
+    if (l->stop) /* stk_loader_stop: nothing would fill it */
+        return stk_fail(err, STK_EINVAL, "the loader is stopped");
     if (sl->state == SLOT_HELD || (sl->state != SLOT_FREE && sl->seq != seq &&
                                    !l->o.workers))
-        return stk_fail(err, STK_EINVAL,
-                        "all %d prefetch buffers are held; release a batch "
-                        "before asking for the next",
-                        l->nslots);
+        return held_error(l, err);
     if (!l->o.workers) {
         int rc = claim(l, l->claim_seq++, sl);
         if (rc)
@@ -534,10 +558,9 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
     double t0 = stk_now();
     while (!(sl->state == SLOT_READY && sl->seq == seq)) {
         if (sl->state == SLOT_HELD)
-            return stk_fail(err, STK_EINVAL,
-                            "all %d prefetch buffers are held; release a "
-                            "batch before asking for the next",
-                            l->nslots);
+            return held_error(l, err);
+        if (l->stop) /* stk_loader_stop: nothing would fill it */
+            return stk_fail(err, STK_EINVAL, "the loader is stopped");
         if (!deadline) {
             pthread_cond_wait(&l->ready, &l->mu);
             continue;
@@ -699,7 +722,7 @@ void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *st)
 
 void stk_loader_stop(stk_loader *l)
 {
-    if (!l)
+    if (!l || l->joined)
         return;
     if (l->started) {
         pthread_mutex_lock(&l->mu);
@@ -710,6 +733,7 @@ void stk_loader_stop(stk_loader *l)
                      "was stopped", l->split);
         }
         pthread_cond_broadcast(&l->freed);
+        pthread_cond_broadcast(&l->ready); /* a waiting next returns */
         pthread_mutex_unlock(&l->mu);
     }
     for (int i = 0; i < l->nworkers; i++)
@@ -718,6 +742,7 @@ void stk_loader_stop(stk_loader *l)
         if (l->workers[i].ctx)
             l->ops->close(l->workers[i].ctx);
     l->nworkers = 0;
+    l->joined = true;
     if (l->inline_ctx)
         l->ops->close(l->inline_ctx);
     l->inline_ctx = NULL;

@@ -166,9 +166,12 @@ stk_loader_pos stk_loader_position(const stk_loader *l);
 
 void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *out);
 
-/* Stops and joins the workers, keeping the ring: batches held stay valid
- * (release them, or free detached ones, before stk_loader_close), and
- * stk_loader_next fails with STK_ECANCELED from now on. NULL is a no-op. */
+/* Stops the workers (mid-epoch is fine, waiting for the batch each is
+ * filling) and keeps the ring: batches taken stay valid and may still be
+ * released, stk_loader_next refuses (one waiting in another thread
+ * returns). For a holder of batches that must outlive the threads (a
+ * Python view). Idempotent, not concurrently with itself; NULL is a
+ * no-op. */
 void stk_loader_stop(stk_loader *l);
 
 /* Stops the workers (mid-epoch is fine) and frees everything. NULL is a

@@ -217,6 +217,16 @@ static PyObject *db_get(DatabaseObject *self, PyObject *args)
     int rc = stk_view_get(v, index, &rec, &err);
     if (rc)
         return raise_stk(rc, &err);
+    /* a label beyond the classes, refused as the loader refuses it: a
+     * dataset must not hand a damaged record to a loss function */
+    int nclasses = stk_store_meta(self->store)->nclasses;
+    if (rec.label < 0 || rec.label >= nclasses) {
+        stk_fail(&err, STK_EFORMAT,
+                 "split \"%s\": key %llu: label %d is not one of the "
+                 "database's %d classes (0..%d)",
+                 split, index, (int)rec.label, nclasses, nclasses - 1);
+        return raise_stk(STK_EFORMAT, &err);
+    }
     return Py_BuildValue("(y#i)", (const char *)rec.data,
                          (Py_ssize_t)rec.nbytes, (int)rec.label);
 }
@@ -472,16 +482,21 @@ static void ring_settle(RingObject *self)
         ring_close_now(self);
 }
 
-/* Stops the workers now (no thread outlives close(), nor a Ctrl-C that
- * closes); the ring's memory goes when no batch view is left. */
+/* The workers stop now (Ctrl-C leaves no thread behind, even while the
+ * loop variable still holds its batch); the ring's memory goes when the
+ * last view of it does. */
 static PyObject *ring_close(RingObject *self, PyObject *unused)
 {
     (void)unused;
+    bool first = !self->closing;
     self->closing = true;
-    if (self->loader && !self->busy) {
+    if (first && self->loader && (self->held || self->busy)) {
+        stk_loader *l = self->loader;
+        self->busy++; /* no ring_settle frees it meanwhile */
         Py_BEGIN_ALLOW_THREADS
-        stk_loader_stop(self->loader);
+        stk_loader_stop(l); /* waits for the batch each worker fills */
         Py_END_ALLOW_THREADS
+        self->busy--;
     }
     ring_settle(self);
     Py_RETURN_NONE;

@@ -99,10 +99,7 @@ class Database:
         return tuple(self._split_meta(split)["std"])
 
     def _split_meta(self, split):
-        try:
-            return self._meta["splits"][split]
-        except KeyError:
-            raise _no_split(self.path, split, self.splits) from None
+        return _split_meta(self.path, self._meta, split)
 
     def __getitem__(self, split):
         if split not in self._splits:
@@ -141,6 +138,15 @@ class Database:
 
     def __setstate__(self, state):
         self.__init__(state["path"])
+
+
+def _split_meta(path, meta, split):
+    """meta's entry for split; a split that is not there is an ArgumentError
+    naming the ones that are."""
+    try:
+        return meta["splits"][split]
+    except (KeyError, TypeError):
+        raise _no_split(path, split, meta["splits"]) from None
 
 
 class Split:
@@ -269,6 +275,14 @@ class Loader:
         if self.batch_size < 1:
             raise _arg_error("batch_size must be >= 1, not %d"
                              % self.batch_size)
+        if self.world_size < 1:  # the C loader's 0 means 1
+            raise _arg_error("world_size must be >= 1, not %d"
+                             % self.world_size)
+        if self.prefetch < 2:  # the C loader's 0 means its default; with
+            # 1 buffer, a `for` holding its batch could never take the next
+            raise _arg_error("prefetch must be 2..1024, not %d (a loop "
+                             "holds one batch while the next loads)"
+                             % self.prefetch)
         self._torch = None
         if self.as_torch:
             import torch
@@ -281,8 +295,7 @@ class Loader:
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._ring = None
         meta = _stoke.Database(self.path).meta()
-        if split not in meta["splits"]:
-            raise _no_split(self.path, split, meta["splits"])
+        _split_meta(self.path, meta, split)
         self.shape = tuple(meta["shape"])
         self._open_ring()
         self._len = self._ring.info()["batches"]
@@ -358,8 +371,10 @@ class Loader:
             # the next iteration is the next epoch, whether this one ran to
             # its end or the loop left it (break): DataLoader's behaviour
             self._epoch, self._batch = epoch + 1, 0
-            if done:
-                self._ring_at = (epoch + 1, 0)
+            # a loop left early may still hold its last batch (the loop
+            # variable), whose buffer this ring would need back: whatever
+            # comes next (load_state_dict to here too) gets a new ring
+            self._ring_at = (epoch + 1, 0) if done else None
 
     def __len__(self):
         """Batches per epoch for this rank."""

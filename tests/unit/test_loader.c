@@ -586,8 +586,12 @@ static void close_mid_epoch_and_held_buffers(void **state)
         assert_int_equal(stk_loader_next(l, &b[i], &err), 1);
     /* all three buffers held: an error, not a deadlock */
     assert_int_equal(stk_loader_next(l, &b[3], &err), STK_EINVAL);
-    assert_non_null(strstr(err.msg, "prefetch buffers are held"));
+    assert_non_null(strstr(err.msg, "the next batch's buffer is still held "
+                                    "by the batch taken 3 batches ago"));
+    /* the buffers are reused in turn: b[0] alone still blocks the next */
     stk_loader_release(l, &b[1]);
+    stk_loader_release(l, &b[2]);
+    assert_int_equal(stk_loader_next(l, &b[3], &err), STK_EINVAL);
     stk_loader_close(l); /* workers blocked on a full ring must exit */
     assert_int_equal(frees, 3);
     stk_loader_stats st;

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Bad input to the Python package (issue 16) raises a stoke.Error of the
+right kind (DatabaseError, an OSError, for a missing, foreign or damaged
+database; ArgumentError, a ValueError, for a bad argument) whose message
+names the problem, never a crash: a missing database directory, a directory
+that is not a database, a split that does not exist, batch_size 0, workers
+out of range, rank >= world_size, a record damaged in data.mdb (its size
+field, its label: the error names the split and the key, iterating and
+indexing), a state_dict of another configuration. No loader thread is left
+behind by a refusal."""
+import os
+import shutil
+import struct
+
+import stoke_py as s
+from stoke_py import check, np, raises, stoke
+
+A, D = stoke.ArgumentError, stoke.DatabaseError
+
+
+def damage(src, dst, key, offset, value, split_images):
+    """A copy of database src whose record `key` (of the train split) has the
+    4 bytes at offset (0 the label, 4 the size field) of its value replaced
+    in data.mdb itself, found by its bytes."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "data.mdb")
+    data = bytearray(open(path, "rb").read())
+    image, label = split_images
+    rec = struct.pack("<iI", label, image.size) + image.tobytes()
+    at = data.find(rec)
+    check(at >= 0 and data.find(rec, at + 1) < 0, "record %d not found once" % key)
+    data[at + offset:at + offset + 4] = struct.pack("<I", value)
+    open(path, "wb").write(bytes(data))
+
+
+def iterate(db, **kw):
+    for _ in stoke.Loader(db, **kw):
+        pass
+
+
+def main():
+    s.scratch()
+    base = s.threads()
+    db, _ = s.fashion_db("fm", n=2000, ntest=500)
+
+    # databases that are not there or not stoke's
+    for e in (raises(D, "no-such-dir", stoke.open, "no-such-dir"),
+              raises(D, "no-such-dir", stoke.Loader, "no-such-dir"),
+              raises(D, "no-such-dir", iterate, "no-such-dir")):
+        check(isinstance(e, OSError) and e.code == "STK_ENOENT", "%r %s" % (e, e.code))
+    os.mkdir("empty")
+    raises(D, "empty", stoke.open, "empty")
+    os.mkdir("junk")
+    open("junk/data.mdb", "wb").write(os.urandom(3 * 4096))
+    raises(D, "junk", stoke.open, "junk")
+    raises(D, "junk", stoke.Loader, "junk")
+    open("afile", "w").write("x")
+    raises(D, "afile", stoke.open, "afile")
+
+    # arguments
+    d = stoke.open(db)
+    e = raises(A, r'no split "val" \(it has "train", "test"\)', d.__getitem__, "val")
+    check(isinstance(e, ValueError), "ArgumentError is not a ValueError")
+    raises(A, r'split "val"', stoke.Loader, db, split="val")
+    raises(A, "batch_size", stoke.Loader, db, batch_size=0)
+    raises(A, "batch", stoke.Loader, db, batch_size=-3)
+    raises(A, "workers must be 0..64, not -1", stoke.Loader, db, workers=-1)
+    raises(A, "workers", stoke.Loader, db, workers=stoke._stoke.MAX_WORKERS + 1)
+    raises(A, "prefetch must be 2..1024, not 0", stoke.Loader, db, prefetch=0)
+    raises(A, "prefetch must be 2..1024, not 1 ", stoke.Loader, db, prefetch=1)
+    raises(A, "prefetch must be 1..1024, not 1025", stoke.Loader, db, prefetch=1025)
+    raises(A, "rank 2 .*2", stoke.Loader, db, rank=2, world_size=2)
+    raises(A, "rank", stoke.Loader, db, rank=-1, world_size=2)
+    raises(A, "world_size must be >= 1, not 0", stoke.Loader, db, rank=0, world_size=0)
+    print("ok: bad arguments refused")
+
+    # state_dict of another configuration
+    run = stoke.Loader(db, batch_size=100, seed=3, workers=1)
+    it = iter(run)
+    next(it), next(it)
+    state = run.state_dict()
+    del it
+    run.close()
+    for other, what in ((dict(seed=4), "seed"), (dict(batch_size=50), "batch_size"),
+                        (dict(split="test"), "split"), (dict(shuffle=False), "shuffle"),
+                        (dict(rank=1, world_size=2), "rank|world_size")):
+        kw = dict(batch_size=100, seed=3, workers=1)
+        kw.update(other)
+        raises(A, "state_dict: (%s) is" % what,
+               stoke.Loader(db, **kw).load_state_dict, state)
+    raises(A, "state_dict: batch 99 of an epoch of 20",
+           stoke.Loader(db, batch_size=100, seed=3, workers=1).load_state_dict,
+           dict(state, batch=99))
+    print("ok: a state_dict of another configuration is refused")
+
+    # a damaged record: its size field, its label out of the classes
+    d = stoke.open(db)
+    key = 1234
+    damage(db, "size", key, 4, 783, d["train"][key])
+    damage(db, "label", key, 0, 77, d["train"][key])
+    for bad, pattern in (
+            ("size", 'split "train": key 1234: the record\'s size field says '
+                     '783 pixel bytes, the metadata\'s shape needs 784'),
+            ("label", 'split "train": key 1234: label 77 is not one of the database.s '
+                      '10 classes')):
+        raises(D, pattern, iterate, bad, batch_size=64, workers=2)
+        raises(D, pattern, iterate, bad, batch_size=64, workers=1, shuffle=False,
+               as_torch=True)
+        raises(D, pattern, stoke.open(bad)["train"].__getitem__, key)
+        check(stoke.open(bad)["train"][key - 1][1] == d["train"][key - 1][1],
+              "the record before the damaged one")
+        # the other split still loads
+        n = sum(len(y) for _, y in stoke.Loader(bad, split="test", workers=1))
+        check(n == 500, "test split of a database damaged in train: %d" % n)
+    print("ok: a damaged record is named by split and key")
+
+    # a loader that raised is kept by the exception's traceback (a cycle
+    # through the frames) until the collector runs; then nothing is left
+    import gc
+    gc.collect()
+    left = s.settle(base)
+    check(left == base, "%d threads left after the refusals (%d before)" % (left, base))
+    print("ok: no thread left (%d)" % left)
+
+
+if __name__ == "__main__":
+    main()
