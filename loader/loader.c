@@ -659,6 +659,14 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
 
 int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
 {
+    pthread_mutex_lock(&l->mu);
+    bool held = b->data && b->slot >= 0 && b->slot < l->nslots &&
+                l->slots[b->slot].state == SLOT_HELD &&
+                l->slots[b->slot].data == b->data;
+    pthread_mutex_unlock(&l->mu);
+    if (!held)
+        return stk_fail(err, STK_EINVAL, "detach: not a batch the consumer "
+                        "holds");
     uint8_t *fresh = host_alloc(l, l->block);
     if (!fresh)
         return stk_fail(err, STK_ENOMEM,

@@ -46,7 +46,11 @@ static PyObject *raise_stk(int code, const stk_err *err)
                              code == STK_EUNSUPPORTED
                          ? ArgumentError
                          : DatabaseError;
-    PyObject *e = PyObject_CallFunction(type, "s", msg);
+    /* a path in the message need not be UTF-8 */
+    PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg),
+                                          "backslashreplace");
+    PyObject *e = text ? PyObject_CallOneArg(type, text) : NULL;
+    Py_XDECREF(text);
     if (!e)
         return NULL;
     PyObject *name = PyUnicode_FromString(stk_err_name(code));
@@ -81,14 +85,13 @@ typedef struct {
     stk_view *views[STK_MAX_SPLITS]; /* opened on first use */
 } DatabaseObject;
 
+/* Opening keeps the GIL (milliseconds): close() from another thread
+ * cannot free the store meanwhile. */
 static int db_open_here(DatabaseObject *self)
 {
     stk_err err = {0};
-    int rc;
     stk_store *s = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = stk_store_open(self->path, 0, &s, &err);
-    Py_END_ALLOW_THREADS
+    int rc = stk_store_open(self->path, 0, &s, &err);
     if (rc) {
         raise_stk(rc, &err);
         return -1;
@@ -181,11 +184,8 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
     }
     if (!self->views[k]) {
         stk_err err = {0};
-        int rc;
-        stk_view *v = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        rc = stk_view_open(s, split, &v, &err);
-        Py_END_ALLOW_THREADS
+        stk_view *v = NULL; /* with the GIL, as db_open_here */
+        int rc = stk_view_open(s, split, &v, &err);
         if (rc) {
             raise_stk(rc, &err);
             return NULL;
@@ -337,15 +337,25 @@ typedef struct {
     struct BatchObject **in_slot; /* the Batch viewing each buffer, or NULL
                                      (borrowed: a Batch clears its own) */
     bool closing;    /* close() asked; done when held and busy reach 0 */
+    pid_t pid;       /* the process whose threads these are (not a fork) */
     int c, h, w;
 } RingObject;
+
+/* A ring used in a child after fork: its workers are the parent's threads,
+ * which the child does not have. */
+static bool ring_forked(const RingObject *self)
+{
+    return self->pid != getpid();
+}
 
 static void ring_close_now(RingObject *self)
 {
     PyMem_Free(self->in_slot);
     self->in_slot = NULL;
-    stk_loader_close(self->loader); /* calls host_free: the GIL is held */
-    stk_store_close(self->store);
+    if (!ring_forked(self)) { /* a child leaves the parent's alone */
+        stk_loader_close(self->loader); /* calls host_free: GIL held */
+        stk_store_close(self->store);
+    }
     self->loader = NULL;
     self->store = NULL;
     Py_CLEAR(self->keep);
@@ -379,10 +389,15 @@ static void *host_alloc(size_t bytes, void *ctx)
 static void host_free(void *p, void *ctx)
 {
     RingObject *self = ctx;
+    if (!p) /* a slot a failed open never allocated */
+        return;
+    PyObject *type, *value, *tb; /* an exception in flight stays */
+    PyErr_Fetch(&type, &value, &tb);
     PyObject *addr = PyLong_FromVoidPtr(p);
-    if (addr && PyDict_DelItem(self->keep, addr) < 0)
+    if (!addr || PyDict_DelItem(self->keep, addr) < 0)
         PyErr_Clear();
     Py_XDECREF(addr);
+    PyErr_Restore(type, value, tb);
 }
 
 static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
@@ -404,7 +419,8 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
             &o.workers, &o.prefetch, &o.rank, &o.world, &start_epoch,
             &start_batch, &uneven, &o.aug_pad, &flip, &alloc))
         return -1;
-    if (self->loader || self->store) {
+    if (self->loader || self->store || self->keep || self->alloc ||
+        self->closing) {
         Py_DECREF(path);
         PyErr_SetString(PyExc_TypeError, "Ring is already initialised");
         return -1;
@@ -450,9 +466,11 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         self->store = NULL;
         return -1;
     }
+    self->pid = getpid();
     self->slots = stk_loader_slots(self->loader);
     self->in_slot = PyMem_Calloc((size_t)self->slots, sizeof *self->in_slot);
     if (!self->in_slot) {
+        ring_close_now(self);
         PyErr_NoMemory();
         return -1;
     }
@@ -485,19 +503,24 @@ static void ring_settle(RingObject *self)
 /* The workers stop now (Ctrl-C leaves no thread behind, even while the
  * loop variable still holds its batch); the ring's memory goes when the
  * last view of it does. */
+static void ring_stop(RingObject *self)
+{
+    if (!self->loader || self->busy || ring_forked(self))
+        return; /* a next() in another thread stops it on its way out */
+    stk_loader *l = self->loader;
+    self->busy++; /* no ring_settle frees it meanwhile, no second stop */
+    Py_BEGIN_ALLOW_THREADS
+    stk_loader_stop(l); /* waits for the batch each worker fills */
+    Py_END_ALLOW_THREADS
+    self->busy--;
+}
+
 static PyObject *ring_close(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    bool first = !self->closing;
     self->closing = true;
-    if (first && self->loader && (self->held || self->busy)) {
-        stk_loader *l = self->loader;
-        self->busy++; /* no ring_settle frees it meanwhile */
-        Py_BEGIN_ALLOW_THREADS
-        stk_loader_stop(l); /* waits for the batch each worker fills */
-        Py_END_ALLOW_THREADS
-        self->busy--;
-    }
+    if (self->held)
+        ring_stop(self);
     ring_settle(self);
     Py_RETURN_NONE;
 }
@@ -513,7 +536,11 @@ typedef struct BatchObject {
 static void batch_dealloc(BatchObject *self)
 {
     RingObject *r = self->ring;
-    if (r) {
+    if (r && ring_forked(r)) { /* the parent's loader: its lock may be held
+                                  by a thread the child does not have */
+        r->held--;
+        Py_DECREF(r);
+    } else if (r) {
         if (self->b.slot < 0) {
             stk_loader_free_detached(r->loader, &self->b);
         } else {
@@ -555,6 +582,21 @@ static PyObject *ring_closed(void)
     return raise_arg("the loader is closed");
 }
 
+/* The loader, if this process may use it; NULL with an exception. */
+static stk_loader *ring_loader(RingObject *self)
+{
+    if (!self->loader) {
+        ring_closed();
+        return NULL;
+    }
+    if (ring_forked(self)) {
+        raise_arg("a loader cannot be used in a child process after fork "
+                  "(its threads are the parent's): create one there");
+        return NULL;
+    }
+    return self->loader;
+}
+
 /* next() -> None at the end of an epoch (the next call starts the next
  * one), else (images: Batch, labels: bytes of int32, indices: bytes of
  * uint64, epoch, index). */
@@ -563,29 +605,42 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     (void)unused;
     if (self->closing || !self->loader)
         return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
+    if (self->busy)
+        return raise_arg("the loader's next() is already waiting in another "
+                         "thread; one thread takes a loader's batches");
     stk_batch b;
     stk_err err = {0};
-    int rc;
-    /* the buffer the next batch goes to, if a batch there is still
-     * viewed: that batch keeps it, the ring gets a fresh one */
-    BatchObject *old = self->in_slot[self->taken % (uint64_t)self->slots];
-    if (old) {
-        if ((rc = stk_loader_detach(self->loader, &old->b, &err)))
-            return raise_stk(rc, &err);
-        self->in_slot[self->taken % (uint64_t)self->slots] = NULL;
-    }
+    int rc = 0;
     self->busy++;
-    for (;;) {
+    /* the buffer the next batch goes to, if a batch there is still
+     * viewed: that batch keeps it, the ring gets a fresh one (held
+     * strongly: the allocator may run Python that drops the last view) */
+    size_t k = (size_t)(self->taken % (uint64_t)self->slots);
+    BatchObject *old = self->in_slot[k];
+    if (old) {
+        Py_INCREF(old);
+        self->in_slot[k] = NULL;
+        rc = stk_loader_detach(self->loader, &old->b, &err);
+        if (rc)
+            self->in_slot[k] = old;
+        Py_DECREF(old);
+    }
+    for (bool wait = !rc; wait;) { /* not when the detach failed */
         Py_BEGIN_ALLOW_THREADS
         rc = stk_loader_next_for(self->loader, &b, WAIT_SLICE, &err);
         Py_END_ALLOW_THREADS
-        if (rc != STK_ETIMEDOUT || self->closing || PyErr_CheckSignals() < 0)
-            break;
+        wait = rc == STK_ETIMEDOUT && !self->closing &&
+               PyErr_CheckSignals() == 0;
     }
     self->busy--;
+    if (rc == 1)
+        self->taken++;
     if (rc == 1 && self->closing) /* closed from another thread meanwhile */
         stk_loader_release(self->loader, &b);
     if (self->closing) {
+        ring_stop(self);
         ring_settle(self);
         return PyErr_Occurred() ? NULL : ring_closed();
     }
@@ -605,7 +660,6 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     bo->b = b;
     self->held++;
     self->in_slot[b.slot] = bo;
-    self->taken++;
     return Py_BuildValue("(Ny#y#KK)", (PyObject *)bo, (const char *)b.labels,
                          (Py_ssize_t)b.n * 4, (const char *)b.indices,
                          (Py_ssize_t)b.n * 8, (unsigned long long)b.epoch,
@@ -615,8 +669,8 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
 static PyObject *ring_position(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    if (!self->loader)
-        return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
     stk_loader_pos p = stk_loader_position(self->loader);
     return Py_BuildValue("(KK)", (unsigned long long)p.epoch,
                          (unsigned long long)p.batch);
@@ -625,8 +679,8 @@ static PyObject *ring_position(RingObject *self, PyObject *unused)
 static PyObject *ring_stats(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    if (!self->loader)
-        return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
     stk_loader_stats s;
     stk_loader_stats_get(self->loader, &s);
     return Py_BuildValue(
@@ -686,6 +740,7 @@ typedef struct prep_call {
     int rc;
     volatile sig_atomic_t cancel;
     PyObject *progress; /* callable(split, done, total, skipped, seconds) */
+    PyObject *raised;   /* what the callback raised: prep raises it */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool done;
@@ -701,10 +756,17 @@ static void on_progress(const stk_prep_progress *p, void *arg)
         c->progress, "sKKKd", p->split ? p->split : "",
         (unsigned long long)p->done, (unsigned long long)p->total,
         (unsigned long long)p->skipped, p->seconds);
-    if (!r) {
-        PyErr_WriteUnraisable(c->progress);
+    if (!r && !c->raised) {
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &c->raised, &tb);
+        PyErr_NormalizeException(&type, &c->raised, &tb);
+        if (c->raised && tb)
+            PyException_SetTraceback(c->raised, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
         c->cancel = 1;
     }
+    PyErr_Clear();
     Py_XDECREF(r);
     PyGILState_Release(g);
 }
@@ -818,7 +880,12 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     pthread_t t;
     if (pthread_create(&t, NULL, prep_thread, &c)) {
         PyErr_SetString(PyExc_OSError, "prep: cannot start a thread");
-    } else if (prep_wait(&c, t) == 0) {
+    } else if (prep_wait(&c, t) < 0) {
+        Py_CLEAR(c.raised); /* the KeyboardInterrupt wins */
+    } else if (c.raised) {
+        PyErr_SetObject((PyObject *)Py_TYPE(c.raised), c.raised);
+        Py_CLEAR(c.raised);
+    } else {
         if (c.rc == STK_ECANCELED && !PyErr_Occurred())
             raise_arg("prep was canceled; %s was left as it was", c.db);
         else if (c.rc)
@@ -874,12 +941,10 @@ static int add_errors(PyObject *m)
     Py_XDECREF(b2);
     if (!ArgumentError || !DatabaseError)
         return -1;
-    Py_INCREF(Error);
-    Py_INCREF(ArgumentError);
-    Py_INCREF(DatabaseError);
-    if (PyModule_AddObject(m, "Error", Error) < 0 ||
-        PyModule_AddObject(m, "ArgumentError", ArgumentError) < 0 ||
-        PyModule_AddObject(m, "DatabaseError", DatabaseError) < 0)
+    /* the module takes references of its own; ours stay for raise_stk */
+    if (PyModule_AddObjectRef(m, "Error", Error) < 0 ||
+        PyModule_AddObjectRef(m, "ArgumentError", ArgumentError) < 0 ||
+        PyModule_AddObjectRef(m, "DatabaseError", DatabaseError) < 0)
         return -1;
     return 0;
 }

@@ -200,6 +200,23 @@ class Split:
         self.__init__(Database(state["path"]), state["name"])
 
 
+def _pinned_alloc(torch):
+    """The ring's memory page-locked through torch (a function of torch
+    alone: a bound method would tie the loader into a cycle through the C
+    ring, which the collector cannot see)."""
+    def alloc(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return t.data_ptr(), t
+    return alloc
+
+
+def _u64(name, v):
+    v = int(v)
+    if not 0 <= v < 1 << 64:
+        raise _arg_error("%s must be 0..2**64-1, not %d" % (name, v))
+    return v
+
+
 def _default_workers():
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -263,7 +280,7 @@ class Loader:
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.uneven = bool(uneven)
-        self.seed = int(seed)
+        self.seed = _u64("seed", seed)
         self.workers = _default_workers() if workers is None else int(workers)
         self.rank, self.world_size = _world(rank, world_size)
         self.augment = bool(augment)
@@ -301,10 +318,6 @@ class Loader:
         self._len = self._ring.info()["batches"]
 
     # -- the ring --
-    def _pinned(self, nbytes):
-        t = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
-        return t.data_ptr(), t
-
     def _open_ring(self):
         self._close_ring()
         self._inflight.clear()
@@ -315,13 +328,15 @@ class Loader:
             start_epoch=self._epoch, start_batch=self._batch,
             uneven=self.uneven, pad=self.shape[1] // 8 if self.augment else 0,
             flip=self.augment,
-            alloc=self._pinned if self.pin_memory else None)
+            alloc=_pinned_alloc(self._torch) if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
 
     def _close_ring(self):
         if self._ring is not None:
+            self._ring.close()  # the workers first: nothing refills now
+            for _, ev in self._inflight:  # copies still reading buffers
+                ev.synchronize()
             self._inflight.clear()
-            self._ring.close()
             self._ring = None
 
     def _retire(self, batch):
@@ -343,8 +358,6 @@ class Loader:
             images = images.copy()
         if self._torch is None:
             return images, labels
-        if self.pin_memory and not self.copy:
-            self._retire(batch)
         return (self._torch.from_numpy(images),
                 self._torch.from_numpy(labels.astype(np.int64)))
 
@@ -363,6 +376,9 @@ class Loader:
                 self._batch = raw[4] + 1
                 self._ring_at = (epoch, self._batch)
                 yield self._convert(raw)
+                if self.pin_memory and not self.copy:
+                    # the loop is back: its copy of this batch is queued
+                    self._retire(raw[0])
                 del raw
         except KeyboardInterrupt:
             self._close_ring()  # stops the workers
@@ -382,7 +398,7 @@ class Loader:
 
     def set_epoch(self, epoch):
         """Makes the next iteration epoch `epoch` (from its first batch)."""
-        self._epoch, self._batch = int(epoch), 0
+        self._epoch, self._batch = _u64("epoch", epoch), 0
 
     @property
     def epoch(self):
@@ -408,7 +424,7 @@ class Loader:
                 raise _arg_error(
                     "state_dict: %s is %r, this loader's is %r: the batches "
                     "would not continue the saved run" % (k, state[k], mine[k]))
-        epoch, batch = int(state["epoch"]), int(state["batch"])
+        epoch, batch = _u64("state_dict: epoch", state["epoch"]), int(state["batch"])
         if not 0 <= batch <= self._len:
             raise _arg_error("state_dict: batch %d of an epoch of %d"
                              % (batch, self._len))
