@@ -331,13 +331,21 @@ typedef struct {
     int held;        /* Batch objects alive */
     int busy;        /* next() calls waiting with the GIL released */
     bool closing;    /* close() asked; done when held and busy reach 0 */
+    pid_t pid;       /* the process whose threads are the workers */
     int c, h, w;
 } RingObject;
 
+/* After fork the workers are the parent's: a child must not wait for
+ * them, join them or take the loader's lock (a worker may have held it
+ * at the fork). It uses the ring's memory only, its copy. */
+static bool ring_here(const RingObject *self) { return self->pid == getpid(); }
+
 static void ring_close_now(RingObject *self)
 {
-    stk_loader_close(self->loader); /* calls host_free: the GIL is held */
-    stk_store_close(self->store);
+    if (ring_here(self)) { /* a child leaves the parent's loader alone */
+        stk_loader_close(self->loader); /* host_free: the GIL is held */
+        stk_store_close(self->store);
+    }
     self->loader = NULL;
     self->store = NULL;
     Py_CLEAR(self->keep);
@@ -442,6 +450,7 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         self->store = NULL;
         return -1;
     }
+    self->pid = getpid();
     const stk_meta *m = stk_store_meta(self->store);
     self->c = m->channels;
     self->h = m->height;
@@ -476,7 +485,7 @@ static PyObject *ring_close(RingObject *self, PyObject *unused)
     (void)unused;
     bool first = !self->closing;
     self->closing = true;
-    if (first && self->loader && (self->held || self->busy)) {
+    if (first && self->loader && ring_here(self) && (self->held || self->busy)) {
         stk_loader *l = self->loader;
         self->busy++; /* no ring_settle frees it meanwhile */
         Py_BEGIN_ALLOW_THREADS
@@ -500,7 +509,8 @@ static void batch_dealloc(BatchObject *self)
 {
     RingObject *r = self->ring;
     if (r) {
-        stk_loader_release(r->loader, &self->b);
+        if (ring_here(r))
+            stk_loader_release(r->loader, &self->b);
         r->held--;
         ring_settle(r);
         Py_DECREF(r);
@@ -536,14 +546,30 @@ static PyObject *ring_closed(void)
     return raise_arg("the loader is closed");
 }
 
+/* The loader, or NULL with an error when it is closed or the parent's. */
+static stk_loader *ring_loader(RingObject *self)
+{
+    if (self->closing || !self->loader) {
+        ring_closed();
+        return NULL;
+    }
+    if (!ring_here(self)) {
+        raise_arg("this loader's workers are in process %d, not in this one "
+                  "(a fork): open a loader in each process",
+                  (int)self->pid);
+        return NULL;
+    }
+    return self->loader;
+}
+
 /* next() -> None at the end of an epoch (the next call starts the next
  * one), else (images: Batch, labels: bytes of int32, indices: bytes of
  * uint64, epoch, index). */
 static PyObject *ring_next(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    if (self->closing || !self->loader)
-        return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
     stk_batch b;
     stk_err err = {0};
     int rc;
@@ -586,8 +612,8 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
 static PyObject *ring_position(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    if (!self->loader)
-        return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
     stk_loader_pos p = stk_loader_position(self->loader);
     return Py_BuildValue("(KK)", (unsigned long long)p.epoch,
                          (unsigned long long)p.batch);
@@ -596,8 +622,8 @@ static PyObject *ring_position(RingObject *self, PyObject *unused)
 static PyObject *ring_stats(RingObject *self, PyObject *unused)
 {
     (void)unused;
-    if (!self->loader)
-        return ring_closed();
+    if (!ring_loader(self))
+        return NULL;
     stk_loader_stats s;
     stk_loader_stats_get(self->loader, &s);
     return Py_BuildValue(

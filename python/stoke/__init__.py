@@ -194,6 +194,10 @@ class Split:
         self.__init__(Database(state["path"]), state["name"])
 
 
+class _EpochEnd(Exception):
+    """The ring's epoch ended (Loader._next)."""
+
+
 def _default_workers():
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -311,6 +315,7 @@ class Loader:
             flip=self.augment,
             alloc=self._pinned if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
+        self._ring_pid = os.getpid()
 
     def _close_ring(self):
         if self._ring is not None:
@@ -362,21 +367,30 @@ class Loader:
                 self._torch.from_numpy(labels.astype(np.int64)))
 
     # -- iteration --
+    def _next(self, epoch):
+        """The iteration's next batch, converted; _EpochEnd at the end."""
+        raw = self._take()
+        if raw is None:
+            raise _EpochEnd
+        self._batch = raw[4] + 1
+        self._ring_at = (epoch, self._batch)
+        return self._convert(raw)
+
     def __iter__(self):
-        if self._ring is None or self._ring_at != (self._epoch, self._batch):
+        # a forked child gets a ring of its own (the workers are the
+        # parent's threads), as Database reopens LMDB there
+        if (self._ring is None or self._ring_pid != os.getpid()
+                or self._ring_at != (self._epoch, self._batch)):
             self._open_ring()
         epoch = self._epoch
         done = False
         try:
             while True:
-                raw = self._take()
-                if raw is None:
-                    done = True
-                    break
-                self._batch = raw[4] + 1
-                self._ring_at = (epoch, self._batch)
-                yield self._convert(raw)
-                del raw
+                # no local keeps the batch: a generator left suspended (a
+                # peek with next(it)) must not hold a ring buffer
+                yield self._next(epoch)
+        except _EpochEnd:
+            done = True
         except KeyboardInterrupt:
             self._close_ring()  # stops the workers
             raise
