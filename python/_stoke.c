@@ -489,7 +489,7 @@ static PyObject *ring_close(RingObject *self, PyObject *unused)
         stk_loader *l = self->loader;
         self->busy++; /* no ring_settle frees it meanwhile */
         Py_BEGIN_ALLOW_THREADS
-        stk_loader_stop(l); /* waits for the batch each worker fills */
+        stk_loader_stop(l); /* each worker leaves its batch at once */
         Py_END_ALLOW_THREADS
         self->busy--;
     }
