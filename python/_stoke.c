@@ -379,10 +379,17 @@ static void *host_alloc(size_t bytes, void *ctx)
 static void host_free(void *p, void *ctx)
 {
     RingObject *self = ctx;
+    if (!p) /* a buffer never allocated (host_alloc failed) */
+        return;
+    /* an open that failed frees what it got with the allocator's
+     * exception pending: that exception is the one to report */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     PyObject *addr = PyLong_FromVoidPtr(p);
-    if (addr && PyDict_DelItem(self->keep, addr) < 0)
+    if (!addr || PyDict_DelItem(self->keep, addr) < 0)
         PyErr_Clear();
     Py_XDECREF(addr);
+    PyErr_Restore(type, value, tb);
 }
 
 static int ring_init(RingObject *self, PyObject *args, PyObject *kw)

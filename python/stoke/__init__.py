@@ -289,6 +289,10 @@ class Loader:
             pin_memory = bool(self._torch is not None
                               and self._torch.cuda.is_available())
         self.pin_memory = bool(pin_memory)
+        if self.pin_memory and (self._torch is None
+                                or not self._torch.cuda.is_available()):
+            raise ArgumentError("pin_memory needs as_torch=True and PyTorch "
+                                "with CUDA")
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._ring = None
