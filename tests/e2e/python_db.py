@@ -176,7 +176,9 @@ def prep_ctrl_c():
     out, err = p.communicate(timeout=30)
     check(p.returncode == 0 and "INTERRUPTED" in out, "prep child: %s %s" % (out, err[-500:]))
     took = float(out.split()[-1]) - sent
-    check(took < 0.5, "KeyboardInterrupt %.3f s after SIGINT" % took)
+    # prep raises once its threads have stopped and cleaned up (a chunk in
+    # flight): ~50 ms here idle, 1.1 s seen under a load of 7 on 2 cores
+    check(took < 3, "KeyboardInterrupt %.3f s after SIGINT" % took)
     left = [f for f in os.listdir(".") if f.startswith("cut") or f.startswith(".cut")]
     check(not left, "an interrupted prep left %s" % left)
     print("ok: Ctrl-C in stoke.prep: KeyboardInterrupt after %.0f ms, nothing left"
