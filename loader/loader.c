@@ -539,7 +539,7 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
                       stk_err *err)
 {
     if (l->stop) /* stk_loader_stop: nothing would fill it */
-        return stk_fail(err, STK_EINVAL, "the loader is stopped");
+        return stk_fail(err, STK_ECANCELED, "the loader is stopped");
     if (sl->state == SLOT_HELD || (sl->state != SLOT_FREE && sl->seq != seq &&
                                    !l->o.workers))
         return held_error(l, err);
@@ -560,7 +560,7 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
         if (sl->state == SLOT_HELD)
             return held_error(l, err);
         if (l->stop) /* stk_loader_stop: nothing would fill it */
-            return stk_fail(err, STK_EINVAL, "the loader is stopped");
+            return stk_fail(err, STK_ECANCELED, "the loader is stopped");
         if (!deadline) {
             pthread_cond_wait(&l->ready, &l->mu);
             continue;
@@ -737,8 +737,8 @@ void stk_loader_stop(stk_loader *l)
         l->stop = true;
         if (!l->failed) {
             l->failed = STK_ECANCELED;
-            stk_fail(&l->fail_err, STK_ECANCELED, "split \"%s\": the loader "
-                     "was stopped", l->split);
+            stk_fail(&l->fail_err, STK_ECANCELED, "split \"%s\": the loader is "
+                     "stopped", l->split);
         }
         pthread_cond_broadcast(&l->freed);
         pthread_cond_broadcast(&l->ready); /* a waiting next returns */

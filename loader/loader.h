@@ -166,8 +166,8 @@ stk_loader_pos stk_loader_position(const stk_loader *l);
 
 void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *out);
 
-/* Stops the workers (mid-epoch is fine, waiting for the batch each is
- * filling) and keeps the ring: batches taken stay valid and may still be
+/* Stops the workers (mid-epoch is fine: each leaves its batch after the
+ * sample it copies) and keeps the ring: batches taken stay valid and may still be
  * released, stk_loader_next refuses (one waiting in another thread
  * returns). For a holder of batches that must outlive the threads (a
  * Python view). Idempotent, not concurrently with itself; NULL is a

@@ -217,6 +217,10 @@ def _u64(name, v):
     return v
 
 
+class _EpochEnd(Exception):
+    """The ring's epoch ended (Loader._next)."""
+
+
 def _default_workers():
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -308,8 +312,13 @@ class Loader:
             pin_memory = bool(self._torch is not None
                               and self._torch.cuda.is_available())
         self.pin_memory = bool(pin_memory)
+        if self.pin_memory and (self._torch is None
+                                or not self._torch.cuda.is_available()):
+            raise ArgumentError("pin_memory needs as_torch=True and PyTorch "
+                                "with CUDA")
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
+        self._pending = None  # the pinned batch the loop holds now
         self._ring = None
         meta = _stoke.Database(self.path).meta()
         _split_meta(self.path, meta, split)
@@ -330,10 +339,14 @@ class Loader:
             flip=self.augment,
             alloc=_pinned_alloc(self._torch) if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
+        self._ring_pid = os.getpid()
 
     def _close_ring(self):
         if self._ring is not None:
             self._ring.close()  # the workers first: nothing refills now
+            if self._pending is not None:
+                self._retire(self._pending)
+                self._pending = None
             for _, ev in self._inflight:  # copies still reading buffers
                 ev.synchronize()
             self._inflight.clear()
@@ -362,24 +375,35 @@ class Loader:
                 self._torch.from_numpy(labels.astype(np.int64)))
 
     # -- iteration --
+    def _next(self, epoch):
+        """The iteration's next batch, converted; _EpochEnd at the end."""
+        if self._pending is not None:  # the loop is back: its copy of the
+            self._retire(self._pending)  # last pinned batch is queued
+            self._pending = None
+        raw = self._ring.next()
+        if raw is None:
+            raise _EpochEnd
+        self._batch = raw[4] + 1
+        self._ring_at = (epoch, self._batch)
+        if self.pin_memory and not self.copy:
+            self._pending = raw[0]
+        return self._convert(raw)
+
     def __iter__(self):
-        if self._ring is None or self._ring_at != (self._epoch, self._batch):
+        # a forked child gets a ring of its own (the workers are the
+        # parent's threads), as Database reopens LMDB there
+        if (self._ring is None or self._ring_pid != os.getpid()
+                or self._ring_at != (self._epoch, self._batch)):
             self._open_ring()
         epoch = self._epoch
         done = False
         try:
             while True:
-                raw = self._ring.next()
-                if raw is None:
-                    done = True
-                    break
-                self._batch = raw[4] + 1
-                self._ring_at = (epoch, self._batch)
-                yield self._convert(raw)
-                if self.pin_memory and not self.copy:
-                    # the loop is back: its copy of this batch is queued
-                    self._retire(raw[0])
-                del raw
+                # no local keeps the batch: a generator left suspended (a
+                # peek with next(it)) must not hold a ring buffer
+                yield self._next(epoch)
+        except _EpochEnd:
+            done = True
         except KeyboardInterrupt:
             self._close_ring()  # stops the workers
             raise

@@ -74,6 +74,31 @@ def main():
     raises(A, "world_size must be >= 1, not 0", stoke.Loader, db, rank=0, world_size=0)
     print("ok: bad arguments refused")
 
+    torch = s.need("torch")
+    if not torch.cuda.is_available():
+        raises(A, "pin_memory needs as_torch=True and PyTorch with CUDA",
+               stoke.Loader, db, as_torch=True, pin_memory=True)
+    # the ring through a Python allocator (pin_memory's path, with
+    # ordinary memory here), and an allocator that fails: its exception
+    def alloc(n):
+        a = np.zeros(n, np.uint8)
+        return a.ctypes.data, a
+    ring = stoke._stoke.Ring(db, "test", 100, shuffle=False, workers=1, alloc=alloc)
+    raw = ring.next()
+    first = np.frombuffer(raw[0], np.uint8).reshape(100, 1, 28, 28)
+    check(all(np.array_equal(first[i], d["test"][i][0]) for i in range(100)),
+          "a ring from a Python allocator")
+    del raw, first
+    ring.close()
+    def no_memory(n):
+        raise RuntimeError("no pinned memory here")
+    try:
+        stoke._stoke.Ring(db, "test", 100, alloc=no_memory)
+        raise AssertionError("a failing allocator was not reported")
+    except RuntimeError as e:
+        check(str(e) == "no pinned memory here", "allocator error: %r" % e)
+    print("ok: a ring through a Python allocator; its failure is its exception")
+
     # state_dict of another configuration
     run = stoke.Loader(db, batch_size=100, seed=3, workers=1)
     it = iter(run)

@@ -8,6 +8,8 @@
 
 #include "loader/loader.h"
 
+#include <pthread.h>
+
 #define N 1000
 #define C 3
 #define HW 8
@@ -654,6 +656,64 @@ static void detached_batch_outlives_the_ring_turning(void **state)
     stk_store_close(s);
 }
 
+/* A consumer in stk_loader_next while another thread stops the loader
+ * (Python's close() beside a waiting next()). */
+typedef struct waiter {
+    stk_loader *l;
+    stk_batch b;
+    int rc;
+    stk_err err;
+} waiter;
+
+static void *wait_next(void *arg)
+{
+    waiter *w = arg;
+    w->rc = stk_loader_next(w->l, &w->b, &w->err);
+    return NULL;
+}
+
+/* stk_loader_stop ends the workers and keeps the ring: a batch taken
+ * before stays intact and is released after; next refuses, and one
+ * running in another thread returns; close after stop frees it all. */
+static void stop_keeps_held_batches(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 100, .workers = 3, .prefetch = 2,
+                         .shuffle = true, .seed = 4,
+                         .host = {counting_alloc, counting_free, NULL}};
+    allocs = frees = 0;
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch a, b;
+    assert_int_equal(stk_loader_next(l, &a, &err), 1);
+    waiter w = {.l = l};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, wait_next, &w), 0);
+    stk_loader_stop(l);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    /* the other thread took batch 1 before the stop, or was refused */
+    if (w.rc == 1)
+        stk_loader_release(l, &w.b);
+    else
+        assert_true(w.rc == STK_ECANCELED &&
+                    strstr(w.err.msg, "the loader is stopped"));
+    stk_loader_stop(l); /* idempotent */
+    trace tr = {0};
+    check_batch(&a, &tr); /* still the stored bytes */
+    assert_int_equal(stk_loader_next(l, &b, &err), STK_ECANCELED);
+    assert_non_null(strstr(err.msg, "the loader is stopped"));
+    stk_loader_release(l, &a);
+    assert_int_equal(frees, 0); /* the ring stays until close */
+    stk_loader_close(l);
+    assert_int_equal(frees, allocs);
+    free(tr.bytes);
+    stk_store_close(s);
+}
+
+
 static void stats_count_what_was_delivered(void **state)
 {
     (void)state;
@@ -741,6 +801,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(corrupt_record_is_an_error_naming_its_key),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
+    cmocka_unit_test(stop_keeps_held_batches),
     cmocka_unit_test(stats_count_what_was_delivered),
     cmocka_unit_test(raw_folder_equals_its_database),
 };
