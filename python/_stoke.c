@@ -418,6 +418,9 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         raise_stk(rc, &err);
         return -1;
     }
+    const stk_meta *m = stk_store_meta(self->store);
+    if (o.aug_pad == -1) /* train --augment's padding, H / 8 */
+        o.aug_pad = m->height / 8;
     if (self->alloc) { /* the allocator is Python: keep the GIL */
         rc = stk_loader_open(self->store, &o, &self->loader, &err);
     } else {
@@ -432,7 +435,6 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         self->store = NULL;
         return -1;
     }
-    const stk_meta *m = stk_store_meta(self->store);
     self->c = m->channels;
     self->h = m->height;
     self->w = m->width;

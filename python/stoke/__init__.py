@@ -273,9 +273,9 @@ class Loader:
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._ring = None
-        self.shape = tuple(_stoke.Database(self.path).meta()["shape"])
-        self._open_ring()
-        self._len = self._ring.info()["batches"]
+        self._open_ring()  # the store is opened (and checked) once, here
+        info = self._ring.info()
+        self.shape, self._len = tuple(info["shape"]), info["batches"]
 
     # -- the ring --
     def _pinned(self, nbytes):
@@ -290,7 +290,7 @@ class Loader:
             drop_last=self.drop_last, seed=self.seed, workers=self.workers,
             prefetch=self.prefetch, rank=self.rank, world=self.world_size,
             start_epoch=self._epoch, start_batch=self._batch,
-            uneven=self.uneven, pad=self.shape[1] // 8 if self.augment else 0,
+            uneven=self.uneven, pad=-1 if self.augment else 0,  # -1: H // 8
             flip=self.augment,
             alloc=self._pinned if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
