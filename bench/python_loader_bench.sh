@@ -17,6 +17,7 @@
 #      sweep        the C loader alone (build/bin/sweep), for reference: what
 #                   the Python layer costs
 #      pickle, array, lmdb   DataLoader(num_workers=W, pin_memory=False)
+#      dataset      the same DataLoader over stoke.open(db)["train"]
 #    samples/s from before the loader is made to the last batch.
 # B. Data stall inside a PyTorch training loop on fm: tests/e2e/torch_ref.py's
 #    cnn, batch 128, torch.set_num_threads(2), WARMUP steps then STEPS
@@ -69,7 +70,7 @@ SWEEP=$BUILD/bin/sweep
 PY=/usr/bin/python3 # Debian's interpreter, with python3-{torch,numpy,lmdb,pil}
 PEERS=$BENCH/python_loader_peers.py
 WORKERS=(0 1 2 4)
-TOOLS=(stoke stoke-torch sweep pickle array lmdb)
+TOOLS=(stoke stoke-torch sweep pickle array lmdb dataset)
 
 die() { echo "python_loader_bench: $*" >&2; exit 1; }
 say() { echo "python_loader_bench: $*" >&2; }

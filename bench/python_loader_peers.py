@@ -40,6 +40,9 @@ TOOL:
                environment opened lazily in each worker)
   array        DataLoader over peer-array.pkl, unpickled into memory when the
                dataset is made (not timed); __getitem__ = (images[i], label)
+  dataset      DataLoader over the stoke package's map-style dataset,
+               stoke.open(DB)["train"] (not a peer: what a user gets by
+               swapping only the dataset)
   memory       (train only) no loader: the split in a uint8 tensor, each
                batch gathered by a random index in the loop, as
                bench/train_peers.py does; the step time without a loader
@@ -117,11 +120,17 @@ def check(db_dir, work):
 
 # ------------------------------------------------------------ the loaders
 
-def dataset(tool, work):
+def dataset(tool, work, db_dir=None):
     from loader_peers import datasets
     import torch.utils.data as tud
     PickleDataset, LmdbDataset = datasets()
     p = paths(work)
+    if tool == "dataset":  # stoke's own map-style dataset
+        import stoke
+        import warnings
+        # default_collate copies the read-only records (torch warns once)
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return stoke.open(db_dir)["train"]
     if tool == "pickle":
         return PickleDataset(os.path.join(p["pickle"], "train"))
     if tool == "lmdb":
@@ -155,7 +164,7 @@ def loader_factory(tool, workers, db_dir, work, batch, seed):
                                      seed=seed, as_torch=tool == "stoke-torch")), n
     import torch
     from torch.utils.data import DataLoader
-    ds = dataset(tool, work)
+    ds = dataset(tool, work, db_dir)
     torch.manual_seed(seed)
     return (lambda: DataLoader(ds, batch_size=batch, shuffle=True,
                                num_workers=workers, pin_memory=False)), len(ds)
@@ -289,7 +298,7 @@ t1 = time.perf_counter()
 import sys
 sys.path.insert(0, BENCH)
 from python_loader_peers import dataset
-loader = DataLoader(dataset(TOOL, WORK), batch_size=BATCH, shuffle=True,
+loader = DataLoader(dataset(TOOL, WORK, DB), batch_size=BATCH, shuffle=True,
                     num_workers=WORKERS)
 images, labels = next(iter(loader))
 t2 = time.perf_counter()
@@ -341,6 +350,7 @@ def run_first(a):
 NAMES = {"stoke": "stoke.Loader (NumPy)", "stoke-torch": "stoke.Loader (as_torch)",
          "sweep": "C loader (sweep)", "pickle": "DataLoader, pickle files",
          "array": "DataLoader, one pickled array", "lmdb": "DataLoader, python3-lmdb",
+         "dataset": "DataLoader, stoke.open(db)[\"train\"]",
          "memory": "no loader (tensor in memory)", "numpy": "`import numpy` alone",
          "stoke-numpy": "stoke.Loader (NumPy), numpy imported before"}
 DATA = {"fm": "Fashion-MNIST train, 60000 x 1x28x28",
