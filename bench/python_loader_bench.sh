@@ -22,9 +22,11 @@
 # B. Data stall inside a PyTorch training loop on fm: tests/e2e/torch_ref.py's
 #    cnn, batch 128, torch.set_num_threads(2), WARMUP steps then STEPS
 #    timed (python_loader_peers.py train); stall = time in next() / step
-#    time. stoke-torch and the three DataLoaders at TRAIN_WORKERS, and
-#    "memory" (no loader: batches gathered from a tensor in the loop) for
-#    the step time without a loader.
+#    time. TRAIN lists the loaders as TOOL:WORKERS: by default stoke-torch
+#    at its default (2 here) and 0 workers, the best DataLoader of part A
+#    (array, 0 workers) and the DataLoaders at 2 workers, and "memory"
+#    (no loader: batches gathered from a tensor in the loop) for the step
+#    time without a loader.
 # C. Import to first batch: a fresh `/usr/bin/python3 -c` process timing
 #    from before `import stoke` to the first batch in hand (Loader
 #    defaults, batch 256), FIRST runs per configuration; the same with
@@ -40,7 +42,7 @@
 # usage: bench/python_loader_bench.sh [WORK_DIR]  (default /tmp/stoke-pyloader-bench)
 # environment: REPS (rounds of A and B, default 3), SECONDS (part A's
 #   seconds per run, default 2), STEPS (default 200), WARMUP (default 20),
-#   TRAIN_WORKERS (default "0 2"), FIRST (part C's runs per configuration,
+#   TRAIN (part B's TOOL:WORKERS list, see above), FIRST (part C's runs per configuration,
 #   default 7), PARTS (default "A B C"), COUNT (JPEG files, default 4000),
 #   SIDE (their side, default 256), IDX_DIR (default
 #   /usr/share/datasets/fashion-mnist), BUILD (default build: prep, sweep and
@@ -58,7 +60,7 @@ WORK=${1:-/tmp/stoke-pyloader-bench}
 REPS=${REPS:-3}
 STEPS=${STEPS:-200}
 WARMUP=${WARMUP:-20}
-TRAIN_WORKERS=${TRAIN_WORKERS:-0 2}
+TRAIN=${TRAIN:-memory:0 stoke-torch:2 stoke-torch:0 array:0 array:2 pickle:2 lmdb:2}
 FIRST=${FIRST:-7}
 PARTS=${PARTS:-A B C}
 COUNT=${COUNT:-4000}
@@ -154,7 +156,7 @@ run_c() { # rep data tool workers
 }
 
 : >"$RESULTS"
-# shellcheck disable=SC2086 # PARTS and TRAIN_WORKERS are word lists
+# shellcheck disable=SC2086 # PARTS and TRAIN are word lists
 for part in $PARTS; do
     case $part in
     A)
@@ -170,10 +172,8 @@ for part in $PARTS; do
         done
         ;;
     B)
-        configs=("memory 0")
-        for w in $TRAIN_WORKERS; do
-            for t in stoke-torch pickle array lmdb; do configs+=("$t $w"); done
-        done
+        configs=()
+        for c in $TRAIN; do configs+=("${c%:*} ${c#*:}"); done
         for ((rep = 1; rep <= REPS; rep++)); do
             warm fm
             for ((i = 0; i < ${#configs[@]}; i++)); do
