@@ -18,7 +18,8 @@
 #                   the Python layer costs
 #      pickle, array, lmdb   DataLoader(num_workers=W, pin_memory=False)
 #      dataset      the same DataLoader over stoke.open(db)["train"]
-#    samples/s from before the loader is made to the last batch.
+#    samples/s from before the loader is made to the last batch, and
+#    samples per CPU second (the process and its DataLoader workers).
 # B. Data stall inside a PyTorch training loop on fm: tests/e2e/torch_ref.py's
 #    cnn, batch 128, torch.set_num_threads(2), WARMUP steps then STEPS
 #    timed (python_loader_peers.py train); stall = time in next() / step
@@ -42,8 +43,9 @@
 # usage: bench/python_loader_bench.sh [WORK_DIR]  (default /tmp/stoke-pyloader-bench)
 # environment: REPS (rounds of A and B, default 3), SECONDS (part A's
 #   seconds per run, default 2), STEPS (default 200), WARMUP (default 20),
-#   TRAIN (part B's TOOL:WORKERS list, see above), FIRST (part C's runs per configuration,
-#   default 7), PARTS (default "A B C"), COUNT (JPEG files, default 4000),
+#   TRAIN (part B's TOOL:WORKERS list, see above), FIRST (part C's runs per
+#   configuration, default 7), PARTS (default "A B C"), DATA (parts A and
+#   C's datasets, default "fm jpeg224"), COUNT (JPEG files, default 4000),
 #   SIDE (their side, default 256), IDX_DIR (default
 #   /usr/share/datasets/fashion-mnist), BUILD (default build: prep, sweep and
 #   python/stoke are taken from there, built when missing).
@@ -97,13 +99,13 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 declare -A DB PEER
 DB[fm]=$WORK/fm
 DB[jpeg224]=$WORK/db224-jpeg$SIDE-$COUNT
-DATA=(fm jpeg224)
-for d in "${DATA[@]}"; do PEER[$d]=$WORK/peers-$(basename "${DB[$d]}"); done
+for d in fm jpeg224; do PEER[$d]=$WORK/peers-$(basename "${DB[$d]}"); done
+read -r -a DATA <<<"${DATA:-fm jpeg224}"
 [ -d "${DB[fm]}" ] || "$PREP" --quiet "$IDX_DIR" "${DB[fm]}" >&2
 [ -d "$JPEG" ] || "$PY" "$BENCH/make_jpeg_folder.py" "$JPEG" "$COUNT" --side "$SIDE" --idx-dir "$IDX_DIR" >&2
 [ -d "${DB[jpeg224]}" ] || "$PREP" --quiet --size 224 "$JPEG" "${DB[jpeg224]}" >&2
 checks=()
-for d in "${DATA[@]}"; do
+for d in fm jpeg224; do
     mkdir -p "${PEER[$d]}"
     "$PY" "$PEERS" make "${DB[$d]}" "${PEER[$d]}"
     checks+=("$d: $("$PY" "$PEERS" check "${DB[$d]}" "${PEER[$d]}")") || die "peers of $d differ"

@@ -175,10 +175,20 @@ def close(loader):
         loader.close()
 
 
+def cpu_seconds():
+    """user + system CPU seconds of this process and its waited-for
+    children (DataLoader workers are joined at the end of each epoch)."""
+    import resource
+    return sum(r.ru_utime + r.ru_stime for r in (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def run_iter(a):
     make_loader, n = loader_factory(a.tool, a.workers, a.db, a.work, a.batch, a.seed)
     samples = epochs = 0
     first = None
+    cpu0 = cpu_seconds()
     t0 = time.perf_counter()
     loader = make_loader()
     while True:
@@ -193,12 +203,14 @@ def run_iter(a):
             break
     stats = getattr(loader, "stats", None)
     close(loader)
+    cpu = cpu_seconds() - cpu0
     if samples != epochs * n:
         raise SystemExit("python_loader_peers: %s gave %d samples in %d epochs of %d"
                          % (a.tool, samples, epochs, n))
     out = {"tool": a.tool, "workers": a.workers, "batch": a.batch, "samples": samples,
            "epochs": epochs, "elapsed_s": elapsed, "samples_per_s": samples / elapsed,
-           "first_batch_s": first, "batch_shape": shape, "dtype": dtype}
+           "first_batch_s": first, "batch_shape": shape, "dtype": dtype,
+           "cpu_s": cpu, "samples_per_cpu_s": samples / cpu}
     if stats:
         out["stoke_stats"] = {k: stats[k] for k in ("stall", "first_batch", "busy")}
     print(json.dumps(out))
@@ -407,6 +419,18 @@ def report(path):
         peers = [(sps[t, w], t, w) for t in ("pickle", "array", "lmdb") for w in W
                  if (t, w) in sps]
         best, bt, bw = max(peers)
+        cpu_tools = [t for t in tools if all("samples_per_cpu_s" in r
+                                             for w in W for r in A[d, t, w])]
+        if cpu_tools:
+            print("\nSamples per CPU second (user + system, the DataLoader's worker "
+                  "processes included), median; less sensitive to a loaded machine "
+                  "than samples/s:\n")
+            print("| workers | " + " | ".join(NAMES[t] for t in cpu_tools) + " |")
+            print("|---:|" + "---:|" * len(cpu_tools))
+            for w in W:
+                print("| %d | " % w + " | ".join(
+                    "%.0f" % med([r["samples_per_cpu_s"] for r in A[d, t, w]])
+                    if A[d, t, w] else "-" for t in cpu_tools) + " |")
         print("\nThe best DataLoader set-up: %s, %d workers, %.0f samples/s (median).\n"
               % (NAMES[bt], bw, best))
         print("| workers | stoke.Loader (NumPy) / best DataLoader | (as_torch) / best DataLoader "
