@@ -53,42 +53,55 @@ def key(i):
     return b"%08d" % i
 
 
-def make(idx_dir, work):
+def write_pkl(samples, pkl):
+    """pkl/train/<index>.pkl, one pickle((array, label)) per sample of the
+    iterable samples; built under pkl.tmp and renamed into place, kept when
+    pkl is already there."""
+    if os.path.isdir(pkl):
+        return
+    t0 = time.perf_counter()
+    tmp = pkl + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "train"))
+    n = 0
+    for n, s in enumerate(samples, 1):
+        with open(os.path.join(tmp, "train", "%d.pkl" % (n - 1)), "wb") as f:
+            pickle.dump(s, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.rename(tmp, pkl)
+    print("loader_peers: wrote %s (%d files) in %.1f s" % (pkl, n, time.perf_counter() - t0),
+          file=sys.stderr)
+
+
+def write_lmdb(samples, db, map_size=1 << 30):
+    """A python3-lmdb environment at db: key = 8-digit ASCII index, value =
+    pickle((array, label)), and b"__len__"; built and kept as write_pkl's."""
     import lmdb
+    if os.path.isdir(db):
+        return
+    t0 = time.perf_counter()
+    tmp = db + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = lmdb.open(tmp, map_size=map_size, subdir=True)
+    n = 0
+    with env.begin(write=True) as txn:
+        for n, s in enumerate(samples, 1):
+            txn.put(key(n - 1), pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
+        txn.put(b"__len__", b"%d" % n)
+    env.sync()
+    env.close()
+    os.rename(tmp, db)
+    print("loader_peers: wrote %s (%d records) in %.1f s" % (db, n, time.perf_counter() - t0),
+          file=sys.stderr)
+
+
+def make(idx_dir, work):
     images = read_idx(os.path.join(idx_dir, "train-images-idx3-ubyte.gz"))
     labels = read_idx(os.path.join(idx_dir, "train-labels-idx1-ubyte.gz"))
     n = len(images)
     assert n == len(labels) == 60000, n
     samples = [(images[i].reshape(1, 28, 28).copy(), int(labels[i])) for i in range(n)]
-
-    pkl = os.path.join(work, "peer-pkl")
-    if not os.path.isdir(pkl):
-        t0 = time.perf_counter()
-        tmp = pkl + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "train"))
-        for i, s in enumerate(samples):
-            with open(os.path.join(tmp, "train", "%d.pkl" % i), "wb") as f:
-                pickle.dump(s, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.rename(tmp, pkl)
-        print("loader_peers: wrote %s (%d files) in %.1f s" % (pkl, n, time.perf_counter() - t0),
-              file=sys.stderr)
-
-    db = os.path.join(work, "peer-lmdb")
-    if not os.path.isdir(db):
-        t0 = time.perf_counter()
-        tmp = db + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        env = lmdb.open(tmp, map_size=1 << 30, subdir=True)
-        with env.begin(write=True) as txn:
-            for i, s in enumerate(samples):
-                txn.put(key(i), pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
-            txn.put(b"__len__", b"%d" % n)
-        env.sync()
-        env.close()
-        os.rename(tmp, db)
-        print("loader_peers: wrote %s (%d records) in %.1f s" % (db, n, time.perf_counter() - t0),
-              file=sys.stderr)
+    write_pkl(samples, os.path.join(work, "peer-pkl"))
+    write_lmdb(samples, os.path.join(work, "peer-lmdb"))
 
 
 def check(stoke_db, work):

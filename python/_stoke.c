@@ -162,6 +162,21 @@ static PyObject *db_close(DatabaseObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* An ArgumentError for a split the database does not have, listing the
+ * ones it has. */
+static PyObject *raise_no_split(const char *path, const stk_meta *m,
+                                const char *split)
+{
+    char have[STK_MAX_SPLITS * (STK_SPLIT_NAME_MAX + 4)] = "";
+    for (int i = 0; i < m->nsplits; i++) {
+        strcat(have, i ? ", \"" : "\"");
+        strcat(have, m->splits[i].name);
+        strcat(have, "\"");
+    }
+    return raise_arg("database %s has no split \"%s\" (it has %s)", path,
+                     split, have);
+}
+
 /* The view of a split, by name; an unknown name is an ArgumentError that
  * lists the splits there are. */
 static stk_view *db_view(DatabaseObject *self, const char *split)
@@ -172,14 +187,7 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
     const stk_meta *m = stk_store_meta(s);
     int k = stk_meta_split(m, split);
     if (k < 0) {
-        char have[STK_MAX_SPLITS * (STK_SPLIT_NAME_MAX + 4)] = "";
-        for (int i = 0; i < m->nsplits; i++) {
-            strcat(have, i ? ", \"" : "\"");
-            strcat(have, m->splits[i].name);
-            strcat(have, "\"");
-        }
-        raise_arg("database %s has no split \"%s\" (it has %s)", self->path,
-                  split, have);
+        raise_no_split(self->path, m, split);
         return NULL;
     }
     if (!self->views[k]) {
@@ -447,11 +455,22 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS
     rc = stk_store_open(PyBytes_AS_STRING(path), 0, &self->store, &err);
     Py_END_ALLOW_THREADS
-    Py_DECREF(path);
     if (rc) {
+        Py_DECREF(path);
         raise_stk(rc, &err);
         return -1;
     }
+    const stk_meta *m = stk_store_meta(self->store);
+    if (stk_meta_split(m, split) < 0) {
+        raise_no_split(PyBytes_AS_STRING(path), m, split);
+        Py_DECREF(path);
+        stk_store_close(self->store);
+        self->store = NULL;
+        return -1;
+    }
+    Py_DECREF(path);
+    if (o.aug_pad == -1) /* train --augment's padding, H / 8 */
+        o.aug_pad = m->height / 8;
     if (self->alloc) { /* the allocator is Python: keep the GIL */
         rc = stk_loader_open(self->store, &o, &self->loader, &err);
     } else {
@@ -474,7 +493,6 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         return -1;
     }
-    const stk_meta *m = stk_store_meta(self->store);
     self->c = m->channels;
     self->h = m->height;
     self->w = m->width;

@@ -314,17 +314,15 @@ class Loader:
         self.pin_memory = bool(pin_memory)
         if self.pin_memory and (self._torch is None
                                 or not self._torch.cuda.is_available()):
-            raise ArgumentError("pin_memory needs as_torch=True and PyTorch "
-                                "with CUDA")
+            raise _arg_error("pin_memory needs as_torch=True and PyTorch "
+                             "with CUDA")
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._pending = None  # the pinned batch the loop holds now
         self._ring = None
-        meta = _stoke.Database(self.path).meta()
-        _split_meta(self.path, meta, split)
-        self.shape = tuple(meta["shape"])
-        self._open_ring()
-        self._len = self._ring.info()["batches"]
+        self._open_ring()  # the store is opened (and checked) once, here
+        info = self._ring.info()
+        self.shape, self._len = tuple(info["shape"]), info["batches"]
 
     # -- the ring --
     def _open_ring(self):
@@ -335,7 +333,7 @@ class Loader:
             drop_last=self.drop_last, seed=self.seed, workers=self.workers,
             prefetch=self.prefetch, rank=self.rank, world=self.world_size,
             start_epoch=self._epoch, start_batch=self._batch,
-            uneven=self.uneven, pad=self.shape[1] // 8 if self.augment else 0,
+            uneven=self.uneven, pad=-1 if self.augment else 0,  # -1: H // 8
             flip=self.augment,
             alloc=_pinned_alloc(self._torch) if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
