@@ -435,7 +435,7 @@ class Loader:
                 "seed": self.seed, "batch_size": self.batch_size,
                 "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "rank": self.rank, "world_size": self.world_size,
-                "split": self.split, "samples": self._len}
+                "split": self.split, "batches": self._len}
 
     def load_state_dict(self, state):
         """The next iteration continues from state (see state_dict)."""
