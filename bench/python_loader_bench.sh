@@ -79,8 +79,9 @@ TOOLS=(stoke stoke-torch sweep pickle array lmdb dataset)
 die() { echo "python_loader_bench: $*" >&2; exit 1; }
 say() { echo "python_loader_bench: $*" >&2; }
 
-ls "$BUILD"/python/stoke/_stoke*.so >/dev/null 2>&1 && [ -x "$PREP" ] && [ -x "$SWEEP" ] ||
+if ! ls "$BUILD"/python/stoke/_stoke*.so >/dev/null 2>&1 || [ ! -x "$PREP" ] || [ ! -x "$SWEEP" ]; then
     "$ROOT/scripts/build.sh" >&2
+fi
 ls "$BUILD"/python/stoke/_stoke*.so >/dev/null 2>&1 ||
     die "no stoke package in $BUILD/python (python3-dev missing?)"
 "$PY" -c 'import torch, numpy, lmdb, PIL' 2>/dev/null ||
