@@ -61,30 +61,6 @@ int stk_backend_threads(const stk_backend *be)
     return be->kind == STK_DEV_CPU ? stk_pool_threads(be->impl) : 1;
 }
 
-int stk_backend_tasks_max(const stk_backend *be)
-{
-    int t = stk_backend_threads(be);
-    return t < STK_TASKS_MAX ? t : STK_TASKS_MAX;
-}
-
-int stk_backend_tasks(stk_backend *be, int count, stk_task_fn fn, void *arg,
-                      stk_err *err)
-{
-    if (count < 0 || count > stk_backend_tasks_max(be))
-        return stk_fail(err, STK_EINVAL,
-                        "%s: %d tasks at once (at most %d)", be->name, count,
-                        stk_backend_tasks_max(be));
-    if (be->ops->tasks)
-        return be->ops->tasks(be, count, fn, arg, err);
-    int first = 0;
-    for (int i = 0; i < count; i++) {
-        stk_err e = {0};
-        int rc = fn(arg, i, be, first ? &e : err);
-        first = first ? first : rc;
-    }
-    return first;
-}
-
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err)
 {
     return be->ops->alloc(be, bytes, err);

@@ -120,9 +120,6 @@ typedef struct backend_ops {
                      stk_err *err);
     int (*transform)(stk_backend *be, const uint8_t *x, const uint64_t *ids,
                      int n, const stk_transform *t, float *y, stk_err *err);
-    /* NULL: the tasks run in order on the backend itself */
-    int (*tasks)(stk_backend *be, int count, stk_task_fn fn, void *arg,
-                 stk_err *err);
     int (*axpy)(stk_backend *be, size_t n, float alpha, const float *x,
                 float *y, stk_err *err);
     int (*scale)(stk_backend *be, size_t n, float alpha, float *x,
@@ -169,9 +166,6 @@ int stk_pool_threads(const stk_pool *p);
  * pool belongs to the thread driving its backend. */
 void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
                   void *arg);
-/* Runs fn over [0, n) one index at a time, each claimed by whichever
- * thread is free (the caller too): for n tasks of a thread each. */
-void stk_pool_each(stk_pool *p, size_t n, stk_pool_fn fn, void *arg);
 /* Fills be for CUDA device `device`; defined in cuda_ops.cu, or in
  * cuda_none.c where it reports that CUDA is not built. */
 int stk_cuda_backend_init(stk_backend *be, int device, stk_err *err);

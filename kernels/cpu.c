@@ -82,43 +82,6 @@ int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
     return be->impl ? 0 : STK_ENOMEM;
 }
 
-/* ---- tasks: each on a thread of its own, computing on it alone ---------- */
-
-typedef struct task_job {
-    stk_backend *be;
-    stk_task_fn fn;
-    void *arg;
-    int rc[STK_TASKS_MAX];
-    stk_err err[STK_TASKS_MAX];
-} task_job;
-
-static void task_part(void *v, size_t b, size_t e)
-{
-    task_job *j = v;
-    /* the same ops without the pool: a nested loop runs inline */
-    stk_backend wbe = *j->be;
-    wbe.impl = NULL;
-    for (size_t i = b; i < e; i++)
-        j->rc[i] = j->fn(j->arg, (int)i, &wbe, &j->err[i]);
-}
-
-static int cpu_tasks(stk_backend *be, int count, stk_task_fn fn, void *arg,
-                     stk_err *err)
-{
-    task_job j; /* not zeroed: 33 KB, called per round of pieces; each
-                 * task sets its rc */
-    j.be = be;
-    j.fn = fn;
-    j.arg = arg;
-    stk_pool_each(pool(be), (size_t)count, task_part, &j);
-    for (int i = 0; i < count; i++)
-        if (j.rc[i]) {
-            *err = j.err[i];
-            return j.rc[i];
-        }
-    return 0;
-}
-
 static void *cpu_alloc(stk_backend *be, size_t bytes, stk_err *err)
 {
     (void)be;
@@ -1959,7 +1922,6 @@ const backend_ops stk_cpu_ops = {
     .metrics_step = cpu_metrics_step,
     .grad_norm = cpu_grad_norm,
     .transform = cpu_transform,
-    .tasks = cpu_tasks,
     .axpy = cpu_axpy,
     .scale = cpu_scale,
     .sumsq = cpu_sumsq,

@@ -54,22 +54,6 @@ stk_device_kind stk_backend_kind(const stk_backend *be);
 const char *stk_backend_name(const stk_backend *be); /* "cpu", "cuda:0" */
 int stk_backend_threads(const stk_backend *be); /* CPU compute threads; CUDA: 1 */
 
-/* ---- tasks: independent pieces of work, one thread each ------------------ */
-
-/* Task i of a stk_backend_tasks call. Its ops go to wbe, a backend that
- * computes on the calling thread alone (on CUDA: the backend itself). */
-typedef int (*stk_task_fn)(void *arg, int i, stk_backend *wbe, stk_err *err);
-enum { STK_TASKS_MAX = 64 };
-/* How many tasks run at once: the CPU's threads (at most STK_TASKS_MAX);
- * CUDA: 1. */
-int stk_backend_tasks_max(const stk_backend *be);
-/* Runs fn for i in [0, count), count at most stk_backend_tasks_max(be):
- * on the CPU each task on a thread of its own, claimed by whichever is
- * free; on CUDA in order. Returns 0, or the error of the lowest failing
- * i (every task runs: a task's failure does not stop another). */
-int stk_backend_tasks(stk_backend *be, int count, stk_task_fn fn, void *arg,
-                      stk_err *err);
-
 /* CUDA: the backend's cudaStream_t, for libraries that queue work behind
  * it (NCCL); NULL on the CPU. */
 void *stk_backend_stream(stk_backend *be);

@@ -160,10 +160,17 @@ stk_pool *stk_pool_create(int threads, stk_err *err)
 
 int stk_pool_threads(const stk_pool *p) { return p ? p->threads : 1; }
 
-/* Runs fn over [0, n) in `parts` ranges, the caller claiming too. */
-static void run_job(stk_pool *p, size_t n, size_t parts, stk_pool_fn fn,
-                    void *arg)
+void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
+                  void *arg)
 {
+    if (n == 0)
+        return;
+    size_t want = grain ? (n + grain - 1) / grain : n;
+    size_t parts = p && p->threads > 1 ? (size_t)p->threads : 1;
+    if (parts > want)
+        parts = want;
+    if (parts > RANGES_MAX)
+        parts = RANGES_MAX;
     if (parts == 1) {
         fn(arg, 0, n);
         return;
@@ -184,28 +191,4 @@ static void run_job(stk_pool *p, size_t n, size_t parts, stk_pool_fn fn,
         else
             sched_yield(); /* a worker was preempted: let it run */
     }
-}
-
-void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
-                  void *arg)
-{
-    if (n == 0)
-        return;
-    size_t want = grain ? (n + grain - 1) / grain : n;
-    size_t parts = p && p->threads > 1 ? (size_t)p->threads : 1;
-    if (parts > want)
-        parts = want;
-    if (parts > RANGES_MAX)
-        parts = RANGES_MAX;
-    run_job(p, n, parts, fn, arg);
-}
-
-void stk_pool_each(stk_pool *p, size_t n, stk_pool_fn fn, void *arg)
-{
-    if (n == 0)
-        return;
-    /* half the field: claims past the last range (one a thread) must not
-     * carry into the count */
-    size_t parts = p && p->threads > 1 && n <= RANGES_MAX / 2 ? n : 1;
-    run_job(p, n, parts, fn, arg);
 }

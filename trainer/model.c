@@ -367,8 +367,6 @@ static int init_params(stk_model *m, uint64_t seed, stk_err *err)
     free(host);
     return rc;
 }
-static size_t round16(size_t n) { return (n + 15) / 16 * 16; }
-
 /* A convolution's piece of the batch and its scratch: columns (and their
  * gradient, of the size *dcol grows to) or, for Winograd, V and M, and
  * the transformed filters. */
@@ -394,33 +392,12 @@ static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
         u = STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c);
     }
     *dcol = d > *dcol ? d : *dcol;
-    if (l->piece < m->max_batch) { /* a task's scratch (whole cache lines) */
-        size_t dw = l->wino ? u : (size_t)l->oc * l->cs.c * l->cs.kh * l->cs.kw;
-        size_t part = round16(dw) + (l->pb >= 0 ? round16((size_t)l->oc) : 0);
-        m->tcol_n = round16(c) > m->tcol_n ? round16(c) : m->tcol_n;
-        m->tdcol_n = round16(d) > m->tdcol_n ? round16(d) : m->tdcol_n;
-        m->tpart_n = part > m->tpart_n ? part : m->tpart_n;
-    }
     if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
         return STK_ENOMEM;
     if (l->wino && (!(l->u = stk_dev_alloc(be, u * sizeof(float), err)) ||
                     !(l->du = stk_dev_alloc(be, u * sizeof(float), err))))
         return STK_ENOMEM;
     return 0;
-}
-
-/* The tasks' scratch, for convolutions of several pieces. */
-static int task_buffers(stk_model *m, stk_err *err)
-{
-    size_t t = (size_t)(m->tasks = stk_backend_tasks_max(m->be));
-    m->tcol = stk_dev_alloc(m->be, t * m->tcol_n * sizeof(float), err);
-    m->tdcol = m->tcol ? stk_dev_alloc(m->be, t * m->tdcol_n * sizeof(float),
-                                       err)
-                       : NULL;
-    m->tpart = m->tdcol ? stk_dev_alloc(m->be, t * m->tpart_n * sizeof(float),
-                                        err)
-                        : NULL;
-    return m->tpart ? 0 : STK_ENOMEM;
 }
 
 /* Device buffers: parameters, gradients, batchnorm's buffers and
@@ -471,8 +448,6 @@ static int alloc_buffers(stk_model *m, stk_err *err)
     for (int b = 0; b < m->ngrad; b++)
         if (!(m->grad[b] = stk_dev_alloc(be, act * sizeof(float), err)))
             return STK_ENOMEM;
-    if (m->tpart_n && task_buffers(m, err))
-        return STK_ENOMEM;
     m->dlogits = stk_dev_alloc(be, B * m->classes * sizeof(float), err);
     return m->dlogits ? 0 : STK_ENOMEM;
 }
@@ -589,9 +564,6 @@ void stk_model_destroy(stk_model *m)
     stk_dev_free(m->be, m->stats);
     stk_dev_free(m->be, m->tmp);
     stk_dev_free(m->be, m->dcol);
-    stk_dev_free(m->be, m->tcol);
-    stk_dev_free(m->be, m->tdcol);
-    stk_dev_free(m->be, m->tpart);
     stk_dev_free(m->be, m->pool_dy);
     for (int b = 0; b < m->ngrad; b++)
         stk_dev_free(m->be, m->grad[b]);

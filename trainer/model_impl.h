@@ -78,12 +78,6 @@ struct stk_model {
     int world;
     float *tmp;  /* conv outputs/gradients in [C, N, HW] order */
     float *dcol; /* conv column gradients (Winograd: M and dM) */
-    /* convolutions of several pieces: tasks pieces run at once (the CPU's
-     * threads), each with its scratch and partial gradients, *_n floats
-     * apart (model_run.c, task_ctx) */
-    int tasks;
-    float *tcol, *tdcol, *tpart;
-    size_t tcol_n, tdcol_n, tpart_n;
     int ngrad;   /* gradient buffers (max activation size) */
     float *grad[2 * STK_MAX_LAYERS];
     float *pool_dy; /* a pooled conv's output gradient */

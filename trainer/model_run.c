@@ -19,49 +19,23 @@ static uint64_t layer_stream(uint64_t stream, int layer)
     return UINT64_C(1) << 63 | (stream * STK_MAX_LAYERS + (uint64_t)layer);
 }
 
-/* What a piece of a convolution computes with: the backend of the thread
- * running it, its scratch (columns or V; their gradient or M), and where
- * its weight and bias gradients go. A batch of one piece works on the
- * layer's own scratch and gradients (dW and db add up, dU is set); a
- * piece among several on a task's scratch and partial gradients, set
- * from zero, which conv_backward adds up in piece order. */
-typedef struct piece_ctx {
-    stk_backend *be;
-    float *col, *dcol;
-    float *dw, *db; /* Winograd: dU; im2col: dW. db: NULL without a bias */
-    bool partial;
-} piece_ctx;
-
-/* A convolution over its pieces: the layer, its tensors, the training
- * step, and the round's first piece (tasks take pieces first + i). */
-typedef struct conv_run {
-    stk_model *m;
-    layer *l;
-    const float *x, *dy;
-    float *dx;
-    int n, first;
-    stk_philox_key key;
-    uint64_t stream;
-    bool train;
-} conv_run;
-
 /* Winograd, one piece: V from the input, M_p = U_p V_p (U transformed
  * before the first piece), outputs (with the bias, if any) from M. */
-static int wino_forward_piece(stk_model *m, layer *l, const piece_ctx *pc,
-                              const float *x, int s0, int cn, stk_err *err)
+static int wino_forward_piece(stk_model *m, layer *l, const float *x, int s0,
+                              int cn, stk_err *err)
 {
     int th, tw, nt = cn * stk_wino_tiles(&l->cs, &th, &tw), c = l->c,
                 oc = l->oc;
     int rc =
-        stk_wino_input(pc->be, x + s0 * in_size(l), &l->cs, cn, pc->col, err);
+        stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = stk_gemm_batched(pc->be, false, false, oc, nt, c, 1.0f, l->u, c,
-                              stk_wino_stride((size_t)oc * c), pc->col, nt,
-                              stk_wino_stride((size_t)c * nt), 0.0f, pc->dcol,
+        rc = stk_gemm_batched(m->be, false, false, oc, nt, c, 1.0f, l->u, c,
+                              stk_wino_stride((size_t)oc * c), l->col, nt,
+                              stk_wino_stride((size_t)c * nt), 0.0f, m->dcol,
                               nt, stk_wino_stride((size_t)oc * nt), STK_WINO_P,
                               err);
     return rc ? rc
-              : stk_wino_output(pc->be, pc->dcol, param(m, l->pb), &l->cs, oc,
+              : stk_wino_output(m->be, m->dcol, param(m, l->pb), &l->cs, oc,
                                 cn, l->y + s0 * out_size(l), err);
 }
 
@@ -69,134 +43,63 @@ static int wino_forward_piece(stk_model *m, layer *l, const piece_ctx *pc,
  * [K, HW] block is that sample's [cout, HW] output, in place in NCHW (no
  * swap), plus the bias (if any) while the piece is in cache (a pass over the
  * whole output afterwards would read it back from memory). */
-static int im2col_forward_piece(stk_model *m, layer *l, const piece_ctx *pc,
-                                const float *x, int s0, int cn, stk_err *err)
+static int im2col_forward_piece(stk_model *m, layer *l, const float *x, int s0,
+                                int cn, stk_err *err)
 {
     int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow;
     float *y = l->y + s0 * out_size(l);
-    int rc = stk_im2col(pc->be, x + s0 * in_size(l), &l->cs, cn, pc->col, err);
+    int rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = stk_gemm_batched(pc->be, false, false, l->oc, hw, K, 1.0f,
-                              m->w + m->p[l->pw].offset, K, 0, pc->col,
-                              cn * hw, (size_t)hw, 0.0f, y, hw, out_size(l),
-                              cn, err);
+        rc = stk_gemm_batched(m->be, false, false, l->oc, hw, K, 1.0f,
+                              m->w + m->p[l->pw].offset, K, 0, l->col, cn * hw,
+                              (size_t)hw, 0.0f, y, hw, out_size(l), cn, err);
     if (!rc && l->pb >= 0)
-        rc = stk_bias_add(pc->be, y, param(m, l->pb), cn, l->oc, hw, err);
+        rc = stk_bias_add(m->be, y, param(m, l->pb), cn, l->oc, hw, err);
     return rc;
 }
 
 /* A max-pool on samples [s0, s0 + cn) of its input. */
-static int pool_forward_piece(stk_backend *be, layer *p, const float *x,
-                              int s0, int cn, stk_err *err)
+static int pool_forward_piece(stk_model *m, layer *p, const float *x, int s0,
+                              int cn, stk_err *err)
 {
     size_t in = in_size(p) * s0, out = out_size(p) * s0;
-    return stk_maxpool_fwd(be, x + in, cn * p->c, p->h, p->w, p->s.k,
+    return stk_maxpool_fwd(m->be, x + in, cn * p->c, p->h, p->w, p->s.k,
                            p->s.stride, p->y + out, p->arg + out, err);
 }
 
 /* Dropout layer d on samples [s0, s0 + cn) of its tensor x (in place;
  * the same call is its backward pass). */
-static int dropout_piece(stk_model *m, stk_backend *be, int d, float *x,
-                         int s0, int cn, stk_philox_key key, uint64_t stream,
-                         stk_err *err)
+static int dropout_piece(stk_model *m, int d, float *x, int s0, int cn,
+                         stk_philox_key key, uint64_t stream, stk_err *err)
 {
     const layer *l = &m->l[d];
     size_t per = out_size(l);
     size_t group = l->s.kind == STK_L_DROPOUT2D ? (size_t)l->h * l->w : 1;
-    return stk_dropout(be, x + per * s0, per * cn, per * s0, group, l->s.p,
+    return stk_dropout(m->be, x + per * s0, per * cn, per * s0, group, l->s.p,
                        key, layer_stream(stream, d), err);
 }
 
-/* Samples [s0, s0 + cn): the conv, then its dropout and max-pool (if
- * fused) while the piece's output is in cache. */
-static int conv_forward_piece(const conv_run *r, const piece_ctx *pc, int s0,
-                              int cn, stk_err *err)
-{
-    stk_model *m = r->m;
-    layer *l = r->l, *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
-    int rc = l->wino ? wino_forward_piece(m, l, pc, r->x, s0, cn, err)
-                     : im2col_forward_piece(m, l, pc, r->x, s0, cn, err);
-    if (!rc && l->drop_at && r->train)
-        rc = dropout_piece(m, pc->be, l->drop_at, l->y, s0, cn, r->key,
-                           r->stream, err);
-    if (!rc && pool)
-        rc = pool_forward_piece(pc->be, pool, l->y, s0, cn, err);
-    return rc;
-}
-
-/* Task i's scratch and partial gradients (a piece among several). */
-static piece_ctx task_ctx(const stk_model *m, const layer *l, int i,
-                          stk_backend *wbe)
-{
-    float *part = m->tpart + (size_t)i * m->tpart_n;
-    size_t dw = l->wino ? STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c)
-                        : (size_t)l->oc * l->cs.c * l->cs.kh * l->cs.kw;
-    return (piece_ctx){wbe, m->tcol + (size_t)i * m->tcol_n,
-                       m->tdcol + (size_t)i * m->tdcol_n, part,
-                       l->pb >= 0 ? part + (dw + 15) / 16 * 16 : NULL, true};
-}
-
-/* The layer's own scratch and gradients (a batch of one piece). */
-static piece_ctx layer_ctx(const stk_model *m, const layer *l)
-{
-    return (piece_ctx){m->be, l->col, m->dcol,
-                       l->wino ? l->du : grad_of(m, l->pw),
-                       l->pb >= 0 ? grad_of(m, l->pb) : NULL, false};
-}
-
-/* The piece of task i of the round, as (s0, cn). */
-static void task_piece(const conv_run *r, int i, int *s0, int *cn)
-{
-    *s0 = (r->first + i) * r->l->piece;
-    *cn = r->n - *s0 < r->l->piece ? r->n - *s0 : r->l->piece;
-}
-
-static int forward_task(void *v, int i, stk_backend *wbe, stk_err *err)
-{
-    const conv_run *r = v;
-    piece_ctx pc = task_ctx(r->m, r->l, i, wbe);
-    int s0, cn;
-    task_piece(r, i, &s0, &cn);
-    return conv_forward_piece(r, &pc, s0, cn, err);
-}
-
-/* Rounds of pieces, a task (a thread) each, until every piece has run;
- * `between` (if any) runs after each round, on the whole backend. */
-static int conv_rounds(conv_run *r, stk_task_fn task,
-                       int (*between)(conv_run *r, int count, stk_err *err),
-                       stk_err *err)
-{
-    int pieces = (r->n + r->l->piece - 1) / r->l->piece, rc = 0;
-    for (r->first = 0; r->first < pieces && !rc; r->first += r->m->tasks) {
-        int count = pieces - r->first < r->m->tasks ? pieces - r->first
-                                                     : r->m->tasks;
-        rc = stk_backend_tasks(r->m->be, count, task, r, err);
-        if (!rc && between)
-            rc = between(r, count, err);
-    }
-    return rc;
-}
-
-/* A batch of one piece on the layer's scratch, whose columns (V) backward
- * then reuses; more pieces (the CPU, a batch over its cache) a thread
- * each, in rounds of as many as run at once. The results do not depend
- * on how many run at once: each piece computes the same floats, and the
- * weight gradient adds the pieces' in piece order. */
+/* Piece by piece (all of the batch at once on CUDA), with the dropout and
+ * the max-pool that follow a pooled convolution on each piece as it
+ * comes. */
 static int conv_forward(stk_model *m, int i, const float *x, int n, bool train,
                         stk_philox_key key, uint64_t stream, stk_err *err)
 {
-    layer *l = &m->l[i];
-    conv_run r = {.m = m, .l = l, .x = x, .n = n, .key = key,
-                  .stream = stream, .train = train};
+    layer *l = &m->l[i], *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
     int rc = l->wino ? stk_wino_filter(m->be, param(m, l->pw), l->oc, l->c,
                                        l->u, err)
                      : 0;
-    l->col_kept = l->piece >= n;
-    if (rc || l->col_kept) {
-        piece_ctx pc = layer_ctx(m, l);
-        return rc ? rc : conv_forward_piece(&r, &pc, 0, n, err);
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        rc = l->wino ? wino_forward_piece(m, l, x, s0, cn, err)
+                     : im2col_forward_piece(m, l, x, s0, cn, err);
+        if (!rc && l->drop_at && train)
+            rc = dropout_piece(m, l->drop_at, l->y, s0, cn, key, stream, err);
+        if (!rc && pool)
+            rc = pool_forward_piece(m, pool, l->y, s0, cn, err);
     }
-    return conv_rounds(&r, forward_task, NULL, err);
+    l->col_kept = l->piece >= n;
+    return rc;
 }
 
 /* Training: the batch's mean and (biased) variance per channel, over all
@@ -264,7 +167,7 @@ static int dropout_forward(stk_model *m, int i, const float *x, int n,
                  : 0;
     return rc || !train || l->fused
                ? rc
-               : dropout_piece(m, m->be, i, l->y, 0, n, key, stream, err);
+               : dropout_piece(m, i, l->y, 0, n, key, stream, err);
 }
 
 static int linear_forward(stk_model *m, layer *l, const float *x, int n,
@@ -291,7 +194,7 @@ static int layer_forward(stk_model *m, int i, int n, bool train,
     case STK_L_CONV:
         return conv_forward(m, i, x, n, train, key, stream, err);
     case STK_L_POOL: /* fused: the conv before it ran it, piece by piece */
-        return l->fused ? 0 : pool_forward_piece(m->be, l, x, 0, n, err);
+        return l->fused ? 0 : pool_forward_piece(m, l, x, 0, n, err);
     case STK_L_RELU: /* fused: the batchnorm before it ran it */
         return l->fused ? 0 : stk_relu_fwd(m->be, x, l->y, total, err);
     case STK_L_FLATTEN:
@@ -345,10 +248,10 @@ static void report(stk_model *m, const layer *l)
         m->ready(l->pb, m->ready_arg);
 }
 
-/* Winograd, one piece: dM from dy; dU_p = dM_p V_p^T (V rebuilt unless
+/* Winograd, one piece: dM from dy; dU_p (+)= dM_p V_p^T (V rebuilt unless
  * forward left the whole batch's); dV_p = U_p^T dM_p into V's place, then
  * back to pixels; db += the piece's sums (if it has a bias). */
-static int wino_backward_piece(layer *l, const piece_ctx *pc, const float *x,
+static int wino_backward_piece(stk_model *m, layer *l, const float *x,
                                const float *dy, float *dx, int s0, int cn,
                                stk_err *err)
 {
@@ -357,159 +260,108 @@ static int wino_backward_piece(layer *l, const piece_ctx *pc, const float *x,
     size_t su = stk_wino_stride((size_t)oc * c),
            sv = stk_wino_stride((size_t)c * nt);
     size_t sm = stk_wino_stride((size_t)oc * nt);
-    stk_backend *be = pc->be;
-    int rc = stk_wino_output_grad(be, dy + s0 * out_size(l), &l->cs, oc, cn,
-                                  pc->dcol, err);
+    int rc = stk_wino_output_grad(m->be, dy + s0 * out_size(l), &l->cs, oc, cn,
+                                  m->dcol, err);
     if (!rc && !l->col_kept)
-        rc = stk_wino_input(be, x + s0 * in_size(l), &l->cs, cn, pc->col, err);
+        rc = stk_wino_input(m->be, x + s0 * in_size(l), &l->cs, cn, l->col,
+                            err);
     if (!rc)
-        rc = stk_gemm_batched(be, false, true, oc, c, nt, 1.0f, pc->dcol, nt,
-                              sm, pc->col, nt, sv, 0.0f, pc->dw, c, su,
-                              STK_WINO_P, err);
-    if (!rc && dx) { /* V's place then holds dV */
-        rc = stk_gemm_batched(be, true, false, c, nt, oc, 1.0f, l->u, c, su,
-                              pc->dcol, nt, sm, 0.0f, pc->col, nt, sv,
+        rc = stk_gemm_batched(m->be, false, true, oc, c, nt, 1.0f, m->dcol, nt,
+                              sm, l->col, nt, sv, s0 ? 1.0f : 0.0f, l->du, c,
+                              su, STK_WINO_P, err);
+    if (!rc && dx) {
+        l->col_kept = false; /* V's place now holds dV */
+        rc = stk_gemm_batched(m->be, true, false, c, nt, oc, 1.0f, l->u, c, su,
+                              m->dcol, nt, sm, 0.0f, l->col, nt, sv,
                               STK_WINO_P, err);
         if (!rc)
-            rc = stk_wino_input_grad(be, pc->col, &l->cs, cn,
+            rc = stk_wino_input_grad(m->be, l->col, &l->cs, cn,
                                      dx + s0 * in_size(l), err);
     }
-    if (!rc && pc->db)
-        rc = stk_bias_grad(be, dy + s0 * out_size(l), pc->db, cn, oc,
-                           l->oh * l->ow, err);
+    if (!rc && l->pb >= 0)
+        rc = stk_bias_grad(m->be, dy + s0 * out_size(l), grad_of(m, l->pb), cn,
+                           oc, l->oh * l->ow, err);
     return rc;
 }
 
-/* dW (+)= dy cols^T for one im2col piece, dy [n, cout, HW]. The CPU sums
+/* dW += dy cols^T for one im2col piece, dy [n, cout, HW]. The CPU sums
  * sample by sample (each a [cout, HW] block against its [K, HW] columns);
  * CUDA, with the whole batch as one piece, swaps dy to [cout, n*HW] for
  * one GEMM instead of n small ones. */
-static int im2col_weight_grad(stk_model *m, layer *l, const piece_ctx *pc,
-                              const float *dy, int cn, stk_err *err)
+static int im2col_weight_grad(stk_model *m, layer *l, const float *dy, int cn,
+                              stk_err *err)
 {
     int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow, nhw = cn * hw;
-    if (stk_backend_kind(pc->be) == STK_DEV_CPU) {
+    float *dw = grad_of(m, l->pw);
+    if (stk_backend_kind(m->be) == STK_DEV_CPU) {
         int rc = 0;
         for (int s = 0; s < cn && !rc; s++)
-            rc = stk_gemm(pc->be, false, true, l->oc, K, hw, 1.0f,
-                          dy + s * out_size(l), hw, pc->col + (size_t)s * hw,
-                          nhw, s || !pc->partial ? 1.0f : 0.0f, pc->dw, K,
-                          err);
+            rc = stk_gemm(m->be, false, true, l->oc, K, hw, 1.0f,
+                          dy + s * out_size(l), hw, l->col + (size_t)s * hw,
+                          nhw, 1.0f, dw, K, err);
         return rc;
     }
-    int rc = stk_swap01(pc->be, dy, m->tmp, (size_t)cn, (size_t)l->oc,
+    int rc = stk_swap01(m->be, dy, m->tmp, (size_t)cn, (size_t)l->oc,
                         (size_t)hw, err);
     return rc ? rc
-              : stk_gemm(pc->be, false, true, l->oc, K, nhw, 1.0f, m->tmp,
-                         nhw, pc->col, nhw, pc->partial ? 0.0f : 1.0f, pc->dw,
-                         K, err);
+              : stk_gemm(m->be, false, true, l->oc, K, nhw, 1.0f, m->tmp, nhw,
+                         l->col, nhw, 1.0f, dw, K, err);
 }
 
-/* im2col, one piece: db += dy's sums per channel, dW (+)= dy cols^T, and
+/* im2col, one piece: db += dy's sums per channel, dW += dy cols^T, and
  * each sample's dcols = W^T dy, then back to pixels. The columns are
  * rebuilt from x unless the batch was one piece, whose columns forward
  * left in place. */
-static int im2col_backward_piece(stk_model *m, layer *l, const piece_ctx *pc,
-                                 const float *x, const float *dy, float *dx,
-                                 int s0, int cn, stk_err *err)
+static int im2col_backward_piece(stk_model *m, layer *l, const float *x,
+                                 const float *dy, float *dx, int n, int s0,
+                                 int cn, stk_err *err)
 {
     int K = l->cs.c * l->cs.kh * l->cs.kw, hw = l->oh * l->ow;
-    stk_backend *be = pc->be;
     dy += s0 * out_size(l);
-    int rc = pc->db ? stk_bias_grad(be, dy, pc->db, cn, l->oc, hw, err) : 0;
-    if (!rc && !l->col_kept)
-        rc = stk_im2col(be, x + s0 * in_size(l), &l->cs, cn, pc->col, err);
+    int rc = l->pb >= 0 ? stk_bias_grad(m->be, dy, grad_of(m, l->pb), cn,
+                                        l->oc, hw, err)
+                        : 0;
+    if (!rc && l->piece < n)
+        rc = stk_im2col(m->be, x + s0 * in_size(l), &l->cs, cn, l->col, err);
     if (!rc)
-        rc = im2col_weight_grad(m, l, pc, dy, cn, err);
+        rc = im2col_weight_grad(m, l, dy, cn, err);
     if (!rc && dx)
-        rc = stk_gemm_batched(be, true, false, K, hw, l->oc, 1.0f,
+        rc = stk_gemm_batched(m->be, true, false, K, hw, l->oc, 1.0f,
                               param(m, l->pw), K, 0, dy, hw, out_size(l), 0.0f,
-                              pc->dcol, cn * hw, (size_t)hw, cn, err);
+                              m->dcol, cn * hw, (size_t)hw, cn, err);
     if (!rc && dx)
-        rc = stk_col2im(be, pc->dcol, &l->cs, cn, dx + s0 * in_size(l), err);
+        rc = stk_col2im(m->be, m->dcol, &l->cs, cn, dx + s0 * in_size(l), err);
     return rc;
 }
 
-/* Samples [s0, s0 + cn): a pooled conv runs its pool's backward (and its
- * dropout's) on the piece first, into pool_dy, then the conv's. */
-static int conv_backward_piece(const conv_run *r, const piece_ctx *pc, int s0,
-                               int cn, stk_err *err)
-{
-    stk_model *m = r->m;
-    layer *l = r->l, *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
-    const float *dyc = pool ? m->pool_dy : r->dy; /* the conv's gradient */
-    int rc = 0;
-    if (pool) {
-        size_t at = out_size(pool) * s0;
-        rc = stk_maxpool_bwd(pc->be, r->dy + at, pool->arg + at, cn * pool->c,
-                             pool->h, pool->w, pool->s.k, pool->s.stride,
-                             m->pool_dy + out_size(l) * s0, err);
-    }
-    if (!rc && l->drop_at && m->train)
-        rc = dropout_piece(m, pc->be, l->drop_at, m->pool_dy, s0, cn, r->key,
-                           r->stream, err);
-    if (!rc && pc->db && pc->partial) /* from zero */
-        rc = stk_memzero(pc->be, pc->db, l->oc * sizeof(float), err);
-    if (!rc)
-        rc = l->wino ? wino_backward_piece(l, pc, r->x, dyc, r->dx, s0, cn,
-                                           err)
-                     : im2col_backward_piece(m, l, pc, r->x, dyc, r->dx, s0,
-                                             cn, err);
-    return rc;
-}
-
-static int backward_task(void *v, int i, stk_backend *wbe, stk_err *err)
-{
-    const conv_run *r = v;
-    piece_ctx pc = task_ctx(r->m, r->l, i, wbe);
-    int s0, cn;
-    task_piece(r, i, &s0, &cn);
-    return conv_backward_piece(r, &pc, s0, cn, err);
-}
-
-/* After a round: its pieces' partial gradients added to the layer's, in
- * piece order (dU's first piece onto zeros: Winograd's dU is set, not
- * added to, by one backward). */
-static int add_partials(conv_run *r, int count, stk_err *err)
-{
-    stk_model *m = r->m;
-    layer *l = r->l;
-    size_t dw = l->wino ? STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c)
-                        : (size_t)l->oc * l->cs.c * l->cs.kh * l->cs.kw;
-    float *to = l->wino ? l->du : grad_of(m, l->pw);
-    int rc = l->wino && r->first == 0
-                 ? stk_memzero(m->be, to, dw * sizeof(float), err)
-                 : 0;
-    for (int i = 0; i < count && !rc; i++) {
-        piece_ctx pc = task_ctx(m, l, i, m->be);
-        rc = stk_axpy(m->be, dw, 1.0f, pc.dw, to, err);
-        if (!rc && pc.db)
-            rc = stk_axpy(m->be, (size_t)l->oc, 1.0f, pc.db,
-                          grad_of(m, l->pb), err);
-    }
-    return rc;
-}
-
-/* As conv_forward: one piece on the layer's own scratch and gradients,
- * or rounds of tasks whose partial gradients add_partials sums. dW is
- * final only after the last piece (Winograd: once dU's adjoint transform
- * is added), so the layer reports its gradients after its input
- * gradient. */
+/* Piece by piece; a pooled conv gets its pool's output gradient as dy and
+ * runs the pool's backward (and its dropout's) on each piece first, into
+ * pool_dy. dW is final only after the last piece (Winograd: once dU's
+ * adjoint transform is added), so the layer reports its gradients after
+ * its input gradient. */
 static int conv_backward(stk_model *m, int i, const float *x, const float *dy,
                          float *dx, int n, stk_philox_key key, uint64_t stream,
                          stk_err *err)
 {
-    layer *l = &m->l[i];
-    conv_run r = {.m = m, .l = l, .x = x, .dy = dy, .dx = dx, .n = n,
-                  .key = key, .stream = stream, .train = m->train};
-    int rc;
-    if (l->piece >= n) {
-        piece_ctx pc = layer_ctx(m, l);
-        rc = conv_backward_piece(&r, &pc, 0, n, err);
-    } else {
-        rc = conv_rounds(&r, backward_task, add_partials, err);
+    layer *l = &m->l[i], *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
+    const float *dyc = pool ? m->pool_dy : dy; /* the conv's output gradient */
+    int rc = 0;
+    for (int s0 = 0; s0 < n && !rc; s0 += l->piece) {
+        int cn = n - s0 < l->piece ? n - s0 : l->piece;
+        if (pool) {
+            size_t at = out_size(pool) * s0;
+            rc = stk_maxpool_bwd(m->be, dy + at, pool->arg + at, cn * pool->c,
+                                 pool->h, pool->w, pool->s.k, pool->s.stride,
+                                 m->pool_dy + out_size(l) * s0, err);
+        }
+        if (!rc && l->drop_at && m->train)
+            rc = dropout_piece(m, l->drop_at, m->pool_dy, s0, cn, key, stream,
+                               err);
+        if (!rc)
+            rc = l->wino
+                     ? wino_backward_piece(m, l, x, dyc, dx, s0, cn, err)
+                     : im2col_backward_piece(m, l, x, dyc, dx, n, s0, cn, err);
     }
-    l->col_kept = false; /* V's place may hold dV now */
     if (!rc && l->wino)
         rc = stk_wino_filter_grad(m->be, l->du, l->oc, l->c, grad_of(m, l->pw),
                                   err);
@@ -622,7 +474,7 @@ static int layer_backward(stk_model *m, int i, float *dy, stk_philox_key key,
     case STK_L_DROPOUT:
     case STK_L_DROPOUT2D: /* identity in eval; fused: the conv runs it */
         return m->train && !l->fused
-                   ? dropout_piece(m, m->be, i, dy, 0, n, key, stream, err)
+                   ? dropout_piece(m, i, dy, 0, n, key, stream, err)
                    : 0;
     case STK_L_FLATTEN:
     case STK_L_ADD: /* both inputs' gradients are dy */

@@ -8,7 +8,6 @@
 #include "kernels/kernels.h"
 
 #include <math.h>
-#include <stdatomic.h>
 
 static stk_backend *be;
 
@@ -1264,67 +1263,6 @@ static void pool_runs_every_range_once(void **state)
     free(x), free(y), free(covers);
 }
 
-/* stk_backend_tasks: every task once, each on a backend of one thread
- * that computes (an axpy of its own), tasks at once on different threads
- * when there are threads (all start before any ends: the barrier below),
- * and the error of the lowest failing task. */
-typedef struct {
-    float x[64], y[STK_TASKS_MAX][64];
-    int ran[STK_TASKS_MAX], one_thread[STK_TASKS_MAX], fail_from, count;
-    atomic_int started;
-} tasks_probe;
-
-static int probe_task(void *v, int i, stk_backend *wbe, stk_err *err)
-{
-    tasks_probe *p = v;
-    p->ran[i]++;
-    p->one_thread[i] = stk_backend_threads(wbe) == 1;
-    atomic_fetch_add(&p->started, 1);
-    while (atomic_load(&p->started) < p->count) /* every task in flight */
-        ;
-    int rc = stk_axpy(wbe, 64, (float)(i + 1), p->x, p->y[i], err);
-    if (!rc && i >= p->fail_from)
-        rc = stk_fail(err, STK_EINVAL, "task %d failed", i);
-    return rc;
-}
-
-static void tasks_run_once_each_on_their_own_thread(void **state)
-{
-    (void)state;
-    static tasks_probe p;
-    for (int threads = 1; threads <= 4; threads += 3) {
-        stk_backend *b;
-        stk_err err;
-        assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, threads, &b, &err),
-                         0);
-        assert_int_equal(stk_backend_tasks_max(b), threads);
-        for (int fail_from = 99; fail_from >= 2; fail_from -= 97) {
-            memset(&p, 0, sizeof p);
-            for (int k = 0; k < 64; k++)
-                p.x[k] = (float)k;
-            p.fail_from = fail_from;
-            p.count = threads;
-            int rc = stk_backend_tasks(b, threads, probe_task, &p, &err);
-            if (fail_from < threads) {
-                assert_int_equal(rc, STK_EINVAL);
-                assert_string_equal(err.msg, "task 2 failed");
-            } else {
-                assert_int_equal(rc, 0);
-            }
-            for (int i = 0; i < threads; i++) {
-                assert_int_equal(p.ran[i], 1);
-                assert_true(p.one_thread[i]);
-                for (int k = 0; k < 64; k++)
-                    assert_float_equal(p.y[i][k], (float)((i + 1) * k), 0);
-            }
-        }
-        assert_int_not_equal(
-            stk_backend_tasks(b, threads + 1, probe_task, &p, &err), 0);
-        assert_non_null(strstr(err.msg, "tasks at once"));
-        stk_backend_destroy(b);
-    }
-}
-
 /* ---- label smoothing -----------------------------------------------------
  */
 
@@ -1685,7 +1623,6 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(bn_running_follows_pytorch),
     cmocka_unit_test(bn_same_on_1_2_3_threads),
     cmocka_unit_test(pool_runs_every_range_once),
-    cmocka_unit_test(tasks_run_once_each_on_their_own_thread),
     cmocka_unit_test(bn_cuda_ranges_cover_the_batch),
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
