@@ -1,6 +1,8 @@
 /* folder.c - image folders, as torchvision's ImageFolder reads them:
  *   RAW/<split>/<class>/... images (png, jpg, jpeg) when RAW/train holds folders
- *   RAW/<class>/... images                     otherwise (one split, "train")
+ *   RAW/<class>/... images                     otherwise (one split, "train",
+ *                                              or "train" and "test" with
+ *                                              --holdout)
  * Classes are the sorted union of class folder names over all splits; files
  * are sorted by path. Each sample is read and decoded by a worker. */
 #include "source_impl.h"
@@ -266,6 +268,69 @@ static int index_split(stk_source *s, folder_data *x, int k, const char *root,
     return 0;
 }
 
+typedef struct ranked {
+    uint64_t rank;
+    const char *rel; /* path relative to RAW_DIR */
+    size_t i;        /* index into the train split's items */
+} ranked;
+
+static int cmp_ranked(const void *a, const void *b)
+{
+    const ranked *x = a, *y = b;
+    if (x->rank != y->rank)
+        return x->rank < y->rank ? -1 : 1;
+    return strcmp(x->rel, y->rel); /* equal ranks: still one order */
+}
+
+/* Moves each class's share of the "train" items (stk_holdout_rank's lowest)
+ * into a new "test" split; both keep path order. */
+static int hold_out(stk_source *s, folder_data *x, stk_err *err)
+{
+    uint64_t n = s->split_count[0];
+    item *all = x->items[0];
+    ranked *r = malloc(n * sizeof *r);
+    unsigned char *to_test = calloc(n, 1);
+    item *test = malloc(n * sizeof *test);
+    if (!r || !to_test || !test) {
+        free(r);
+        free(to_test);
+        free(test);
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
+    }
+    size_t root = strlen(s->dir) + 1; /* items are DIR "/" RELPATH */
+    for (size_t i = 0; i < n; i++)
+        r[i] = (ranked){stk_holdout_rank(all[i].path + root, s->holdout_seed),
+                        all[i].path + root, i};
+    for (size_t a = 0, b; a < n; a = b) { /* a class's items are adjacent */
+        for (b = a + 1; b < n && all[b].label == all[a].label; b++)
+            ;
+        qsort(r + a, b - a, sizeof *r, cmp_ranked);
+        uint64_t k = stk_holdout_count(b - a, s->holdout);
+        for (size_t j = a; j < a + k; j++)
+            to_test[r[j].i] = 1;
+    }
+    size_t ntrain = 0, ntest = 0;
+    for (size_t i = 0; i < n; i++)
+        if (to_test[i])
+            test[ntest++] = all[i];
+        else
+            all[ntrain++] = all[i];
+    free(r);
+    free(to_test);
+    if (!ntest) {
+        free(test);
+        return stk_fail(err, STK_EINVAL,
+                        "%s: --holdout %g holds out no file: every class "
+                        "folder has a single image",
+                        s->dir, s->holdout);
+    }
+    x->items[1] = test;
+    s->split_count[0] = ntrain;
+    s->split_count[1] = ntest;
+    snprintf(s->split_name[s->nsplits++], sizeof s->split_name[0], "test");
+    return 0;
+}
+
 /* The folder that holds split k's class folders (malloc'd). */
 static char *split_root(const stk_source *s, int layout_split, int k)
 {
@@ -419,6 +484,12 @@ int stk_folder_open(stk_source *s, stk_err *err)
     if (!rc)
         rc = find_splits(s, &top, &layout_split, err);
     strvec_free(&top);
+    if (!rc && layout_split && s->holdout)
+        rc = stk_fail(err, STK_EINVAL,
+                      "%s: holds split folders (%s/train/<class>/...): they "
+                      "are the splits, so --holdout does not apply (drop "
+                      "it, or put the class folders directly in %s)",
+                      s->dir, s->dir, s->dir);
     if (!rc)
         rc = collect_classes(s, layout_split, err);
     for (int k = 0; !rc && k < s->nsplits; k++) {
@@ -427,5 +498,7 @@ int stk_folder_open(stk_source *s, stk_err *err)
                   : stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
         free(root);
     }
+    if (!rc && s->holdout)
+        rc = hold_out(s, s->impl, err);
     return rc;
 }

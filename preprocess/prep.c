@@ -394,6 +394,8 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
                               &sp->mean[ch], &sp->std[ch]);
         }
     }
+    m->holdout = r->p.opts->source.holdout;
+    m->holdout_seed = r->p.opts->source.holdout_seed;
     m->source_path = realpath(raw_dir, NULL);
     if (!m->source_path)
         m->source_path = strdup(raw_dir);

@@ -30,6 +30,11 @@ static const char usage[] =
     "                     (default: native for idx/cifar, 64 for folders)\n"
     "  --gray | --rgb     store 1 or 3 channels (default: the source's own;\n"
     "                     folders: rgb)\n"
+    "  --holdout F        hold out the fraction F (0..1) of each class as\n"
+    "                     the \"test\" split of a folder without split\n"
+    "                     folders, chosen from each file's relative path\n"
+    "                     and the seed: the same files on every machine\n"
+    "  --holdout-seed S   seed of that choice (default 0)\n"
     "  --skip-bad         record unreadable samples in the metadata and go\n"
     "                     on, instead of stopping at the first one\n"
     "  --force            replace an existing complete database\n"
@@ -71,6 +76,38 @@ static int parse_format(const char *s, stk_src_format *f)
     return 0;
 }
 
+/* --holdout: a fraction strictly between 0 and 1, kept as the double the
+ * user wrote (the metadata records it). */
+static int parse_holdout(const char *s, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end || errno || !(v > 0 && v < 1)) {
+        fprintf(stderr,
+                "prep: --holdout: expected a fraction between 0 and 1 "
+                "(e.g. 0.1), got '%s'\n",
+                s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* --holdout-seed: the metadata stores it as a JSON number, exact below
+ * 2^53. */
+static int parse_seed(const char *s, uint64_t *out)
+{
+    if (stk_cli_u64("prep", "--holdout-seed", s, out))
+        return -1;
+    if (*out >= (uint64_t)1 << 53) {
+        fprintf(stderr, "prep: --holdout-seed: expected 0..2^53-1, got %s\n",
+                s);
+        return -1;
+    }
+    return 0;
+}
+
 /* The latest creation time SOURCE_DATE_EPOCH may give: 9999-12-31
  * 23:59:59 UTC, the last second with a four-digit year. */
 #define MAX_EPOCH 253402300799LL
@@ -108,13 +145,16 @@ static int created_time(char *buf, size_t n)
 
 static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
 {
-    enum { O_SKIP = 256, O_FORCE, O_MAPSIZE, O_MAPMAX, O_QUIET, O_GRAY, O_RGB };
+    enum { O_SKIP = 256, O_FORCE, O_MAPSIZE, O_MAPMAX, O_QUIET, O_GRAY, O_RGB,
+           O_HOLDOUT, O_HSEED };
     static const struct option longs[] = {
         {"workers", required_argument, 0, 'w'},
         {"format", required_argument, 0, 'f'},
         {"size", required_argument, 0, 's'},
         {"gray", no_argument, 0, O_GRAY},
         {"rgb", no_argument, 0, O_RGB},
+        {"holdout", required_argument, 0, O_HOLDOUT},
+        {"holdout-seed", required_argument, 0, O_HSEED},
         {"skip-bad", no_argument, 0, O_SKIP},
         {"force", no_argument, 0, O_FORCE},
         {"map-size", required_argument, 0, O_MAPSIZE},
@@ -132,6 +172,8 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
         case 's': bad = stk_cli_int("prep", "--size", optarg, 1, 4096, &o->source.size); break;
         case O_GRAY: o->source.channels = 1; break;
         case O_RGB: o->source.channels = 3; break;
+        case O_HOLDOUT: bad = parse_holdout(optarg, &o->source.holdout); break;
+        case O_HSEED: bad = parse_seed(optarg, &o->source.holdout_seed); break;
         case O_SKIP: o->skip_bad = true; break;
         case O_FORCE: o->force = true; break;
         case O_MAPSIZE: bad = stk_cli_bytes("prep", "--map-size", optarg, &o->map_size); break;

@@ -67,6 +67,11 @@ typedef struct stk_source_opts {
     stk_src_format format; /* AUTO: chosen from the directory's content */
     int size;              /* output side; 0 = native (IDX, CIFAR) or 64 */
     int channels;          /* 1, 3 or 0 = the source's own (folders: 3) */
+    double holdout;        /* 0, or a fraction in (0, 1): an image folder
+                              without split folders gets a "test" split
+                              with that share of each class (see
+                              stk_holdout_rank) */
+    uint64_t holdout_seed;
 } stk_source_opts;
 
 typedef struct stk_source stk_source;
@@ -78,6 +83,17 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
 void stk_source_close(stk_source *s); /* NULL is a no-op */
 
 const char *stk_source_format_name(const stk_source *s);
+
+/* The --holdout rule: a file's rank within its class, from the bytes of
+ * its path relative to RAW_DIR and the seed (FNV-1a 64 of the path, xor
+ * the seed, through SplitMix64's finaliser; docs/formats.md). Each class
+ * holds out its round(fraction * n) files of lowest rank (at least one and
+ * never all of a class of two or more), so the choice depends on nothing
+ * but names and the seed: not on workers, machine or listing order. */
+uint64_t stk_holdout_rank(const char *relpath, uint64_t seed);
+
+/* Files a class of n holds out at fraction f. */
+uint64_t stk_holdout_count(uint64_t n, double f);
 int stk_source_nsplits(const stk_source *s);
 const char *stk_source_split_name(const stk_source *s, int split);
 uint64_t stk_source_split_count(const stk_source *s, int split);

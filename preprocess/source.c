@@ -44,9 +44,20 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
     if (o.size < 0 || o.size > 4096)
         return stk_fail(err, STK_EINVAL, "--size must be 1..4096, not %d",
                         o.size);
+    if (o.holdout != 0 && !(o.holdout > 0 && o.holdout < 1))
+        return stk_fail(err, STK_EINVAL,
+                        "--holdout must be a fraction between 0 and 1 "
+                        "(exclusive), not %g",
+                        o.holdout);
     int rc = 0;
     if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
         return rc;
+    if (o.holdout && o.format != STK_SRC_FOLDER)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: --holdout needs a folder of class folders; an "
+                        "%s dataset comes with its own train and test "
+                        "splits",
+                        raw_dir, o.format == STK_SRC_IDX ? "IDX" : "CIFAR");
     stk_source *s = calloc(1, sizeof *s);
     if (!s || !(s->dir = strdup(raw_dir))) {
         free(s);
@@ -54,6 +65,8 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
     }
     s->out_c = o.channels;
     s->size = o.size;
+    s->holdout = o.holdout;
+    s->holdout_seed = o.holdout_seed;
     rc = o.format == STK_SRC_IDX     ? stk_idx_open(s, err)
          : o.format == STK_SRC_CIFAR ? stk_cifar_open(s, err)
                                      : stk_folder_open(s, err);
@@ -79,6 +92,25 @@ void stk_source_close(stk_source *s)
 }
 
 const char *stk_source_format_name(const stk_source *s) { return s->format; }
+
+uint64_t stk_holdout_rank(const char *relpath, uint64_t seed)
+{
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a 64 */
+    for (const unsigned char *p = (const unsigned char *)relpath; *p; p++)
+        h = (h ^ *p) * 0x100000001b3ull;
+    h ^= seed; /* SplitMix64's finaliser spreads the seed over all bits */
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    return h ^ (h >> 31);
+}
+
+uint64_t stk_holdout_count(uint64_t n, double f)
+{
+    if (n < 2)
+        return 0;
+    uint64_t k = (uint64_t)(f * (double)n + 0.5);
+    return k < 1 ? 1 : k > n - 1 ? n - 1 : k;
+}
 int stk_source_nsplits(const stk_source *s) { return s->nsplits; }
 const char *stk_source_split_name(const stk_source *s, int i)
 {

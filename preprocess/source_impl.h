@@ -22,6 +22,8 @@ struct stk_source {
     const char *format;       /* "idx", "cifar", "folder" */
     char *dir;
     int out_c, size;          /* requested output (size 0 = native) */
+    double holdout;           /* stk_source_opts' */
+    uint64_t holdout_seed;
     int native_w, native_h;   /* 0 when samples differ (folders) */
     int nclasses;
     char **classes;

@@ -868,17 +868,20 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     (void)mod;
     static char *names[] = {"raw_dir", "db_dir",   "workers", "size",
                             "channels", "format",  "force",   "skip_bad",
-                            "created",  "progress", NULL};
+                            "created",  "progress", "holdout",
+                            "holdout_seed", NULL};
     PyObject *raw, *db, *progress = Py_None;
     const char *format = "auto", *created = NULL;
     prep_call c = {.o = {.workers = 1}};
     int force = 0, skip_bad = 0;
+    unsigned long long hseed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&O&|iiisppzO", names, PyUnicode_FSConverter, &raw,
+            args, kw, "O&O&|iiisppzOdK", names, PyUnicode_FSConverter, &raw,
             PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
             &c.o.source.channels, &format, &force, &skip_bad, &created,
-            &progress))
+            &progress, &c.o.source.holdout, &hseed))
         return NULL;
+    c.o.source.holdout_seed = hseed;
     PyObject *result = NULL;
     if (parse_format(format, &c.o.source.format) < 0)
         goto out;
@@ -925,7 +928,8 @@ static PyMethodDef module_methods[] = {
     {"prep", (PyCFunction)(void (*)(void))py_prep,
      METH_VARARGS | METH_KEYWORDS,
      "prep(raw_dir, db_dir, workers=1, size=0, channels=0, format='auto', "
-     "force=False, skip_bad=False, created=None, progress=None) -> summary"},
+     "force=False, skip_bad=False, created=None, progress=None, holdout=0, "
+     "holdout_seed=0) -> summary"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

@@ -53,6 +53,10 @@ static void print_header(const char *dir, const stk_meta *m)
     printf("record    %d-byte header + uint8 %dx%dx%d (CHW) = %u bytes\n",
            STK_RECORD_HEADER, m->channels, m->height, m->width,
            STK_RECORD_HEADER + stk_meta_sample_bytes(m));
+    if (m->holdout > 0)
+        printf("holdout   %g of each class moved from \"train\" to \"test\" "
+               "(prep --holdout %g --holdout-seed %llu)\n",
+               m->holdout, m->holdout, (unsigned long long)m->holdout_seed);
     printf("classes   %d:", m->nclasses);
     for (int c = 0; c < m->nclasses; c++) {
         printf("%s ", c ? "," : "");

@@ -94,6 +94,21 @@ static cJSON *split_json(const stk_meta *m, const stk_split_meta *sp)
     return o;
 }
 
+/* prep --holdout's rule, written out so that anyone can recompute which
+ * files went to "test" (docs/formats.md). */
+static void holdout_json(cJSON *o, const stk_meta *m)
+{
+    cJSON *h = cJSON_AddObjectToObject(o, "holdout");
+    cJSON_AddNumberToObject(h, "fraction", m->holdout);
+    cJSON_AddNumberToObject(h, "seed", (double)m->holdout_seed);
+    cJSON_AddStringToObject(h, "from", "train");
+    cJSON_AddStringToObject(h, "to", "test");
+    cJSON_AddStringToObject(h, "rule",
+                            "per class, the round(fraction * n) files "
+                            "(1..n-1 for n >= 2) of lowest splitmix64("
+                            "fnv1a64(path relative to source.path) ^ seed)");
+}
+
 char *stk_meta_to_json(const stk_meta *m)
 {
     cJSON *o = cJSON_CreateObject();
@@ -130,6 +145,8 @@ char *stk_meta_to_json(const stk_meta *m)
     cJSON *sk = raw ? cJSON_Parse(raw) : NULL;
     free(raw);
     cJSON_AddItemToObject(o, "skipped_files", sk ? sk : cJSON_CreateObject());
+    if (m->holdout > 0)
+        holdout_json(o, m);
     cJSON_AddStringToObject(o, "tool", m->tool ? m->tool : "");
     cJSON_AddStringToObject(o, "created", m->created ? m->created : "");
     if (m->checksums)
@@ -377,6 +394,26 @@ static int parse_splits(const cJSON *root, stk_meta *m, stk_err *err)
     return 0;
 }
 
+/* "holdout" is optional (databases without one, or written before it). */
+static int parse_holdout(const cJSON *root, stk_meta *m, stk_err *err)
+{
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(root, "holdout");
+    if (!h)
+        return 0;
+    int rc;
+    if ((rc = want(h, is_obj, "holdout", err)))
+        return rc;
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(h, "fraction");
+    if (!cJSON_IsNumber(f) || !(f->valuedouble > 0 && f->valuedouble < 1))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: \"holdout.fraction\" is not a number "
+                        "between 0 and 1");
+    m->holdout = f->valuedouble;
+    return get_count(cJSON_GetObjectItemCaseSensitive(h, "seed"),
+                     ((uint64_t)1 << 53) - 1, "holdout.seed",
+                     &m->holdout_seed, err);
+}
+
 static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
 {
     int rc;
@@ -402,6 +439,8 @@ static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
     m->created = dup_str(root, "created");
     const cJSON *sk = cJSON_GetObjectItemCaseSensitive(root, "skipped_files");
     m->skipped_json = sk ? cJSON_PrintUnformatted(sk) : NULL;
+    if ((rc = parse_holdout(root, m, err)))
+        return rc;
     const cJSON *ck = cJSON_GetObjectItemCaseSensitive(root, "checksums");
     if (ck && (!cJSON_IsString(ck) || strcmp(ck->valuestring, "crc32")))
         return stk_fail(err, STK_EFORMAT,

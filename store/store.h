@@ -94,6 +94,9 @@ typedef struct stk_meta {
     char *created;             /* ISO 8601 UTC, owned */
     char *skipped_json;        /* JSON object split -> [{file, error}], owned,
                                   may be NULL */
+    double holdout;            /* prep --holdout: the share of each class
+                                  moved from "train" to "test"; 0 = none */
+    uint64_t holdout_seed;     /* its seed, below 2^53 (a JSON number) */
     bool complete;
     bool checksums;            /* the "checksums" database is there (every
                                   database this stoke writes) */

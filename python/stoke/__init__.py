@@ -507,13 +507,17 @@ def _created():
 
 
 def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
-         format="auto", force=False, skip_bad=False, progress=None):
+         format="auto", force=False, skip_bad=False, progress=None,
+         holdout=None, holdout_seed=0):
     """Converts a raw dataset (IDX, CIFAR binaries, or a folder of images
     with one sub-folder per class) into a stoke database at db_dir, as the
     prep command does, with the same guarantees: db_dir is complete or left
     as it was. workers: decoding threads (default: one per CPU); size: the
     output side for folders (default 64); channels: 1 or 3 (default: the
-    source's). progress: None draws a bar on a terminal, False nothing, or
+    source's). holdout: a fraction (e.g. 0.1) of each class of a folder
+    without split folders kept apart as the "test" split, chosen from each
+    file's relative path and holdout_seed (the same files on any machine).
+    progress: None draws a bar on a terminal, False nothing, or
     a callable(split, done, total, skipped, seconds). Returns a summary.
     """
     if workers is None:
@@ -527,7 +531,8 @@ def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
         os.fspath(raw_dir), os.fspath(db_dir), workers=int(workers),
         size=int(size or 0), channels=int(channels or 0), format=format,
         force=bool(force), skip_bad=bool(skip_bad), created=_created(),
-        progress=progress or None)
+        progress=progress or None, holdout=float(holdout or 0),
+        holdout_seed=int(holdout_seed))
     if progress and getattr(progress, "__name__", "") == "show":
         sys.stderr.write("\n")
     return summary
