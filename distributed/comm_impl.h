@@ -9,7 +9,16 @@ enum { STK_MAX_RANKS = 64 }; /* shared-memory ranks on one machine */
 
 /* A peer process on this machine (peers.c). */
 typedef enum peer_state { PEER_RUNNING, PEER_GONE, PEER_STOPPED } peer_state;
-peer_state peer_state_of(int32_t pid);
+/* A process, told apart from a later one that reuses its pid by its start
+ * time (clock ticks after boot, /proc/PID/stat field 22; 0 = unknown). */
+typedef struct peer_id {
+    int32_t pid;
+    uint64_t start;
+} peer_id;
+peer_id peer_self(void);
+/* A pid of 0 or less is unknown and counts as running; a process whose
+ * start time is not p.start has exited and its pid went to another. */
+peer_state peer_state_of(peer_id p);
 /* This machine: its host name, boot id and pid namespace, so that ranks
  * on different machines, or in containers that do not share /dev/shm or
  * see each other's processes, are told apart. */

@@ -45,7 +45,7 @@ struct nccl_comm {
     cudaEvent_t marks[MARKS]; /* compute work before bucket k; created lazily */
     cudaEvent_t done[MARKS];  /* bucket k's all-reduce; created lazily */
     float *one;           /* a device float for the barrier */
-    int32_t *peer_pid;    /* per rank: its pid where it shares this machine */
+    peer_id *peer;        /* per rank: its process where it shares this machine */
     int rank, world, device, timeout_ms;
     bool broken; /* aborted: every later call fails at once */
     atomic_bool abort_requested; /* by nccl_abort, from any thread */
@@ -81,11 +81,11 @@ static void abort_comm(nccl_comm *n)
 static int check_peers(nccl_comm *n, stk_err *err)
 {
     for (int r = 0; r < n->world; r++)
-        if (n->peer_pid[r] && peer_state_of(n->peer_pid[r]) == PEER_GONE)
+        if (n->peer[r].pid && peer_state_of(n->peer[r]) == PEER_GONE)
             return stk_fail(err, STK_EPEER,
                             "nccl: rank %d (pid %d) exited; rank %d stops too "
                             "(communicator aborted)",
-                            r, (int)n->peer_pid[r], n->rank);
+                            r, (int)n->peer[r].pid, n->rank);
     return 0;
 }
 
@@ -94,7 +94,7 @@ static int check_peers(nccl_comm *n, stk_err *err)
 static int stopped_peer(nccl_comm *n)
 {
     for (int r = 0; r < n->world; r++)
-        if (n->peer_pid[r] && peer_state_of(n->peer_pid[r]) == PEER_STOPPED)
+        if (n->peer[r].pid && peer_state_of(n->peer[r]) == PEER_STOPPED)
             return r;
     return -1;
 }
@@ -112,7 +112,7 @@ static int deadline_passed(nccl_comm *n, double start, const char *what,
         return stk_fail(err, STK_ETIMEDOUT,
                         "nccl: rank %d waited %.0f s for %s: rank %d (pid %d, "
                         "stopped) does not answer (communicator aborted)",
-                        n->rank, n->timeout_ms / 1000.0, what, s, (int)n->peer_pid[s]);
+                        n->rank, n->timeout_ms / 1000.0, what, s, (int)n->peer[s].pid);
     return stk_fail(err, STK_ETIMEDOUT,
                     "nccl: rank %d waited %.0f s for %s; a peer is stuck or gone "
                     "(communicator aborted)",
@@ -245,13 +245,16 @@ static int share_id(nccl_comm *n, stk_kv *kv, ncclUniqueId *id, stk_err *err)
     return rc;
 }
 
-/* Every rank's pid and machine through the store: n->peer_pid holds the
- * pids of the peers on this machine, whose processes the waits watch. */
+/* Every rank's process (pid and start time) and machine through the
+ * store: n->peer holds the peers on this machine, whose processes the
+ * waits watch. */
 static int share_pids(nccl_comm *n, stk_kv *kv, stk_err *err)
 {
-    char mine[400], entry[440], key[48];
+    char mine[400], entry[480], key[48];
     machine_id(mine, sizeof mine);
-    snprintf(entry, sizeof entry, "%d %s", (int)getpid(), mine);
+    peer_id me = peer_self();
+    snprintf(entry, sizeof entry, "%d %llu %s", (int)me.pid,
+             (unsigned long long)me.start, mine);
     snprintf(key, sizeof key, "nccl/peer/%d", n->rank);
     int rc = stk_kv_set(kv, key, entry, strlen(entry) + 1, err);
     for (int r = 0; !rc && r < n->world; r++) {
@@ -262,9 +265,13 @@ static int share_pids(nccl_comm *n, stk_kv *kv, stk_err *err)
         snprintf(key, sizeof key, "nccl/peer/%d", r);
         if ((rc = stk_kv_get(kv, key, n->timeout_ms, &v, &len, err)))
             break;
-        const char *theirs = v, *space = memchr(v, ' ', len);
-        if (len && theirs[len - 1] == '\0' && space && strcmp(space + 1, mine) == 0)
-            n->peer_pid[r] = (int32_t)atoi(theirs);
+        const char *theirs = v;
+        int pid, used = 0;
+        unsigned long long start;
+        if (len && theirs[len - 1] == '\0' &&
+            sscanf(theirs, "%d %llu %n", &pid, &start, &used) == 2 && used &&
+            strcmp(theirs + used, mine) == 0)
+            n->peer[r] = (peer_id){pid, start};
         free(v);
     }
     return rc;
@@ -315,13 +322,13 @@ int nccl_create(stk_backend *be, int rank, int world, stk_kv *kv,
 {
     *out = NULL;
     nccl_comm *n = calloc(1, sizeof *n);
-    int32_t *pids = calloc((size_t)world, sizeof *pids);
+    peer_id *pids = calloc((size_t)world, sizeof *pids);
     if (!n || !pids) {
         free(n);
         free(pids);
         return stk_fail(err, STK_ENOMEM, "out of memory");
     }
-    n->peer_pid = pids;
+    n->peer = pids;
     n->rank = rank;
     n->world = world;
     n->timeout_ms = timeout_ms;
@@ -358,7 +365,7 @@ void nccl_destroy(nccl_comm *n)
         cudaEventDestroy(n->queued);
     if (n->stream)
         cudaStreamDestroy(n->stream);
-    free(n->peer_pid);
+    free(n->peer);
     free(n);
 }
 

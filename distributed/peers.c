@@ -6,30 +6,59 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-/* From /proc/PID/stat ("pid (comm) S ..."): exited but not yet collected
- * by its parent (Z, X) counts as gone; stopped (T, t: SIGSTOP, a
- * debugger) is told apart from running. */
-peer_state peer_state_of(int32_t pid)
+/* State letter and start time of pid from /proc/PID/stat ("pid (comm) S
+ * ppid ..."; comm may hold spaces and parentheses, so the fields are counted
+ * from the last ')'). Returns 0, or -1 when the file cannot be read. */
+static int read_stat(int32_t pid, char *state, uint64_t *start)
 {
-    if (pid <= 0)
-        return PEER_RUNNING; /* unknown: not ours to judge */
-    if (kill(pid, 0) != 0 && errno == ESRCH)
-        return PEER_GONE;
-    char path[64], buf[256];
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "r");
     if (!f)
-        return PEER_RUNNING; /* no /proc: trust kill */
+        return -1;
     size_t n = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
     buf[n] = '\0';
-    const char *end = strrchr(buf, ')');
-    if (!end || end[1] != ' ')
-        return PEER_RUNNING;
-    switch (end[2]) {
+    const char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ')
+        return -1;
+    *state = p[2];
+    *start = 0;
+    for (int field = 3; field <= 22 && (p = strchr(p + 1, ' ')); field++)
+        ; /* p is at the space before field 22 */
+    if (p)
+        *start = strtoull(p + 1, NULL, 10);
+    return 0;
+}
+
+peer_id peer_self(void)
+{
+    peer_id me = {(int32_t)getpid(), 0};
+    char state;
+    if (read_stat(me.pid, &state, &me.start))
+        me.start = 0;
+    return me;
+}
+
+/* Exited but not yet collected by its parent (Z, X) counts as gone; stopped
+ * (T, t: SIGSTOP, a debugger) is told apart from running. */
+peer_state peer_state_of(peer_id p)
+{
+    if (p.pid <= 0)
+        return PEER_RUNNING; /* unknown: not ours to judge */
+    if (kill(p.pid, 0) != 0 && errno == ESRCH)
+        return PEER_GONE;
+    char state;
+    uint64_t start;
+    if (read_stat(p.pid, &state, &start))
+        return PEER_RUNNING; /* no /proc: trust kill */
+    if (p.start && start && start != p.start)
+        return PEER_GONE; /* the pid now names another process */
+    switch (state) {
     case 'Z':
     case 'X':
         return PEER_GONE;

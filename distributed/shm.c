@@ -63,7 +63,7 @@ typedef struct shm_header {
     _Atomic int32_t failure; /* rank << 1 | 1 if it missed a barrier, 0
                                 if it died; -1: none so far */
     int32_t world;
-    int32_t pid[STK_MAX_RANKS];
+    peer_id peer[STK_MAX_RANKS];
     _Atomic uint32_t at[STK_MAX_RANKS]; /* the generation each rank last
                                            arrived at, plus one */
 } shm_header;
@@ -119,7 +119,7 @@ static int check_peers(shm_comm *s, double started, uint32_t g, stk_err *err)
 {
     shm_header *h = s->h;
     for (int r = 0; r < s->world; r++)
-        if (r != s->rank && peer_state_of(h->pid[r]) == PEER_GONE)
+        if (r != s->rank && peer_state_of(h->peer[r]) == PEER_GONE)
             blame(h, r, false);
     int late = -1;
     if (!atomic_load(&h->abort) && stk_now() - started > s->timeout_ms / 1000.0) {
@@ -143,17 +143,17 @@ static int check_peers(shm_comm *s, double started, uint32_t g, stk_err *err)
         return stk_fail(err, STK_EPEER,
                         "rank %d (pid %d) exited during a collective; rank %d "
                         "stops too",
-                        f, h->pid[f], s->rank);
+                        f, (int)h->peer[f].pid, s->rank);
     if (f == s->rank) /* resumed after the others gave up on it */
         return stk_fail(err, STK_EPEER,
                         "rank %d did not reach a collective within %.0f s "
                         "(--timeout; stopped or stuck?) and the others stopped",
                         f, s->timeout_ms / 1000.0);
-    bool stopped = peer_state_of(h->pid[f]) == PEER_STOPPED;
+    bool stopped = peer_state_of(h->peer[f]) == PEER_STOPPED;
     return stk_fail(err, f == late ? STK_ETIMEDOUT : STK_EPEER,
                     "rank %d (pid %d%s) did not reach a collective within %.0f s "
                     "(--timeout); rank %d stops too",
-                    f, h->pid[f], stopped ? ", stopped" : "",
+                    f, (int)h->peer[f].pid, stopped ? ", stopped" : "",
                     s->timeout_ms / 1000.0, s->rank);
 }
 
@@ -412,7 +412,7 @@ int shm_create(int rank, int world, stk_kv *kv, int timeout_ms,
     if (!rc) {
         s->h = p;
         s->base = (float *)((char *)s->h + HEADER_BYTES);
-        s->h->pid[rank] = (int32_t)getpid();
+        s->h->peer[rank] = peer_self();
         if (rank == 0)
             atomic_store(&s->h->failure, -1);
     }

@@ -1039,6 +1039,46 @@ static void cpu_ranks_bound_to_disjoint_cpus(void **state)
     assert_int_equal(stk_rank_bind_cpus(&one, 1, &err), 0);
 }
 
+/* A pid names one process: its own start time tells it from a later
+ * process that reuses the number; stopped and exited are told apart. */
+static void peers_tell_a_reused_pid(void **state)
+{
+    (void)state;
+    peer_id me = peer_self();
+    assert_int_equal(me.pid, getpid());
+    assert_true(me.start > 0);
+    assert_int_equal(peer_state_of(me), PEER_RUNNING);
+    assert_int_equal(peer_state_of((peer_id){me.pid, me.start + 1}), PEER_GONE);
+    assert_int_equal(peer_state_of((peer_id){0, 0}), PEER_RUNNING);
+    int fd[2];
+    assert_int_equal(pipe(fd), 0);
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        peer_id c = peer_self();
+        if (write(fd[1], &c, sizeof c) != (ssize_t)sizeof c)
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    peer_id c;
+    assert_int_equal(read(fd[0], &c, sizeof c), (ssize_t)sizeof c);
+    close(fd[0]);
+    close(fd[1]);
+    assert_int_equal(c.pid, child);
+    assert_int_equal(peer_state_of(c), PEER_RUNNING);
+    kill(child, SIGSTOP);
+    for (int i = 0; i < 2000 && peer_state_of(c) != PEER_STOPPED; i++)
+        pause_briefly();
+    assert_int_equal(peer_state_of(c), PEER_STOPPED);
+    kill(child, SIGKILL);
+    for (int i = 0; i < 2000 && peer_state_of(c) != PEER_GONE; i++)
+        pause_briefly(); /* a zombie counts as gone before it is reaped */
+    assert_int_equal(peer_state_of(c), PEER_GONE);
+    assert_int_equal(waitpid(child, NULL, 0), child);
+    assert_int_equal(peer_state_of(c), PEER_GONE);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(store_set_get_add),
     cmocka_unit_test(store_timeouts_and_taken_port),
@@ -1052,6 +1092,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(shm_collectives_three_ranks),
     cmocka_unit_test(shm_dead_peer_ends_the_wait),
     cmocka_unit_test(shm_stuck_peer_named),
+    cmocka_unit_test(peers_tell_a_reused_pid),
     cmocka_unit_test(nccl_paths_on_one_gpu),
     cmocka_unit_test(ddp_buckets_last_layers_first),
     cmocka_unit_test(cpu_ranks_bound_to_disjoint_cpus),
