@@ -464,6 +464,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
                                                              r->p.nbytes),
         .map_size_max = o->map_size_max,
         .force = o->force,
+        .force_hint = o->force_hint,
         .verify = true, /* read it all back before publishing */
         .cancel = o->cancel,
     };

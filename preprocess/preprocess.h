@@ -134,6 +134,7 @@ typedef struct stk_prep_opts {
     int workers;                  /* decoding threads, >= 1 */
     bool skip_bad;                /* record bad samples instead of failing */
     bool force;                   /* replace an existing complete database */
+    const char *force_hint;       /* see stk_store_opts; NULL = "--force" */
     size_t map_size;              /* initial LMDB map; 0 = from the data */
     size_t map_size_max;          /* 0 = 1 TiB */
     stk_source_opts source;

@@ -888,6 +888,7 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     c.raw = PyBytes_AS_STRING(raw);
     c.db = PyBytes_AS_STRING(db);
     c.o.force = force;
+    c.o.force_hint = "force=True";
     c.o.skip_bad = skip_bad;
     c.o.created = created;
     c.o.cancel = &c.cancel;

@@ -131,9 +131,12 @@ static enum dir_kind classify_dir(const char *dir)
     return kind;
 }
 
-/* Decides whether dir may be replaced by a new database. */
-static int check_target(const char *dir, bool force, stk_err *err)
+/* Decides whether dir may be replaced by a new database. force_hint
+ * names the option that would allow it, in the caller's language. */
+static int check_target(const char *dir, bool force, const char *force_hint,
+                        stk_err *err)
 {
+    const char *hint = force_hint ? force_hint : "--force";
     switch (classify_dir(dir)) {
     case DIR_ABSENT:
     case DIR_EMPTY:
@@ -156,19 +159,19 @@ static int check_target(const char *dir, bool force, stk_err *err)
     if (stk_store_open_any(dir, &old, &why) != 0)
         return stk_fail(err, STK_EEXIST,
                         "%s: holds an LMDB database that stoke cannot open "
-                        "(%s); pass --force to replace it",
-                        dir, why.msg);
+                        "(%s); pass %s to replace it",
+                        dir, why.msg, hint);
     bool complete = old->meta.complete;
     stk_store_close(old);
     if (complete)
         return stk_fail(err, STK_EEXIST,
-                        "%s: holds a complete stoke database; pass --force to "
+                        "%s: holds a complete stoke database; pass %s to "
                         "replace it",
-                        dir);
+                        dir, hint);
     return stk_fail(err, STK_EEXIST,
                     "%s: holds an LMDB database that is not a complete stoke "
-                    "database; pass --force to replace it",
-                    dir);
+                    "database; pass %s to replace it",
+                    dir, hint);
 }
 
 /* Opens and exclusively locks path; returns the fd, or -1 with errno
@@ -285,7 +288,7 @@ int stk_store_create(const char *dir, const stk_store_opts *opts,
     if (!s->final_dir || !s->partial_dir)
         rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
     if (!rc)
-        rc = check_target(dir, s->opts.force, err);
+        rc = check_target(dir, s->opts.force, s->opts.force_hint, err);
     if (!rc)
         rc = check_same_fs(dir, s->partial_dir, err);
     if (!rc)

@@ -169,6 +169,8 @@ typedef struct stk_store_opts {
     size_t txn_bytes;       /* commit after this many pending bytes;
                                0 = 64 MiB */
     bool force;             /* replace an existing complete database */
+    const char *force_hint; /* how the user says force in refusals; NULL =
+                               "--force" (Python: "force=True") */
     bool verify;            /* stk_store_finish reopens the database and
                                runs stk_store_verify before publishing it */
     const volatile sig_atomic_t *cancel; /* non-zero stops that verify

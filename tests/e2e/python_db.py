@@ -146,7 +146,8 @@ def prep_from_python(raw, db_cmd):
           "metadata); %d progress calls" % len(calls))
     e = raises(stoke.DatabaseError, "no-such-raw", stoke.prep, "no-such-raw", "x")
     check(isinstance(e, OSError) and not os.path.exists("x"), "after a failed prep")
-    raises(stoke.Error, "py", stoke.prep, "cmd-raw", "py")  # exists, no force
+    raises(stoke.Error, r"py: holds a complete stoke database; pass force=True to "
+           "replace it", stoke.prep, "cmd-raw", "py")  # exists, no force
     stoke.prep("cmd-raw", "py", force=True, progress=False)
     check(stoke.open("py").counts() == {"train": 3000, "test": 1000}, "force")
     print("ok: stoke.prep refuses a missing raw dir and an existing database")
