@@ -142,6 +142,14 @@ int stk_source_load(const stk_source *s, stk_decoder *d, int split,
                     uint64_t i, int32_t *label, uint8_t *pixels,
                     stk_err *err);
 
+/* Sample i of split as decoded, before stk_source_load's resize and
+ * channel conversion (for transforms of the original image): HWC pixels
+ * in im, owned (free with stk_image_free) when *owned, else borrowed from
+ * s. Errors as stk_source_load's. */
+int stk_source_load_image(const stk_source *s, stk_decoder *d, int split,
+                          uint64_t i, int32_t *label, stk_image *im,
+                          bool *owned, stk_err *err);
+
 /* The file sample i of split is read from: the image of a folder source,
  * the dataset directory for IDX and CIFAR. Borrowed; lives as long as s. */
 const char *stk_source_sample_file(const stk_source *s, int split,
