@@ -98,6 +98,22 @@ int stk_resized_crop(const stk_pixview *v, stk_box box, int size, bool flip,
 int stk_centre_crop(const stk_pixview *v, int resize, int size, int out_c,
                     stk_xform_scratch *s, uint8_t *chw);
 
+/* A JPEG's full size from its header: 1, or 0 (w = h = 0) when data is
+ * not a readable JPEG. */
+int stk_image_jpeg_size(stk_decoder *d, const uint8_t *data, size_t len,
+                        int *w, int *h);
+
+/* stk_image_decode for a crop of box (full-size pixels) to size x size:
+ * where size is at most half the box's sides, a JPEG decodes at
+ * TurboJPEG's smallest DCT scaling factor of at most 1/2 whose scaled box
+ * still has size pixels on each side, and box becomes its cover in the
+ * decoded image (start floored, end ceiled). At 1/2, 1/4 and 1/8 the pixels are PIL's
+ * Image.draft's (the same libjpeg-turbo scaled IDCT). PNGs decode whole,
+ * box unchanged. */
+int stk_image_decode_box(stk_decoder *d, const uint8_t *data, size_t len,
+                         int size, stk_box *box, stk_image *out, char *why,
+                         size_t why_len);
+
 /* Writes an 8-bit gray or RGB image (HWC) as a PNG file. */
 int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
                   stk_err *err);

@@ -147,4 +147,58 @@ for n, (w, h, q, sub, prog) in enumerate([(500, 375, 90, 2, False),
           f"JPEG {w}x{h} q{q} subsampling {sub}: not PIL's pixels")
 print("JPEG: full-scale decodes equal PIL's")
 
+
+# ---- JPEG decode with DCT scaling -----------------------------------------
+def decodebox(path, size, box):
+    head, px = run(["decodebox", path, str(size), *map(str, box)]).split(
+        b"\n", 1)
+    w, h, c, *b = map(int, head.split())
+    return np.frombuffer(px, np.uint8).reshape(h, w, c), b
+
+
+path = os.path.join(tmp, "j0.jpg")  # 500 x 375
+full = np.asarray(Image.open(path).convert("RGB"))
+# (size, box, the scale num/8 expected): no scaling unless the output is at
+# most half the box; else the smallest n/8 <= 1/2 whose box still covers it
+for size, box, num in [(224, (0, 0, 375, 500), 8), (188, (0, 0, 375, 500), 8),
+                       (187, (0, 0, 375, 500), 4), (64, (0, 0, 375, 500), 2),
+                       (40, (0, 0, 375, 500), 1),
+                       (30, (37, 101, 200, 150), 2),
+                       (50, (37, 101, 200, 150), 3),
+                       (75, (37, 101, 200, 150), 4),
+                       (76, (37, 101, 200, 150), 8)]:
+    px, b = decodebox(path, size, box)
+    f = 8 / num
+    want_hw = (-(-375 * num // 8), -(-500 * num // 8))  # TJSCALED
+    check(px.shape[:2] == want_hw, f"decodebox {size} {box}: decoded "
+          f"{px.shape[:2]}, expected {num}/8 = {want_hw}")
+    if num == 8:
+        check(np.array_equal(px, full) and tuple(b) == box,
+              f"decodebox {size} {box}: not the full decode")
+        continue
+    if num in (1, 2, 4):  # PIL's draft scales by 1/2, 1/4, 1/8 only
+        ref = Image.open(path)
+        ref.draft("RGB", (500 * num // 8, 375 * num // 8))
+        ref = np.asarray(ref.convert("RGB"))
+        check(ref.shape == px.shape and np.array_equal(ref, px),
+              f"decodebox {num}/8: not PIL's draft pixels")
+    top, left, bh, bw = b
+    check(bh >= size and bw >= size and top * f <= box[0] and
+          left * f <= box[1] and (top + bh) * f >= box[0] + box[2] and
+          (left + bw) * f >= box[1] + box[3],
+          f"decodebox {size} {box}: scaled box {b} does not cover it")
+    # the resized crop from the scaled decode is close to the full one's
+    path_s = os.path.join(tmp, "scaled.png")
+    Image.fromarray(px).save(path_s)
+    a = np.frombuffer(run(["crop", path_s, "hwc", *map(str, [
+        top, left, bh, bw, size, 0, 3])]), np.uint8).astype(int)
+    r = np.frombuffer(run(["crop", path, "hwc", *map(str, [
+        *box, size, 0, 3])]), np.uint8).astype(int)
+    err = np.abs(a - r).mean()
+    check(err < 6, f"decodebox {size} {box}: crop from {num}/8 is {err:.2f} "
+          "levels from the full decode's on average")
+    print(f"JPEG {num}/8, box {box} -> {size}: crop within {err:.2f} levels "
+          f"(mean) of the full decode's" + (", PIL's draft pixels"
+                                            if num in (1, 2, 4) else ""))
+
 sys.exit(1 if fails else 0)

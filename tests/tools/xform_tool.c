@@ -4,7 +4,9 @@
  *   xform_tool box < lines "H W S0 S1 R0 R1 U1..U22"   prints "N TOP LEFT H W"
  *   xform_tool crop FILE hwc|chw TOP LEFT H W SIZE FLIP OUT_C   CHW bytes
  *   xform_tool centre FILE hwc|chw RESIZE SIZE OUT_C             CHW bytes
- *   xform_tool decode FILE                      "W H C\n" then HWC bytes */
+ *   xform_tool decode FILE                      "W H C\n" then HWC bytes
+ *   xform_tool decodebox FILE SIZE TOP LEFT H W
+ *       "W H C TOP LEFT H W\n" (the decoded size, the mapped box), HWC */
 #include "preprocess/preprocess.h"
 
 #include <stdio.h>
@@ -33,8 +35,8 @@ static int boxes(void)
     return 0;
 }
 
-/* Decodes path into im; the bytes of a file held in memory. */
-static int load(const char *path, stk_image *im)
+/* Decodes path into im (through stk_image_decode_box when box). */
+static int load(const char *path, int size, stk_box *box, stk_image *im)
 {
     FILE *f = fopen(path, "rb");
     if (!f)
@@ -49,7 +51,10 @@ static int load(const char *path, stk_image *im)
     stk_err err = {0};
     char why[256] = "";
     int rc = got != (size_t)len || stk_decoder_create(&d, &err) ||
-             stk_image_decode(d, data, (size_t)len, im, why, sizeof why);
+             (box ? stk_image_decode_box(d, data, (size_t)len, size, box, im,
+                                         why, sizeof why)
+                  : stk_image_decode(d, data, (size_t)len, im, why,
+                                     sizeof why));
     stk_decoder_destroy(d);
     free(data);
     return rc ? die(why[0] ? why : "cannot read", path) : 0;
@@ -77,7 +82,20 @@ int main(int argc, char **argv)
     if (argc < 3)
         return die("usage: box | crop | centre | decode ...", "arguments");
     stk_image im = {0};
-    if (load(argv[2], &im))
+    if (!strcmp(argv[1], "decodebox")) {
+        if (argc != 8)
+            return die("wrong number of arguments", argv[1]);
+        stk_box b = {atoi(argv[4]), atoi(argv[5]), atoi(argv[6]),
+                     atoi(argv[7])};
+        if (load(argv[2], atoi(argv[3]), &b, &im))
+            return 1;
+        printf("%d %d %d %d %d %d %d\n", im.w, im.h, im.c, b.top, b.left, b.h,
+               b.w);
+        fwrite(im.px, 1, (size_t)im.w * im.h * im.c, stdout);
+        stk_image_free(&im);
+        return 0;
+    }
+    if (load(argv[2], 0, NULL, &im))
         return 1;
     if (!strcmp(argv[1], "decode")) {
         printf("%d %d %d\n", im.w, im.h, im.c);
