@@ -34,7 +34,8 @@ typedef struct slot {
 /* Where samples come from: a database split or a raw source. */
 typedef struct fetch_ops {
     int (*open)(stk_loader *l, void **ctx, stk_err *err);
-    int (*get)(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+    /* the sample's pixels, valid until the next get on ctx */
+    int (*get)(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
                int32_t *label, stk_err *err);
     void (*prefetch)(void *ctx, uint64_t index); /* may be NULL */
     void (*close)(void *ctx);
@@ -48,11 +49,19 @@ typedef struct shard {
     struct shard *next;
 } shard;
 
+/* What a worker (or the caller, with no workers) fills batches with:
+ * allocated once, reused for every sample. */
+typedef struct wstate {
+    void *ctx;               /* the fetcher's */
+    stk_xform_scratch xs;    /* the transform's buffers */
+    uint8_t *tmp;            /* aug_pad/aug_flip's copy (sample_bytes) */
+} wstate;
+
 typedef struct worker {
     stk_loader *l;
     int id;
     pthread_t thread;
-    void *ctx;
+    wstate st;
 } worker;
 
 struct stk_loader {
@@ -65,8 +74,9 @@ struct stk_loader {
     char split[STK_SPLIT_NAME_MAX];
     stk_sampler sampler;
     uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
-    size_t sample_bytes;
-    int c, h, w; /* the sample's shape (augmentation) */
+    size_t sample_bytes; /* of an output sample */
+    int c, h, w; /* the output sample's shape (augmentation) */
+    int in_c, in_h, in_w; /* a record's, or the source's fitted sample's */
     int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
@@ -84,7 +94,7 @@ struct stk_loader {
     stk_err fail_err;
     worker *workers;
     int nworkers;
-    void *inline_ctx;   /* workers == 0: the caller's fetch context */
+    wstate inline_st;   /* workers == 0: the caller's */
 
     double t_open, t_first, wait;
     uint64_t batches, samples;
@@ -103,7 +113,16 @@ static int store_open(stk_loader *l, void **ctx, stk_err *err)
     return 0;
 }
 
-static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+/* A fetched record's pixels. TODO(issue 17, records v2): variable-size
+ * records (r.height x r.width) and JPEG ones (decode here, with DCT
+ * scaling) once the store has them; today every record is the meta's
+ * fixed C x H x W. */
+static stk_pixview record_view(const stk_loader *l, const stk_record *r)
+{
+    return stk_pixview_chw(r->data, l->in_c, l->in_h, l->in_w);
+}
+
+static int store_get(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
                      int32_t *label, stk_err *err)
 {
     stk_record r;
@@ -118,7 +137,7 @@ static int store_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
                         "database's %d classes (0..%d)",
                         l->split, (unsigned long long)index, (int)r.label,
                         l->nclasses, l->nclasses - 1);
-    memcpy(dst, r.data, l->sample_bytes);
+    *v = record_view(l, &r);
     *label = r.label;
     return 0;
 }
@@ -133,19 +152,59 @@ static void store_close(void *ctx) { (void)ctx; }
 static const fetch_ops store_ops = {store_open, store_get, store_prefetch,
                                     store_close};
 
+/* A raw worker's decoder and its last sample: prep's fitted image, or with
+ * a transform the decoded original. */
+typedef struct raw_ctx {
+    stk_decoder *d;
+    uint8_t *fitted;     /* the source's shape */
+    stk_image im;
+    bool owned;
+} raw_ctx;
+
+static void raw_close(void *ctx)
+{
+    raw_ctx *r = ctx;
+    stk_decoder_destroy(r->d);
+    free(r->fitted);
+    if (r->owned)
+        stk_image_free(&r->im);
+    free(r);
+}
+
 static int raw_open(stk_loader *l, void **ctx, stk_err *err)
 {
-    (void)l;
-    return stk_decoder_create((stk_decoder **)ctx, err);
+    raw_ctx *r = calloc(1, sizeof *r);
+    if (r && !l->o.xform.kind)
+        r->fitted = malloc((size_t)l->in_c * l->in_h * l->in_w);
+    if (!r || (!l->o.xform.kind && !r->fitted)) {
+        free(r);
+        return stk_fail(err, STK_ENOMEM, "out of memory");
+    }
+    int rc = stk_decoder_create(&r->d, err);
+    if (rc)
+        raw_close(r);
+    else
+        *ctx = r;
+    return rc;
 }
 
-static int raw_get(stk_loader *l, void *ctx, uint64_t index, uint8_t *dst,
+static int raw_get(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
                    int32_t *label, stk_err *err)
 {
-    return stk_source_load(l->src, ctx, l->src_split, index, label, dst, err);
+    raw_ctx *r = ctx;
+    if (!l->o.xform.kind) {
+        *v = stk_pixview_chw(r->fitted, l->in_c, l->in_h, l->in_w);
+        return stk_source_load(l->src, r->d, l->src_split, index, label,
+                               r->fitted, err);
+    }
+    if (r->owned)
+        stk_image_free(&r->im);
+    int rc = stk_source_load_image(l->src, r->d, l->src_split, index, label,
+                                   &r->im, &r->owned, err);
+    if (!rc)
+        *v = stk_pixview_hwc(r->im.px, r->im.w, r->im.h, r->im.c);
+    return rc;
 }
-
-static void raw_close(void *ctx) { stk_decoder_destroy(ctx); }
 
 static const fetch_ops raw_ops = {raw_open, raw_get, NULL, raw_close};
 
@@ -261,37 +320,99 @@ static bool stopping(stk_loader *l)
     return atomic_load_explicit(&l->stop, memory_order_relaxed);
 }
 
-static void fill(stk_loader *l, void *ctx, slot *sl)
+void stk_loader_rrc_draw(uint64_t seed, uint64_t epoch, uint64_t index,
+                         double u[STK_RRC_UNIFORMS], bool *flip)
 {
+    uint32_t k[2];
+    stk_loader_aug_key(seed, k);
+    /* a key of its own: no block repeats the pad-crop's draws */
+    stk_philox_key key = {k[0] ^ 0x52524331u, k[1]};
+    for (uint32_t block = 0; block < 6; block++) {
+        uint32_t ctr[4] = {(uint32_t)index, (uint32_t)(index >> 32),
+                           (uint32_t)epoch, block};
+        stk_philox4x32_10(ctr, key);
+        for (int j = 0; j < 4; j++) {
+            int n = (int)block * 4 + j;
+            if (n < STK_RRC_UNIFORMS)
+                u[n] = ctr[j] * 0x1p-32;
+            else if (n == STK_RRC_UNIFORMS)
+                *flip = ctr[j] & 1;
+        }
+    }
+}
+
+/* Sample index's view v made into the output sample dst: copied, or
+ * through the transform with its draws. */
+static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
+                 uint64_t index, const stk_pixview *v, uint8_t *dst)
+{
+    const stk_loader_xform *x = &l->o.xform;
+    if (x->kind == STK_XFORM_CENTRE)
+        return stk_centre_crop(v, x->resize, x->size, l->c, &st->xs, dst);
+    if (x->kind == STK_XFORM_NONE) { /* a CHW record or fitted sample */
+        memcpy(dst, v->px, l->sample_bytes);
+        return 0;
+    }
+    double u[STK_RRC_UNIFORMS];
+    bool flip;
+    stk_loader_rrc_draw(l->o.seed, epoch, index, u, &flip);
+    stk_box box;
+    stk_rrc_box(v->h, v->w, x->scale, x->ratio, u, &box);
+    return stk_resized_crop(v, box, x->size, flip && x->flip, l->c, &st->xs,
+                            dst);
+}
+
+static void fill(stk_loader *l, wstate *st, slot *sl)
+{
+    uint64_t epoch, batch;
+    seq_pos(l, sl->seq, &epoch, &batch);
     /* Start every record's cache misses before the first copy waits on
      * one: lookups are already done, so the batch's loads overlap. */
     for (int i = 0; l->ops->prefetch && i < sl->n; i++)
-        l->ops->prefetch(ctx, sl->indices[i]);
+        l->ops->prefetch(st->ctx, sl->indices[i]);
     for (int i = 0; i < sl->n && !sl->rc; i++) {
         stk_err e = {0};
         if (stopping(l)) {
             sl->rc = stk_fail(&sl->err, STK_ECANCELED, "the loader is stopped");
             return;
         }
-        sl->rc = l->ops->get(l, ctx, sl->indices[i],
-                             sl->data + (size_t)i * l->sample_bytes,
-                             &sl->labels[i], &e);
+        stk_pixview v;
+        uint8_t *dst = sl->data + (size_t)i * l->sample_bytes;
+        sl->rc = l->ops->get(l, st->ctx, sl->indices[i], &v, &sl->labels[i],
+                             &e);
         if (sl->rc)
             sl->err = e;
+        else if ((sl->rc = shape(l, st, epoch, sl->indices[i], &v, dst)))
+            stk_fail(&sl->err, sl->rc, "split \"%s\": key %llu: out of memory "
+                     "in the transform", l->split,
+                     (unsigned long long)sl->indices[i]);
     }
     if (sl->rc || (!l->o.aug_pad && !l->o.aug_flip))
         return;
-    uint8_t *tmp = malloc(l->sample_bytes);
-    if (!tmp) {
-        sl->rc = stk_fail(&sl->err, STK_ENOMEM, "out of memory");
-        return;
-    }
-    uint64_t epoch, batch;
-    seq_pos(l, sl->seq, &epoch, &batch);
     for (int i = 0; i < sl->n && !stopping(l); i++)
         augment(l, epoch, sl->indices[i],
-                sl->data + (size_t)i * l->sample_bytes, tmp);
-    free(tmp);
+                sl->data + (size_t)i * l->sample_bytes, st->tmp);
+}
+
+/* Opens st's fetcher and buffers (once per worker). */
+static int wstate_open(stk_loader *l, wstate *st, stk_err *err)
+{
+    if ((l->o.aug_pad || l->o.aug_flip) && !st->tmp) {
+        st->tmp = malloc(l->sample_bytes);
+        if (!st->tmp)
+            return stk_fail(err, STK_ENOMEM, "out of memory");
+    }
+    return l->ops->open(l, &st->ctx, err);
+}
+
+static void wstate_close(stk_loader *l, wstate *st)
+{
+    if (st->ctx)
+        l->ops->close(st->ctx);
+    st->ctx = NULL;
+    stk_xform_scratch_free(&st->xs);
+    free(st->tmp);
+    st->tmp = NULL;
 }
 
 static void *worker_main(void *arg)
@@ -311,10 +432,10 @@ static void *worker_main(void *arg)
         if (rc)
             sl->rc = stk_fail(&sl->err, rc, "split \"%s\": cannot build the "
                               "epoch's sample order", l->split);
-        else if (!w->ctx)
-            sl->rc = l->ops->open(l, &w->ctx, &sl->err);
+        else if (!w->st.ctx)
+            sl->rc = wstate_open(l, &w->st, &sl->err);
         if (!sl->rc)
-            fill(l, w->ctx, sl);
+            fill(l, &w->st, sl);
         double dt = stk_now() - t0;
         pthread_mutex_lock(&l->mu);
         l->busy[w->id] += dt;
@@ -332,6 +453,43 @@ static void *host_alloc(const stk_loader *l, size_t n)
     if (l->o.host.alloc)
         return l->o.host.alloc(n, l->o.host.ctx);
     return aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+}
+
+/* Validates the transform and fills in its defaults. */
+static int check_xform(stk_loader_opts *o, stk_err *err)
+{
+    stk_loader_xform *x = &o->xform;
+    if (x->kind == STK_XFORM_NONE)
+        return 0;
+    if (x->kind != STK_XFORM_RRC && x->kind != STK_XFORM_CENTRE)
+        return stk_fail(err, STK_EINVAL, "unknown transform %d", x->kind);
+    if (o->aug_pad || o->aug_flip)
+        return stk_fail(err, STK_EINVAL, "a transform (random resized or "
+                        "centre crop) cannot be combined with the padded "
+                        "crop or its flip");
+    if (x->size < 1 || x->size > 16384)
+        return stk_fail(err, STK_EINVAL, "crop size must be 1..16384, not %d",
+                        x->size);
+    if (x->kind == STK_XFORM_CENTRE) {
+        if (!x->resize)
+            x->resize = (int)(x->size / 0.875);
+        if (x->resize < x->size || x->resize > 65535)
+            return stk_fail(err, STK_EINVAL, "resize must be %d..65535 (at "
+                            "least the crop size), not %d", x->size,
+                            x->resize);
+        return 0;
+    }
+    if (!x->scale[0] && !x->scale[1])
+        x->scale[0] = 0.08, x->scale[1] = 1.0;
+    if (!x->ratio[0] && !x->ratio[1])
+        x->ratio[0] = 3.0 / 4.0, x->ratio[1] = 4.0 / 3.0;
+    if (!(x->scale[0] > 0 && x->scale[0] <= x->scale[1] && x->scale[1] <= 1))
+        return stk_fail(err, STK_EINVAL, "crop scale must be 0 < min <= max "
+                        "<= 1, not (%g, %g)", x->scale[0], x->scale[1]);
+    if (!(x->ratio[0] > 0 && x->ratio[0] <= x->ratio[1]))
+        return stk_fail(err, STK_EINVAL, "crop ratio must be 0 < min <= max, "
+                        "not (%g, %g)", x->ratio[0], x->ratio[1]);
+    return 0;
 }
 
 static int check_opts(stk_loader_opts *o, stk_err *err)
@@ -358,7 +516,7 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
                         o->aug_pad);
     if (!o->split)
         o->split = "train";
-    return 0;
+    return check_xform(o, err);
 }
 
 /* Points slot s at block (samples, then labels and indices). */
@@ -396,7 +554,7 @@ static int alloc_ring(stk_loader *l, stk_err *err)
 static int start_workers(stk_loader *l, stk_err *err)
 {
     if (!l->o.workers)
-        return l->ops->open(l, &l->inline_ctx, err);
+        return wstate_open(l, &l->inline_st, err);
     l->workers = calloc((size_t)l->o.workers, sizeof *l->workers);
     if (!l->workers)
         return stk_fail(err, STK_ENOMEM, "out of memory");
@@ -457,6 +615,17 @@ static int finish_open(stk_loader *l, uint64_t n, stk_loader **out,
     return 0;
 }
 
+/* The stored sample's shape and the output's. */
+static void set_shape(stk_loader *l, int c, int h, int w)
+{
+    l->in_c = l->c = c;
+    l->in_h = l->h = h;
+    l->in_w = l->w = w;
+    if (l->o.xform.kind)
+        l->h = l->w = l->o.xform.size;
+    l->sample_bytes = (size_t)l->c * l->h * l->w;
+}
+
 static stk_loader *new_loader(const stk_loader_opts *opts, stk_err *err,
                               int *rc)
 {
@@ -484,10 +653,8 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
         return rc;
     l->ops = &store_ops;
     l->store = store;
-    l->sample_bytes = stk_meta_sample_bytes(stk_store_meta(store));
-    l->c = stk_store_meta(store)->channels;
-    l->h = stk_store_meta(store)->height;
-    l->w = stk_store_meta(store)->width;
+    const stk_meta *m = stk_store_meta(store);
+    set_shape(l, m->channels, m->height, m->width);
     l->nclasses = stk_store_meta(store)->nclasses;
     l->t_open = stk_now(); /* indexing the split counts toward first batch */
     /* the view checks that the split exists and knows its size */
@@ -514,8 +681,7 @@ int stk_loader_open_raw(const stk_source *src, int split,
     l->ops = &raw_ops;
     l->src = src;
     l->src_split = split;
-    l->sample_bytes = (size_t)c * h * w;
-    l->c = c, l->h = h, l->w = w;
+    set_shape(l, c, h, w);
     return finish_open(l, stk_source_split_count(src, split), out, err);
 }
 
@@ -549,7 +715,7 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
             return stk_fail(err, rc, "split \"%s\": cannot build the sample "
                             "order", l->split);
         double t0 = stk_now();
-        fill(l, l->inline_ctx, sl);
+        fill(l, &l->inline_st, sl);
         double dt = stk_now() - t0;
         l->busy[0] += dt;
         l->wait += dt; /* the consumer waits for data while it loads it */
@@ -747,13 +913,10 @@ void stk_loader_stop(stk_loader *l)
     for (int i = 0; i < l->nworkers; i++)
         pthread_join(l->workers[i].thread, NULL);
     for (int i = 0; l->workers && i < l->nworkers; i++)
-        if (l->workers[i].ctx)
-            l->ops->close(l->workers[i].ctx);
+        wstate_close(l, &l->workers[i].st);
     l->nworkers = 0;
     l->joined = true;
-    if (l->inline_ctx)
-        l->ops->close(l->inline_ctx);
-    l->inline_ctx = NULL;
+    wstate_close(l, &l->inline_st);
 }
 
 void stk_loader_close(stk_loader *l)

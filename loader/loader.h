@@ -54,6 +54,30 @@ int stk_sampler_shard(const stk_sampler *s, uint64_t epoch, uint64_t *out);
  * the loader draws the crops and flips `train --augment --seed S` does. */
 void stk_loader_aug_key(uint64_t seed, uint32_t key[2]);
 
+/* What the workers make of each sample, torchvision's transforms on the
+ * uint8 pixels (preprocess/transform.c); a batch is then C x size x size
+ * whatever the stored or decoded image's size. */
+typedef enum stk_xform_kind {
+    STK_XFORM_NONE = 0, /* the sample as stored (aug_pad, aug_flip apply) */
+    STK_XFORM_RRC,      /* RandomResizedCrop(size, scale, ratio) [+ flip] */
+    STK_XFORM_CENTRE    /* Resize(resize) + CenterCrop(size) (evaluation) */
+} stk_xform_kind;
+
+typedef struct stk_loader_xform {
+    stk_xform_kind kind;
+    int size;           /* output side, >= 1 */
+    double scale[2];    /* RRC: area fraction; {0, 0} = {0.08, 1} */
+    double ratio[2];    /* RRC: aspect ratio; {0, 0} = {3/4, 4/3} */
+    bool flip;          /* RRC: and a random horizontal flip (p = 1/2) */
+    int resize;         /* CENTRE: shorter side; 0 = size / 0.875 */
+} stk_loader_xform;
+
+/* The draws of sample index in epoch for STK_XFORM_RRC: the uniforms
+ * stk_rrc_box consumes and the flip, from Philox keyed by the seed
+ * (docs/loader.md says which counters give which). */
+void stk_loader_rrc_draw(uint64_t seed, uint64_t epoch, uint64_t index,
+                         double u[STK_RRC_UNIFORMS], bool *flip);
+
 /* Host memory for the batch ring: page-locked on CUDA (cudaHostAlloc),
  * aligned memory on CPU. NULL functions mean aligned_alloc / free. */
 typedef struct stk_host_alloc {
@@ -81,6 +105,7 @@ typedef struct stk_loader_opts {
                              stk_transform_draw keyed by the seed
                              (stk_loader_aug_key), stream the epoch, counter
                              the sample's index */
+    stk_loader_xform xform; /* not with aug_pad or aug_flip */
     uint64_t start_epoch; /* resume position (see stk_loader_position) */
     uint64_t start_batch;
     stk_host_alloc host;
@@ -89,7 +114,7 @@ typedef struct stk_loader_opts {
 typedef struct stk_batch {
     uint64_t epoch, index;  /* which batch this is */
     int n;                  /* samples in it (<= batch_size) */
-    size_t sample_bytes;    /* C*H*W */
+    size_t sample_bytes;    /* C*H*W (H = W = xform.size with a transform) */
     uint8_t *data;          /* n samples, CHW uint8 each, contiguous; lives
                                in a ring buffer until released */
     int32_t *labels;        /* n */

@@ -22,6 +22,9 @@ typedef struct config {
     int batch, epochs, prefetch;
     double consume_ms;
     uint64_t seed;
+    const char *augment; /* "none", "crop" (train --augment's) or "rrc" */
+    int crop_size;       /* rrc and --eval output side; 0 = the DB's height */
+    bool eval;           /* Resize(size / 0.875) + CenterCrop(size) */
 } config;
 
 typedef struct result {
@@ -34,9 +37,13 @@ static const char usage[] =
     "usage: sweep --db DB_DIR [--split train] [--workers 0,1,2,4,8]\n"
     "             [--batch 256] [--epochs 1] [--prefetch K] [--consume-ms X]\n"
     "             [--raw RAW_DIR] [--seed S] [--json OUT.json] [--plot OUT.svg]\n"
+    "             [--augment none|crop|rrc | --eval] [--crop-size N]\n"
     "Times the loader for each worker count. --consume-ms simulates a training\n"
     "step of X ms per batch; --raw also times decoding RAW_DIR's image files\n"
-    "on every epoch (what an ImageFolder does), side by side.\n";
+    "on every epoch (what an ImageFolder does), side by side. --augment: the\n"
+    "workers' transform (crop: train --augment's padded crop + flip; rrc:\n"
+    "RandomResizedCrop(N) + flip); --eval: Resize(N / 0.875) + CenterCrop(N);\n"
+    "N = --crop-size, default the database's height.\n";
 
 static int parse_counts(const char *s, config *c)
 {
@@ -75,6 +82,9 @@ static int parse_args(int argc, char **argv, config *c)
         {"seed", required_argument, 0, 'S'},
         {"json", required_argument, 0, 'j'},
         {"plot", required_argument, 0, 'P'},
+        {"augment", required_argument, 0, 'a'},
+        {"crop-size", required_argument, 0, 'C'},
+        {"eval", no_argument, 0, 'E'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int ch, rc = 0;
@@ -93,6 +103,9 @@ static int parse_args(int argc, char **argv, config *c)
         case 'S': rc = stk_cli_u64("sweep", "--seed", optarg, &c->seed); break;
         case 'j': c->json = optarg; break;
         case 'P': c->plot = optarg; break;
+        case 'a': c->augment = optarg; break;
+        case 'C': rc = stk_cli_int("sweep", "--crop-size", optarg, 1, 16384, &c->crop_size); break;
+        case 'E': c->eval = true; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':':
             fprintf(stderr, "sweep: %s needs a value\n", argv[optind - 1]);
@@ -102,6 +115,17 @@ static int parse_args(int argc, char **argv, config *c)
                     argv[optind - 1]);
             return -1;
         }
+    }
+    if (!rc && strcmp(c->augment, "none") && strcmp(c->augment, "crop") &&
+        strcmp(c->augment, "rrc")) {
+        fprintf(stderr, "sweep: --augment: expected none, crop or rrc, got "
+                        "'%s'\n", c->augment);
+        return -1;
+    }
+    if (!rc && c->eval && strcmp(c->augment, "none")) {
+        fprintf(stderr, "sweep: --eval and --augment %s exclude each other\n",
+                c->augment);
+        return -1;
     }
     if (!rc && (optind != argc || !c->db)) {
         fprintf(stderr, "sweep: --db DB_DIR is required and takes no other "
@@ -139,12 +163,31 @@ static int time_loader(stk_loader *l, const config *c, stk_loader_stats *st,
     return 0;
 }
 
+/* The loader options of one run: the flags' transform on a database of
+ * height h. */
+static stk_loader_opts run_opts(const config *c, int h, int workers)
+{
+    stk_loader_opts o = {.split = c->split, .batch_size = c->batch,
+                         .workers = workers, .prefetch = c->prefetch,
+                         .shuffle = true, .seed = c->seed};
+    int size = c->crop_size ? c->crop_size : h;
+    if (!strcmp(c->augment, "crop")) { /* train --augment's */
+        o.aug_pad = h / 8;
+        o.aug_flip = true;
+    } else if (!strcmp(c->augment, "rrc")) {
+        o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC, .size = size,
+                                     .flip = true};
+    } else if (c->eval) {
+        o.xform = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = size};
+    }
+    return o;
+}
+
 static int run_one(stk_store *store, const stk_source *src, int src_split,
                    const config *c, result *r, stk_err *err)
 {
-    stk_loader_opts o = {.split = c->split, .batch_size = c->batch,
-                         .workers = r->workers, .prefetch = c->prefetch,
-                         .shuffle = true, .seed = c->seed};
+    stk_loader_opts o = run_opts(c, stk_store_meta(store)->height,
+                                 r->workers);
     stk_loader *l;
     int rc = src ? stk_loader_open_raw(src, src_split, &o, &l, err)
                  : stk_loader_open(store, &o, &l, err);
@@ -323,7 +366,7 @@ static int open_raw(const config *c, const stk_meta *m, stk_source **src,
 int main(int argc, char **argv)
 {
     config c = {.split = "train", .counts = {0, 1, 2, 4, 8}, .ncounts = 5,
-                .batch = 256, .epochs = 1};
+                .batch = 256, .epochs = 1, .augment = "none"};
     if (parse_args(argc, argv, &c))
         return 2;
     stk_err err = {0};
@@ -345,11 +388,11 @@ int main(int argc, char **argv)
     int n = 0;
     if (!rc) {
         printf("sweep: %s split %s, %llu samples of %dx%dx%d, batch %d, %d "
-               "epoch(s), consume %.1f ms/batch\n",
+               "epoch(s), consume %.1f ms/batch, transform %s\n",
                c.db, c.split,
                (unsigned long long)m->splits[stk_meta_split(m, c.split)].count,
                m->channels, m->height, m->width, c.batch, c.epochs,
-               c.consume_ms);
+               c.consume_ms, c.eval ? "eval" : c.augment);
         printf("source workers   samples/s      MB/s  first(ms)  stall%%  "
                "busy/wkr\n");
     }

@@ -128,8 +128,11 @@ static void cmyk_to_rgb(const uint8_t *cmyk, uint8_t *rgb, size_t n)
     }
 }
 
+/* Decodes a JPEG scaled by sf in the DCT (TurboJPEG's scaling factors;
+ * {1, 1}: full size). */
 static int decode_jpeg(stk_decoder *d, const uint8_t *data, size_t len,
-                       stk_image *out, char *wbuf, size_t wlen)
+                       tjscalingfactor sf, stk_image *out, char *wbuf,
+                       size_t wlen)
 {
     /* TurboJPEG 2.1 returns success without setting these for a stream that
      * ends before the frame header (tables only). */
@@ -143,6 +146,8 @@ static int decode_jpeg(stk_decoder *d, const uint8_t *data, size_t len,
                    "no frame header (truncated or tables only)");
     if ((uint64_t)w * h > MAX_PIXELS)
         return why(wbuf, wlen, "bad JPEG: %s", "more pixels than allowed");
+    w = TJSCALED(w, sf);
+    h = TJSCALED(h, sf);
     int cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;
     int pf = cs == TJCS_GRAY ? TJPF_GRAY : cmyk ? TJPF_CMYK : TJPF_RGB;
     int c = tjPixelSize[pf];
@@ -187,8 +192,61 @@ int stk_image_decode(stk_decoder *d, const uint8_t *data, size_t len,
     if (len >= 8 && !memcmp(data, png_magic, 8))
         return decode_png(data, len, out, wbuf, wlen);
     if (len >= 3 && data[0] == 0xff && data[1] == 0xd8 && data[2] == 0xff)
-        return decode_jpeg(d, data, len, out, wbuf, wlen);
+        return decode_jpeg(d, data, len, (tjscalingfactor){1, 1}, out, wbuf,
+                           wlen);
     return why(wbuf, wlen, "%s", "not a PNG or JPEG file (bad magic bytes)");
+}
+
+int stk_image_jpeg_size(stk_decoder *d, const uint8_t *data, size_t len,
+                        int *w, int *h)
+{
+    int subsamp, cs;
+    *w = *h = 0;
+    if (len < 3 || data[0] != 0xff || data[1] != 0xd8 || len > 0x7fffffffUL)
+        return 0;
+    if (tjDecompressHeader3(d->tj, data, (unsigned long)len, w, h, &subsamp,
+                            &cs) != 0 || *w <= 0 || *h <= 0)
+        *w = *h = 0;
+    return *w > 0;
+}
+
+/* box of a w x h image in the image scaled by sf: start floored, end
+ * ceiled, so the scaled box covers the original one. */
+static stk_box scale_box(stk_box b, int w, int h, tjscalingfactor sf)
+{
+    int64_t sw = TJSCALED(w, sf), sh = TJSCALED(h, sf);
+    int64_t x0 = b.left * sw / w, y0 = b.top * sh / h;
+    int64_t x1 = ((int64_t)(b.left + b.w) * sw + w - 1) / w;
+    int64_t y1 = ((int64_t)(b.top + b.h) * sh + h - 1) / h;
+    x1 = x1 > sw ? sw : x1;
+    y1 = y1 > sh ? sh : y1;
+    return (stk_box){.top = (int)y0, .left = (int)x0, .h = (int)(y1 - y0),
+                     .w = (int)(x1 - x0)};
+}
+
+int stk_image_decode_box(stk_decoder *d, const uint8_t *data, size_t len,
+                         int size, stk_box *box, stk_image *out, char *wbuf,
+                         size_t wlen)
+{
+    int w, h, n = 0;
+    if (!stk_image_jpeg_size(d, data, len, &w, &h))
+        return stk_image_decode(d, data, len, out, wbuf, wlen);
+    memset(out, 0, sizeof *out);
+    tjscalingfactor best = {1, 1}, *sf = tjGetScalingFactors(&n);
+    if (2 * size > box->w || 2 * size > box->h)
+        n = 0; /* output over half the box: decode full size */
+    for (int i = 0; sf && i < n; i++) {
+        stk_box s = scale_box(*box, w, h, sf[i]);
+        /* at most half size, and the smallest that still covers the
+         * output */
+        if (2 * sf[i].num <= sf[i].denom && s.w >= size && s.h >= size &&
+            sf[i].num * best.denom < best.num * sf[i].denom)
+            best = sf[i];
+    }
+    int rc = decode_jpeg(d, data, len, best, out, wbuf, wlen);
+    if (!rc)
+        *box = scale_box(*box, w, h, best);
+    return rc;
 }
 
 /* ---- PNG writing ------------------------------------------------------- */

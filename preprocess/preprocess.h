@@ -50,6 +50,70 @@ void stk_image_free(stk_image *im);
  * size 0 keeps the source size. Returns 0 or STK_ENOMEM. */
 int stk_image_fit(const stk_image *src, int out_c, int size, uint8_t *chw);
 
+/* ---- transforms (transform.c): pure, the caller draws the randomness -- */
+
+/* Read-only 8-bit pixels: channel k of pixel (y, x) at
+ * px[y * ys + x * xs + k * cs], so CHW records and HWC images alike. */
+typedef struct stk_pixview {
+    const uint8_t *px;
+    int w, h, c;
+    ptrdiff_t xs, ys, cs;
+} stk_pixview;
+
+stk_pixview stk_pixview_hwc(const uint8_t *px, int w, int h, int c);
+stk_pixview stk_pixview_chw(const uint8_t *px, int c, int h, int w);
+
+typedef struct stk_box {
+    int top, left, h, w;
+} stk_box;
+
+/* Uniforms stk_rrc_box may consume: 10 attempts of 2, then 2 offsets. */
+#define STK_RRC_UNIFORMS 22
+
+/* The box of torchvision 0.14's RandomResizedCrop.get_params for an h x w
+ * image, given the uniforms in [0, 1) its draws consume in order (area,
+ * log aspect ratio per attempt, then top and left: uniform_(a, b) =
+ * a + u * (b - a), randint(0, n) = floor(u * n)); after 10 failed attempts
+ * its centre-crop fallback. In double. Returns the uniforms used. */
+int stk_rrc_box(int h, int w, const double scale[2], const double ratio[2],
+                const double *u, stk_box *box);
+
+/* Buffers a transform reuses between calls (one per thread); zero it to
+ * start, free with stk_xform_scratch_free. */
+typedef struct stk_xform_scratch {
+    void *buf[5];
+    size_t cap[5];
+} stk_xform_scratch;
+void stk_xform_scratch_free(stk_xform_scratch *s);
+
+/* PIL's img.crop(box).resize((size, size), BILINEAR) of v, mirrored
+ * left-right when flip, as out_c x size x size CHW (out_c from v->c as
+ * stk_image_fit converts). Returns 0 or STK_ENOMEM. */
+int stk_resized_crop(const stk_pixview *v, stk_box box, int size, bool flip,
+                     int out_c, stk_xform_scratch *s, uint8_t *chw);
+
+/* torchvision's Resize(resize) + CenterCrop(size) (resize >= size; 0 keeps
+ * the source size) as out_c x size x size CHW, only the window computed;
+ * size 0 keeps the whole resized image. Returns 0 or STK_ENOMEM. */
+int stk_centre_crop(const stk_pixview *v, int resize, int size, int out_c,
+                    stk_xform_scratch *s, uint8_t *chw);
+
+/* A JPEG's full size from its header: 1, or 0 (w = h = 0) when data is
+ * not a readable JPEG. */
+int stk_image_jpeg_size(stk_decoder *d, const uint8_t *data, size_t len,
+                        int *w, int *h);
+
+/* stk_image_decode for a crop of box (full-size pixels) to size x size:
+ * where size is at most half the box's sides, a JPEG decodes at
+ * TurboJPEG's smallest DCT scaling factor of at most 1/2 whose scaled box
+ * still has size pixels on each side, and box becomes its cover in the
+ * decoded image (start floored, end ceiled). At 1/2, 1/4 and 1/8 the pixels are PIL's
+ * Image.draft's (the same libjpeg-turbo scaled IDCT). PNGs decode whole,
+ * box unchanged. */
+int stk_image_decode_box(stk_decoder *d, const uint8_t *data, size_t len,
+                         int size, stk_box *box, stk_image *out, char *why,
+                         size_t why_len);
+
 /* Writes an 8-bit gray or RGB image (HWC) as a PNG file. */
 int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
                   stk_err *err);
@@ -109,6 +173,14 @@ void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
 int stk_source_load(const stk_source *s, stk_decoder *d, int split,
                     uint64_t i, int32_t *label, uint8_t *pixels,
                     stk_err *err);
+
+/* Sample i of split as decoded, before stk_source_load's resize and
+ * channel conversion (for transforms of the original image): HWC pixels
+ * in im, owned (free with stk_image_free) when *owned, else borrowed from
+ * s. Errors as stk_source_load's. */
+int stk_source_load_image(const stk_source *s, stk_decoder *d, int split,
+                          uint64_t i, int32_t *label, stk_image *im,
+                          bool *owned, stk_err *err);
 
 /* The file sample i of split is read from: the image of a folder source,
  * the dataset directory for IDX and CIFAR. Borrowed; lives as long as s. */

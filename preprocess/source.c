@@ -166,3 +166,14 @@ int stk_source_load(const stk_source *s, stk_decoder *d, int split,
         stk_image_free(&im);
     return rc;
 }
+
+int stk_source_load_image(const stk_source *s, stk_decoder *d, int split,
+                          uint64_t i, int32_t *label, stk_image *im,
+                          bool *owned, stk_err *err)
+{
+    int own = 0;
+    *im = (stk_image){0};
+    int rc = s->ops->load(s, d, split, i, label, im, &own, err);
+    *owned = !rc && own;
+    return rc;
+}

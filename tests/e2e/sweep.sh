@@ -30,6 +30,15 @@ svg = xml.dom.minidom.parse("out.svg")
 assert len(svg.getElementsByTagName("polyline")) == 2
 print("ok: JSON holds every run; recommendation is the fewest workers within 5% of the best; SVG parses")
 PY
+# transforms: every batch is 3 x N x N, for the database and the files alike
+for t in "--augment rrc --crop-size 24" "--eval --crop-size 24" "--augment crop"; do
+  "$S" --db db --workers 0,2 --batch 64 --epochs 1 --raw raw $t --json t.json > t.txt || fail "sweep $t"
+  n=$([ "$t" = "--augment crop" ] && echo 32 || echo 24)
+  $PY -c "import json; j = json.load(open('t.json')); assert all(abs(r['bytes_per_s'] / r['samples_per_s'] - 3 * $n * $n) < 1e-6 * r['bytes_per_s'] and r['samples'] == 600 for r in j['results']), j" || fail "sweep $t: sample size"
+done
+ok "--augment rrc, --eval and --augment crop over the database and --raw"
+expect_fail 2 "--augment: expected none, crop or rrc, got 'x'" "$S" --db db --augment x
+expect_fail 2 "--eval and --augment rrc exclude each other" "$S" --db db --eval --augment rrc
 expect_fail 2 "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
 expect_fail 2 "--db DB_DIR is required" "$S" --workers 1
 expect_fail 2 "unknown option '--turbo'" "$S" --db db --turbo

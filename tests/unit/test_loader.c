@@ -787,6 +787,186 @@ static void raw_folder_equals_its_database(void **state)
     stk_store_close(s);
 }
 
+/* ---- transforms -------------------------------------------------------- */
+
+/* Sample index of epoch through the loader's transform, computed here from
+ * its documented draws. */
+static void expect_xform(const stk_loader_opts *o, const stk_pixview *v,
+                         uint64_t epoch, uint64_t index, int c, uint8_t *out)
+{
+    stk_xform_scratch xs = {0};
+    const stk_loader_xform *x = &o->xform;
+    if (x->kind == STK_XFORM_CENTRE) {
+        assert_int_equal(stk_centre_crop(v, x->resize, x->size, c, &xs, out),
+                         0);
+    } else {
+        double u[STK_RRC_UNIFORMS];
+        bool flip;
+        stk_loader_rrc_draw(o->seed, epoch, index, u, &flip);
+        stk_box box;
+        double scale[2] = {0.08, 1}, ratio[2] = {3.0 / 4, 4.0 / 3};
+        stk_rrc_box(v->h, v->w, scale, ratio, u, &box);
+        assert_int_equal(stk_resized_crop(v, box, x->size, flip && x->flip, c,
+                                          &xs, out),
+                         0);
+    }
+    stk_xform_scratch_free(&xs);
+}
+
+static void rrc_batches_equal_the_transform_for_any_workers(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    trace t[3] = {{0}};
+    int workers[3] = {0, 1, 3}, differ = 0, flips = 0;
+    for (int k = 0; k < 3; k++) {
+        stk_loader_opts o = {.batch_size = 64, .workers = workers[k],
+                             .shuffle = true, .seed = 5,
+                             .xform = {.kind = STK_XFORM_RRC, .size = 5,
+                                       .flip = true}};
+        stk_loader *l;
+        assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+        stk_batch b;
+        for (int i = 0; i < 2 * (N + 63) / 64 + 2; i++) {
+            int rc = stk_loader_next(l, &b, &err);
+            assert_true(rc >= 0);
+            if (!rc)
+                continue;
+            assert_int_equal(b.sample_bytes, C * 5 * 5);
+            for (int j = 0; k == 0 && j < b.n; j++) {
+                uint8_t px[SB], want[C * 5 * 5], other[C * 5 * 5];
+                pattern(b.indices[j], px);
+                stk_pixview v = stk_pixview_chw(px, C, HW, HW);
+                expect_xform(&o, &v, b.epoch, b.indices[j], C, want);
+                assert_memory_equal(b.data + (size_t)j * b.sample_bytes, want,
+                                    sizeof want);
+                expect_xform(&o, &v, b.epoch + 1, b.indices[j], C, other);
+                differ += memcmp(want, other, sizeof want) != 0;
+                double u[STK_RRC_UNIFORMS];
+                bool flip;
+                stk_loader_rrc_draw(5, b.epoch, b.indices[j], u, &flip);
+                flips += flip;
+            }
+            record(&t[k], b.indices, (size_t)b.n * sizeof *b.indices);
+            record(&t[k], b.data, (size_t)b.n * b.sample_bytes);
+            stk_loader_release(l, &b);
+        }
+        stk_loader_close(l);
+    }
+    /* draws change with the epoch; about half the samples flip */
+    assert_true(differ > N);
+    assert_true(flips > N / 2 && flips < 3 * N / 2);
+    for (int k = 1; k < 3; k++) {
+        assert_int_equal(t[k].len, t[0].len);
+        assert_memory_equal(t[k].bytes, t[0].bytes, t[0].len);
+    }
+    for (int k = 0; k < 3; k++)
+        free(t[k].bytes);
+    stk_store_close(s);
+}
+
+/* The decoded original of sample i of a folder source (HWC). */
+static void decode_file(const char *path, stk_image *im)
+{
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    uint8_t buf[1 << 16];
+    size_t len = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    stk_decoder *d;
+    stk_err err = {0};
+    char why[200];
+    assert_int_equal(stk_decoder_create(&d, &err), 0);
+    assert_int_equal(stk_image_decode(d, buf, len, im, why, sizeof why), 0);
+    stk_decoder_destroy(d);
+}
+
+static void raw_transforms_decode_the_original(void **state)
+{
+    (void)state;
+    const char *raw = scratch("rawx");
+    static const int size[4][2] = {{14, 10}, {31, 22}, {9, 17}, {40, 40}};
+    for (int i = 0; i < 24; i++) {
+        char path[1200], cmd[1300];
+        snprintf(path, sizeof path, "%s/c%d", raw, i % 2);
+        snprintf(cmd, sizeof cmd, "mkdir -p '%s'", path);
+        assert_int_equal(system(cmd), 0);
+        snprintf(path + strlen(path), 40, "/%02d.png", i);
+        int w = size[i % 4][0], h = size[i % 4][1], c = i % 3 ? 3 : 1;
+        uint8_t px[40 * 40 * 3];
+        for (int j = 0; j < w * h * c; j++)
+            px[j] = (uint8_t)(i * 13 + j * 5 + (j / (w * c)) * 11);
+        assert_int_equal(stk_png_write(path, px, w, h, c, NULL), 0);
+    }
+    stk_source_opts so = {.size = 8}; /* prep would fit to 8 x 8 */
+    stk_source *src;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(raw, &so, &src, &err), 0);
+    stk_loader_xform xf[2] = {{.kind = STK_XFORM_RRC, .size = 6, .flip = true},
+                              {.kind = STK_XFORM_CENTRE, .size = 6}};
+    int not_fitted = 0;
+    for (int k = 0; k < 2; k++) {
+        stk_loader_opts o = {.batch_size = 5, .workers = 2, .shuffle = true,
+                             .seed = 9, .xform = xf[k]};
+        stk_loader *l;
+        assert_int_equal(stk_loader_open_raw(src, 0, &o, &l, &err), 0);
+        o.xform.resize = 6 / 0.875; /* the default the loader fills in */
+        stk_batch b;
+        int rc, seen = 0;
+        while ((rc = stk_loader_next(l, &b, &err)) == 1) {
+            assert_int_equal(b.sample_bytes, 3 * 6 * 6);
+            for (int j = 0; j < b.n; j++, seen++) {
+                stk_image im;
+                decode_file(stk_source_sample_file(src, 0, b.indices[j]), &im);
+                stk_pixview v = stk_pixview_hwc(im.px, im.w, im.h, im.c);
+                uint8_t want[3 * 6 * 6], fit[3 * 8 * 8], alt[3 * 6 * 6];
+                expect_xform(&o, &v, b.epoch, b.indices[j], 3, want);
+                assert_memory_equal(b.data + (size_t)j * b.sample_bytes, want,
+                                    sizeof want);
+                assert_int_equal(stk_image_fit(&im, 3, 8, fit), 0);
+                stk_pixview f = stk_pixview_chw(fit, 3, 8, 8);
+                expect_xform(&o, &f, b.epoch, b.indices[j], 3, alt);
+                not_fitted += memcmp(want, alt, sizeof want) != 0;
+                stk_image_free(&im);
+            }
+            stk_loader_release(l, &b);
+        }
+        assert_int_equal(rc, 0);
+        assert_int_equal(seen, 24);
+        stk_loader_close(l);
+    }
+    assert_true(not_fitted > 24); /* originals, not prep's 8 x 8 images */
+    stk_source_close(src);
+}
+
+static void transform_options_are_checked(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_xform bad[] = {
+        {.kind = STK_XFORM_RRC, .size = 0},
+        {.kind = STK_XFORM_RRC, .size = 4, .scale = {0.5, 0.2}},
+        {.kind = STK_XFORM_RRC, .size = 4, .ratio = {-1, 2}},
+        {.kind = STK_XFORM_CENTRE, .size = 8, .resize = 7},
+        {.kind = (stk_xform_kind)7, .size = 4}};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        stk_loader_opts o = {.batch_size = 4, .xform = bad[i]};
+        stk_loader *l = NULL;
+        assert_int_equal(stk_loader_open(s, &o, &l, &err), STK_EINVAL);
+        assert_null(l);
+    }
+    stk_loader_opts o = {.batch_size = 4, .aug_pad = 2,
+                         .xform = {.kind = STK_XFORM_RRC, .size = 4}};
+    stk_loader *l = NULL;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), STK_EINVAL);
+    assert_non_null(strstr(err.msg, "cannot be combined"));
+    stk_store_close(s);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(sampler_covers_every_index_once),
     cmocka_unit_test(sampler_padding_wraps_and_drop_trims),
@@ -804,6 +984,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(stop_keeps_held_batches),
     cmocka_unit_test(stats_count_what_was_delivered),
     cmocka_unit_test(raw_folder_equals_its_database),
+    cmocka_unit_test(rrc_batches_equal_the_transform_for_any_workers),
+    cmocka_unit_test(raw_transforms_decode_the_original),
+    cmocka_unit_test(transform_options_are_checked),
 };
 
 UNIT_MAIN_WITH(tests, setup, NULL)
