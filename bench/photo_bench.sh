@@ -75,7 +75,7 @@ if [ $stoke = 1 ]; then
     help="$("$PREP" --help) $("$SWEEP" --help)"
     for flag in --short-side --max-side --encode --augment --crop-size; do
         [[ $help == *"$flag"* ]] ||
-            die "$PREP/$SWEEP --help lists no $flag (issue 17 not merged?); TOOLS=torch runs the peer alone"
+            die "neither prep --help nor sweep --help lists $flag (issue 17 not merged?); TOOLS=torch runs the peer alone"
     done
 fi
 "$PY" -c 'import torch, torchvision, PIL, lmdb' 2>/dev/null ||
