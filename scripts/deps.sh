@@ -10,7 +10,7 @@ build=(build-essential cmake pkg-config liblmdb-dev libuv1-dev
        libopenblas-dev zlib1g-dev libcjson-dev libturbojpeg0-dev libspng-dev
        libcmocka-dev python3-dev dataset-fashion-mnist)
 test=(python3 python3-lmdb python3-numpy python3-pil lmdb-utils python3-torch
-      python3-torchvision)
+      python3-torchvision python3-skimage python3-sklearn)
 bench=(hyperfine)
 
 want=("${build[@]}")
