@@ -201,6 +201,27 @@ static int resample(const uint8_t *in, int w, int h, int c, int ow, int oh,
     return rc;
 }
 
+/* Resizes src (converted to out_c channels) to ow x oh and keeps the
+ * window [left, left+cw) x [top, top+ch), written CHW to chw. */
+static int fit_window(const stk_image *src, int out_c, int ow, int oh,
+                      int left, int top, int cw, int ch, uint8_t *chw)
+{
+    uint8_t *conv = convert(src, out_c);
+    uint8_t *hwc = malloc((size_t)cw * ch * out_c);
+    int rc = conv && hwc ? resample(conv, src->w, src->h, out_c, ow, oh, left,
+                                    top, cw, ch, hwc)
+                         : STK_ENOMEM;
+    if (!rc) { /* HWC -> CHW */
+        size_t plane = (size_t)cw * ch;
+        for (size_t i = 0; i < plane; i++)
+            for (int k = 0; k < out_c; k++)
+                chw[k * plane + i] = hwc[i * out_c + k];
+    }
+    free(conv);
+    free(hwc);
+    return rc;
+}
+
 int stk_image_fit(const stk_image *src, int out_c, int size, uint8_t *chw)
 {
     int w = src->w, h = src->h;
@@ -216,18 +237,32 @@ int stk_image_fit(const stk_image *src, int out_c, int size, uint8_t *chw)
         cw = ch = size;
     }
     int left = half_even(ow - cw), top = half_even(oh - ch);
-    uint8_t *conv = convert(src, out_c);
-    uint8_t *hwc = malloc((size_t)cw * ch * out_c);
-    int rc = conv && hwc ? resample(conv, w, h, out_c, ow, oh, left, top, cw,
-                                    ch, hwc)
-                         : STK_ENOMEM;
-    if (!rc) { /* HWC -> CHW */
-        size_t plane = (size_t)cw * ch;
-        for (size_t i = 0; i < plane; i++)
-            for (int k = 0; k < out_c; k++)
-                chw[k * plane + i] = hwc[i * out_c + k];
+    return fit_window(src, out_c, ow, oh, left, top, cw, ch, chw);
+}
+
+void stk_image_keep_aspect(int w, int h, int short_side, int max_side,
+                           bool upscale, int *ow, int *oh)
+{
+    int64_t s = w <= h ? w : h, l = w <= h ? h : w;
+    int64_t ns = s, nl = l;
+    if (short_side > 0) { /* torchvision's Resize(short_side) */
+        ns = short_side;
+        nl = (int64_t)short_side * l / s;
     }
-    free(conv);
-    free(hwc);
-    return rc;
+    if (max_side > 0 && nl > max_side) { /* and its max_size */
+        ns = (int64_t)max_side * ns / nl;
+        nl = max_side;
+    }
+    if (ns < 1)
+        ns = 1;
+    if (!upscale && nl >= l) /* not a reduction: kept as it is */
+        ns = s, nl = l;
+    *ow = (int)(w <= h ? ns : nl);
+    *oh = (int)(w <= h ? nl : ns);
+}
+
+int stk_image_resize(const stk_image *src, int out_c, int ow, int oh,
+                     uint8_t *chw)
+{
+    return fit_window(src, out_c, ow, oh, 0, 0, ow, oh, chw);
 }

@@ -22,6 +22,8 @@ struct stk_source {
     const char *format;       /* "idx", "cifar", "folder" */
     char *dir;
     int out_c, size;          /* requested output (size 0 = native) */
+    int short_side, max_side; /* aspect-keeping sizing; max_side 0: none */
+    bool upscale;
     int native_w, native_h;   /* 0 when samples differ (folders) */
     int nclasses;
     char **classes;
