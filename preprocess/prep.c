@@ -628,6 +628,8 @@ int stk_prep_run(const char *raw_dir, const char *db_dir,
     if (opts->quality < 0 || opts->quality > 100)
         return stk_fail(err, STK_EINVAL, "--quality must be 1..100, not %d",
                         opts->quality);
+    if (opts->quality && opts->encoding != STK_ENC_JPEG)
+        return stk_fail(err, STK_EINVAL, "--quality needs --encode jpeg");
     run r;
     memset(&r, 0, sizeof r);
     r.p.opts = opts;

@@ -170,14 +170,6 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
         if (bad)
             return -1;
     }
-    if (o->quality && o->encoding != STK_ENC_JPEG) {
-        fprintf(stderr, "prep: --quality needs --encode jpeg\n");
-        return -1;
-    }
-    if (o->source.upscale && !o->source.short_side) {
-        fprintf(stderr, "prep: --upscale needs --short-side\n");
-        return -1;
-    }
     if (argc - optind != 2) {
         fprintf(stderr, "prep: expected RAW_DIR and DB_DIR (see prep "
                         "--help)\n");

@@ -58,6 +58,8 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
         return stk_fail(err, STK_EINVAL,
                         "--max-side %d is below --short-side %d", o.max_side,
                         o.short_side);
+    if (o.upscale && !o.short_side)
+        return stk_fail(err, STK_EINVAL, "--upscale needs --short-side");
     int rc = 0;
     if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
         return rc;
