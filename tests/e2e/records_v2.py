@@ -96,8 +96,13 @@ for enc in ("raw", "jpeg"):
     print(f"ok: --short-side {S} --encode {enc}: {len(files)} records at torchvision's "
           f"sizes, worst difference to PIL {worst:.2f}, {nbytes / len(files):.0f} bytes/record")
 
-# the same pixels' statistics for both (JPEG: from the pixels before encoding)
+# the same pixels' statistics for both (JPEG: from the pixels before
+# encoding), within 0.01 of the decoded JPEG pixels' (docs/formats.md)
 assert np.allclose(results["raw"][2], results["jpeg"][2]), results
+env, meta = r["open_stoke"]("db_jpeg")
+px = [r["read_sample"](env, meta, "train", i)[1].reshape(3, -1) for i in range(len(files))]
+decoded = np.concatenate(px, 1).mean(1) / 255
+assert np.abs(decoded - results["jpeg"][2]).max() < 0.01, (decoded, results["jpeg"][2])
 print(f"disk bytes per image (records, 16-byte header included): raw {results['raw'][0]:.0f}, "
       f"jpeg {results['jpeg'][0]:.0f}, originals "
       f"{sum(os.path.getsize(p) for _, p in files) / len(files):.0f}")
@@ -165,4 +170,10 @@ for args, pat in ((["--size", "32", "--short-side", "48"], "--size"),
 p = subprocess.run([prep, "--quiet", "--short-side", "20", t.FASHION, "db_bad"],
                    capture_output=True, text=True)
 assert p.returncode == 1 and "image folders" in p.stderr, p.stderr
-print("ok: refusals")
+if stoke is not None:
+    try:
+        stoke.Loader("db_jpeg", "train", batch_size=4)
+        raise AssertionError("stoke.Loader read a format 2 database")
+    except stoke.Error as e:
+        assert "format 2" in str(e), e
+print("ok: refusals (prep's flags; train on a format 2 database until the loader reads it)")
