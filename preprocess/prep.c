@@ -148,12 +148,12 @@ static void fill_chunk(pool *p, worker *wk, chunk *c)
         const char *file = stk_source_sample_file(p->src, c->split, i);
         int rc = stk_source_load_any(p->src, wk->dec, c->split, i, &label,
                                      &wk->px, &wk->px_cap, &h, &w, &e);
-        if (!rc) /* statistics from the pixels before any encoding */
+        if (!rc)
             rc = put_record(p, wk, c, j, label, h, w, file, &e);
         c->ok[j] = rc == 0;
         free(c->why[j]);
         c->why[j] = NULL;
-        if (!rc) {
+        if (!rc) { /* statistics of the pixels, before any encoding */
             add_sums(c->sums, wk->px, p->channels, (size_t)h * w);
             c->pixels += (uint64_t)h * w;
         } else if (p->opts->skip_bad && rc != STK_ENOMEM) {
@@ -505,8 +505,7 @@ static size_t record_guess(int c, int h, int w, int short_side,
     double px = h ? (double)h * w
                   : short_side ? (double)short_side * short_side * 4 / 3
                                : (double)max_side * max_side * 3 / 4;
-    double bytes = c * px / (encoding == STK_ENC_JPEG ? 6 : 1);
-    return (size_t)bytes + 1;
+    return (size_t)(c * px / (encoding == STK_ENC_JPEG ? 6 : 1));
 }
 
 static void fill_summary(const run *r, stk_prep_summary *s)
