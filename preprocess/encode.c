@@ -9,9 +9,9 @@
 
 struct stk_encoder {
     tjhandle tj;
-    uint8_t *hwc;        /* the interleaved copy TurboJPEG reads */
+    uint8_t *hwc; /* the interleaved copy TurboJPEG reads */
     size_t hwc_cap;
-    unsigned char *out;  /* tjBufSize() bytes: compression never grows it */
+    unsigned char *out; /* tjBufSize() bytes: compression never grows it */
     unsigned long out_cap;
 };
 
@@ -71,8 +71,8 @@ int stk_jpeg_encode(stk_encoder *e, const uint8_t *chw, int c, int h, int w,
     int samp = c == 1 ? TJSAMP_GRAY : TJSAMP_420;
     int rc = encoder_reserve(e, c, h, w, samp);
     if (rc)
-        return stk_fail(err, rc, "JPEG encoder: no room for a %dx%d image",
-                        w, h);
+        return stk_fail(err, rc, "JPEG encoder: no room for a %dx%d image", w,
+                        h);
     size_t plane = (size_t)h * w;
     for (size_t i = 0; i < plane; i++) /* CHW -> HWC */
         for (int k = 0; k < c; k++)

@@ -29,9 +29,9 @@ typedef struct chunk {
     int split;
     uint64_t first;
     int n;
-    uint8_t *recs;        /* n encoded records, record j at off[j] */
-    size_t cap;           /* bytes allocated at recs */
-    size_t off[CHUNK + 1];/* a skipped record is 0 bytes long */
+    uint8_t *recs;         /* n encoded records, record j at off[j] */
+    size_t cap;            /* bytes allocated at recs */
+    size_t off[CHUNK + 1]; /* a skipped record is 0 bytes long */
     uint8_t *ok;          /* 1 = loaded, 0 = skipped (skip_bad) */
     const char **file;    /* file of each skipped sample (the source's) */
     char **why;           /* and the reason it was skipped */
@@ -51,7 +51,7 @@ typedef struct pool {
     bool stop, mu_ready;
     const stk_source *src;
     const stk_prep_opts *opts;
-    size_t header;                 /* record header bytes */
+    size_t header; /* record header bytes */
     int channels;
     int encoding, quality;
 } pool;
@@ -59,8 +59,8 @@ typedef struct pool {
 /* What each worker thread owns. */
 typedef struct worker {
     stk_decoder *dec;
-    stk_encoder *enc;  /* JPEG databases only */
-    uint8_t *px;       /* the sample's CHW pixels */
+    stk_encoder *enc; /* JPEG databases only */
+    uint8_t *px;      /* the sample's CHW pixels */
     size_t px_cap;
 } worker;
 
@@ -223,7 +223,7 @@ static void *worker_main(void *arg)
 typedef struct split_stats {
     uint64_t *labels;
     uint64_t sums[2 * STK_MAX_CHANNELS];
-    uint64_t pixels;  /* per channel */
+    uint64_t pixels; /* per channel */
     uint64_t written, skipped;
 } split_stats;
 
@@ -235,7 +235,7 @@ typedef struct run {
     split_stats stats[8];
     cJSON *skipped;   /* split -> [{file, error}] */
     uint64_t done, total;
-    uint64_t bytes;   /* record bytes written */
+    uint64_t bytes; /* record bytes written */
     double t0;
 } run;
 
@@ -464,8 +464,7 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
         sp->label_counts = st->labels; /* borrowed; see release_meta */
         for (int ch = 0; ch < m->channels; ch++) {
             stk_channel_stats(st->sums[2 * ch], st->sums[2 * ch + 1],
-                              (double)st->pixels,
-                              &sp->mean[ch], &sp->std[ch]);
+                              (double)st->pixels, &sp->mean[ch], &sp->std[ch]);
         }
     }
     m->source_path = realpath(raw_dir, NULL);
@@ -499,12 +498,12 @@ static size_t map_estimate(uint64_t samples, size_t rec)
 /* Payload bytes of a typical record: exact for fixed raw ones; variable
  * ones at 4:3 (the short side, or the max side as the long one); JPEG
  * about a sixth of the pixels. */
-static size_t record_guess(int c, int h, int w, int short_side,
-                           int max_side, int encoding)
+static size_t record_guess(int c, int h, int w, int short_side, int max_side,
+                           int encoding)
 {
-    double px = h ? (double)h * w
-                  : short_side ? (double)short_side * short_side * 4 / 3
-                               : (double)max_side * max_side * 3 / 4;
+    double px = h            ? (double)h * w
+                : short_side ? (double)short_side * short_side * 4 / 3
+                             : (double)max_side * max_side * 3 / 4;
     return (size_t)(c * px / (encoding == STK_ENC_JPEG ? 6 : 1));
 }
 
@@ -549,8 +548,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
             return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
     }
     stk_store_opts so = {
-        .map_size = o->map_size ? o->map_size
-                                : map_estimate(r->total, rec),
+        .map_size = o->map_size ? o->map_size : map_estimate(r->total, rec),
         .map_size_max = o->map_size_max,
         .force = o->force,
         .verify = true, /* read it all back before publishing */

@@ -129,15 +129,14 @@ void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
 
 /* Aspect-keeping sizing: true, with the short and max side in effect,
  * when each sample has its own size. */
-bool stk_source_variable(const stk_source *s, int *short_side,
-                         int *max_side);
+bool stk_source_variable(const stk_source *s, int *short_side, int *max_side);
 
 /* Loads sample i of split at its output size, fixed or variable: label,
  * *h x *w and c*h*w CHW pixels in *px (malloc'd, grown as needed; *cap
  * its size). Errors as stk_source_load. */
 int stk_source_load_any(const stk_source *s, stk_decoder *d, int split,
-                        uint64_t i, int32_t *label, uint8_t **px,
-                        size_t *cap, int *h, int *w, stk_err *err);
+                        uint64_t i, int32_t *label, uint8_t **px, size_t *cap,
+                        int *h, int *w, stk_err *err);
 
 /* Loads sample i of split: label and c*h*w CHW pixels. Safe to call from
  * many threads at once, each with its own decoder. A bad sample returns

@@ -118,8 +118,7 @@ const char *stk_source_class_name(const stk_source *s, int i)
     return s->classes[i];
 }
 
-bool stk_source_variable(const stk_source *s, int *short_side,
-                         int *max_side)
+bool stk_source_variable(const stk_source *s, int *short_side, int *max_side)
 {
     *short_side = s->short_side;
     *max_side = s->max_side;
@@ -185,8 +184,8 @@ static int reserve(uint8_t **px, size_t *cap, size_t need)
 }
 
 int stk_source_load_any(const stk_source *s, stk_decoder *d, int split,
-                        uint64_t i, int32_t *label, uint8_t **px,
-                        size_t *cap, int *h, int *w, stk_err *err)
+                        uint64_t i, int32_t *label, uint8_t **px, size_t *cap,
+                        int *h, int *w, stk_err *err)
 {
     const char *file = stk_source_sample_file(s, split, i);
     int c;

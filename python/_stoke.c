@@ -331,9 +331,8 @@ static PyObject *db_meta(DatabaseObject *self, PyObject *unused)
         self->path, "shape", m->channels,
         side ? Py_NewRef(side) : PyLong_FromLong(m->height),
         side ? Py_NewRef(side) : PyLong_FromLong(m->width), "classes", classes,
-        "splits", splits,
-        "source_path", m->source_path ? m->source_path : "", "source_format",
-        m->source_format ? m->source_format : "", "tool",
+        "splits", splits, "source_path", m->source_path ? m->source_path : "",
+        "source_format", m->source_format ? m->source_format : "", "tool",
         m->tool ? m->tool : "", "created", m->created ? m->created : "",
         "variable", m->variable ? Py_True : Py_False, "encoding",
         m->encoding == STK_ENC_JPEG ? "jpeg" : "raw", "quality", m->quality,
@@ -880,8 +879,7 @@ static PyObject *summary_dict(const stk_prep_summary *s)
     return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s}", "splits", splits,
                          "samples", (unsigned long long)s->samples, "bytes",
                          (unsigned long long)s->bytes, "seconds", s->seconds,
-                         "shape", s->channels, s->height, s->width,
-                         "encoding",
+                         "shape", s->channels, s->height, s->width, "encoding",
                          s->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
 }
 
@@ -902,18 +900,17 @@ static int parse_format(const char *name, stk_src_format *out)
 static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
 {
     (void)mod;
-    static char *names[] = {"raw_dir",    "db_dir",   "workers",  "size",
-                            "channels",   "format",   "force",    "skip_bad",
-                            "created",    "progress", "short_side",
-                            "max_side",   "upscale",  "encode",   "quality",
-                            NULL};
+    static char *names[] = {"raw_dir",  "db_dir",   "workers",    "size",
+                            "channels", "format",   "force",      "skip_bad",
+                            "created",  "progress", "short_side", "max_side",
+                            "upscale",  "encode",   "quality",    NULL};
     PyObject *raw, *db, *progress = Py_None;
     const char *format = "auto", *created = NULL, *encode = "raw";
     prep_call c = {.o = {.workers = 1}};
     int force = 0, skip_bad = 0, upscale = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&O&|iiisppzOiipsi", names, PyUnicode_FSConverter,
-            &raw, PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
+            args, kw, "O&O&|iiisppzOiipsi", names, PyUnicode_FSConverter, &raw,
+            PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
             &c.o.source.channels, &format, &force, &skip_bad, &created,
             &progress, &c.o.source.short_side, &c.o.source.max_side, &upscale,
             &encode, &c.o.quality))

@@ -67,15 +67,19 @@ static int parse_v1(const uint8_t *p, size_t len, const stk_meta *m,
         return 0;
     }
     if (len < STK_RECORD_HEADER)
-        snprintf(why, n, "record is %zu bytes, shorter than its %d-byte "
-                         "header", len, STK_RECORD_HEADER);
+        snprintf(why, n,
+                 "record is %zu bytes, shorter than its %d-byte "
+                 "header",
+                 len, STK_RECORD_HEADER);
     else if (stk_get_le32(p + 4) != expect)
-        snprintf(why, n, "the record's size field says %u pixel bytes, the "
-                         "metadata's shape needs %u",
+        snprintf(why, n,
+                 "the record's size field says %u pixel bytes, the "
+                 "metadata's shape needs %u",
                  stk_get_le32(p + 4), expect);
     else
-        snprintf(why, n, "record is %zu bytes, its size field and the shape "
-                         "need %llu (%d-byte header + %u pixels)",
+        snprintf(why, n,
+                 "record is %zu bytes, its size field and the shape "
+                 "need %llu (%d-byte header + %u pixels)",
                  len, (unsigned long long)STK_RECORD_HEADER + expect,
                  STK_RECORD_HEADER, expect);
     return STK_EFORMAT;
@@ -88,8 +92,10 @@ static int parse_v2(const uint8_t *p, size_t len, const stk_meta *m,
                     stk_record *out, char *why, size_t n)
 {
     if (len < STK_RECORD_HEADER_V2) {
-        snprintf(why, n, "record is %zu bytes, shorter than its %d-byte "
-                         "header", len, STK_RECORD_HEADER_V2);
+        snprintf(why, n,
+                 "record is %zu bytes, shorter than its %d-byte "
+                 "header",
+                 len, STK_RECORD_HEADER_V2);
         return STK_EFORMAT;
     }
     uint32_t nb = stk_get_le32(p + 4), h = stk_get_le32(p + 8),
@@ -98,18 +104,22 @@ static int parse_v2(const uint8_t *p, size_t len, const stk_meta *m,
     if (m->variable ? (h < 1 || w < 1 || h > maxs || w > maxs)
                     : (h != (uint32_t)m->height || w != (uint32_t)m->width)) {
         if (m->variable)
-            snprintf(why, n, "the record's size is %ux%u (HxW), outside "
-                             "1..%u (the metadata's max_side)", h, w, maxs);
+            snprintf(why, n,
+                     "the record's size is %ux%u (HxW), outside "
+                     "1..%u (the metadata's max_side)",
+                     h, w, maxs);
         else
-            snprintf(why, n, "the record's size is %ux%u (HxW), the "
-                             "metadata's shape says %dx%d", h, w, m->height,
-                     m->width);
+            snprintf(why, n,
+                     "the record's size is %ux%u (HxW), the "
+                     "metadata's shape says %dx%d",
+                     h, w, m->height, m->width);
         return STK_EFORMAT;
     }
     uint64_t raw = (uint64_t)m->channels * h * w;
     if (m->encoding == STK_ENC_RAW && nb != raw) {
-        snprintf(why, n, "the record's size field says %u pixel bytes, "
-                         "%d x %u x %u raw pixels need %llu",
+        snprintf(why, n,
+                 "the record's size field says %u pixel bytes, "
+                 "%d x %u x %u raw pixels need %llu",
                  nb, m->channels, h, w, (unsigned long long)raw);
         return STK_EFORMAT;
     }

@@ -117,7 +117,8 @@ char *stk_meta_to_json(const stk_meta *m)
     cJSON_AddNumberToObject(o, "format_version",
                             v1 ? STK_FORMAT_VERSION : STK_FORMAT_VERSION_V2);
     cJSON *rec = cJSON_AddObjectToObject(o, "record");
-    cJSON_AddNumberToObject(rec, "header_bytes", (double)stk_meta_header_bytes(m));
+    cJSON_AddNumberToObject(rec, "header_bytes",
+                            (double)stk_meta_header_bytes(m));
     cJSON_AddStringToObject(rec, "label", "int32 little-endian at offset 0");
     cJSON_AddStringToObject(rec, "nbytes", "uint32 little-endian at offset 4");
     if (!v1) {
@@ -131,10 +132,9 @@ char *stk_meta_to_json(const stk_meta *m)
     cJSON *shape = cJSON_AddArrayToObject(rec, "shape");
     cJSON_AddItemToArray(shape, cJSON_CreateNumber(m->channels));
     for (int i = 0; i < 2; i++) /* null: each record has its own */
-        cJSON_AddItemToArray(shape,
-                             m->variable ? cJSON_CreateNull()
-                                         : cJSON_CreateNumber(i ? m->width
-                                                                : m->height));
+        cJSON_AddItemToArray(
+            shape, m->variable ? cJSON_CreateNull()
+                               : cJSON_CreateNumber(i ? m->width : m->height));
     if (!v1) {
         cJSON_AddStringToObject(rec, "encoding",
                                 m->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
@@ -318,8 +318,8 @@ static int parse_record_v2(const cJSON *rec, stk_meta *m, stk_err *err)
                         "metadata: record.encoding is \"%s\", expected "
                         "\"raw\" or \"jpeg\"",
                         enc->valuestring);
-    m->encoding = strcmp(enc->valuestring, "jpeg") ? STK_ENC_RAW
-                                                   : STK_ENC_JPEG;
+    m->encoding =
+        strcmp(enc->valuestring, "jpeg") ? STK_ENC_RAW : STK_ENC_JPEG;
     m->variable = cJSON_IsTrue(var);
     if (stk_meta_fixed(m))
         return stk_fail(err, STK_EFORMAT,
@@ -343,7 +343,8 @@ static int parse_record_v2(const cJSON *rec, stk_meta *m, stk_err *err)
     if (v == 0)
         return stk_fail(err, STK_EFORMAT,
                         "metadata: record.max_side is 0, expected "
-                        "1..%d", STK_MAX_SIDE);
+                        "1..%d",
+                        STK_MAX_SIDE);
     m->max_side = (int)v;
     if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "short_side"),
                         (uint64_t)m->max_side, "record.short_side", &v, err)))
@@ -495,7 +496,8 @@ static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
                         "metadata: format_version is not %d or %d (written by "
                         "a different stoke?)",
                         STK_FORMAT_VERSION, STK_FORMAT_VERSION_V2);
-    if ((rc = parse_shape(root, ver->valueint, m, err)) || (rc = parse_classes(root, m, err)) ||
+    if ((rc = parse_shape(root, ver->valueint, m, err)) ||
+        (rc = parse_classes(root, m, err)) ||
         (rc = parse_splits(root, m, err)))
         return rc;
     const cJSON *src = cJSON_GetObjectItemCaseSensitive(root, "source");

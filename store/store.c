@@ -993,8 +993,9 @@ int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
                  stk_err *err)
 {
     int rc = check_index(v->split, index, v->count, err);
-    return rc ? rc : decode_value(v->split, index, v->e[index].data,
-                                  v->e[index].len, v->meta, rec, err);
+    return rc ? rc
+              : decode_value(v->split, index, v->e[index].data,
+                             v->e[index].len, v->meta, rec, err);
 }
 
 void stk_view_prefetch(const stk_view *v, uint64_t index)

@@ -995,8 +995,8 @@ static void meta_v2_refused(void **state)
                    "record.variable", "wrong type");
     refused_naming(parse_v2_with("quality", "101", &err), &err,
                    "record.quality", "0..100");
-    refused_naming(parse_v2_with("quality", "0", &err), &err,
-                   "record.quality", "1..100");
+    refused_naming(parse_v2_with("quality", "0", &err), &err, "record.quality",
+                   "1..100");
     refused_naming(parse_v2_with("max_side", "70000", &err), &err,
                    "record.max_side", "0..65536");
     refused_naming(parse_v2_with("max_side", NULL, &err), &err,
