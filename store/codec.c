@@ -44,6 +44,7 @@ int stk_record_decode(const void *src, size_t len, uint32_t expect,
         return STK_EFORMAT;
     out->label = (int32_t)stk_get_le32(p);
     out->nbytes = n;
+    out->height = out->width = 0; /* the caller knows the shape */
     out->data = p + STK_RECORD_HEADER;
     return 0;
 }
