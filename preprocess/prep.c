@@ -108,7 +108,8 @@ static int chunk_reserve(chunk *c, size_t used, size_t need)
     return 0;
 }
 
-/* Appends the record of the sample in w->px (h x w) at c->off[j]. */
+/* Appends the record of the sample in wk->px (h x w) at c->off[j]; a JPEG
+ * one is decoded back into wk->px. */
 static int put_record(const pool *p, worker *wk, chunk *c, int j,
                       int32_t label, int h, int w, const char *file,
                       stk_err *err)
@@ -131,6 +132,13 @@ static int put_record(const pool *p, worker *wk, chunk *c, int j,
                                  (uint32_t)w);
     memcpy(dst + p->header, payload, n);
     c->off[j + 1] = c->off[j] + p->header + n;
+    if (p->encoding != STK_ENC_JPEG)
+        return 0;
+    /* the statistics are of the pixels a reader decodes: decode it back */
+    stk_meta m = {.channels = p->channels, .encoding = STK_ENC_JPEG};
+    stk_record r = {label, (uint32_t)n, h, w, dst + p->header};
+    if ((rc = stk_record_pixels(wk->dec, &m, &r, wk->px, &je)))
+        return stk_fail(err, rc, "%s: %s", file, je.msg);
     return 0;
 }
 
@@ -153,7 +161,7 @@ static void fill_chunk(pool *p, worker *wk, chunk *c)
         c->ok[j] = rc == 0;
         free(c->why[j]);
         c->why[j] = NULL;
-        if (!rc) { /* statistics of the pixels, before any encoding */
+        if (!rc) { /* statistics of the stored (decoded) pixels */
             add_sums(c->sums, wk->px, p->channels, (size_t)h * w);
             c->pixels += (uint64_t)h * w;
         } else if (p->opts->skip_bad && rc != STK_ENOMEM) {
