@@ -651,6 +651,12 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     stk_loader *l = new_loader(opts, err, &rc);
     if (!l)
         return rc;
+    if (!stk_meta_fixed(stk_store_meta(store))) { /* format 2: not yet */
+        free(l);
+        return stk_fail(err, STK_EINVAL,
+                        "the loader reads fixed-size raw records; this "
+                        "database has variable-size or JPEG ones (format 2)");
+    }
     l->ops = &store_ops;
     l->store = store;
     const stk_meta *m = stk_store_meta(store);

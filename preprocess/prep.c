@@ -29,11 +29,14 @@ typedef struct chunk {
     int split;
     uint64_t first;
     int n;
-    uint8_t *recs;        /* n encoded records */
+    uint8_t *recs;         /* n encoded records, record j at off[j] */
+    size_t cap;            /* bytes allocated at recs */
+    size_t off[CHUNK + 1]; /* a skipped record is 0 bytes long */
     uint8_t *ok;          /* 1 = loaded, 0 = skipped (skip_bad) */
     const char **file;    /* file of each skipped sample (the source's) */
     char **why;           /* and the reason it was skipped */
     uint64_t *sums;       /* 2 * channels: sum and sum of squares */
+    uint64_t pixels;      /* per channel, over the loaded records */
     int rc;               /* fatal error at sample n_ok (no skip_bad) */
     stk_err err;
 } chunk;
@@ -48,9 +51,18 @@ typedef struct pool {
     bool stop, mu_ready;
     const stk_source *src;
     const stk_prep_opts *opts;
-    uint32_t nbytes;               /* pixels per sample */
+    size_t header; /* record header bytes */
     int channels;
+    int encoding, quality;
 } pool;
+
+/* What each worker thread owns. */
+typedef struct worker {
+    stk_decoder *dec;
+    stk_encoder *enc; /* JPEG databases only */
+    uint8_t *px;      /* the sample's CHW pixels */
+    size_t px_cap;
+} worker;
 
 /* ---- workers ----------------------------------------------------------- */
 
@@ -82,28 +94,80 @@ static void add_sums(uint64_t *sums, const uint8_t *px, int channels,
     }
 }
 
-static void fill_chunk(pool *p, stk_decoder *dec, chunk *c)
+/* Room for need more bytes at the end of the chunk's records. */
+static int chunk_reserve(chunk *c, size_t used, size_t need)
 {
-    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
-    size_t plane = p->nbytes / (size_t)p->channels;
+    if (used + need <= c->cap)
+        return 0;
+    size_t cap = 2 * c->cap > used + need ? 2 * c->cap : used + need;
+    uint8_t *r = realloc(c->recs, cap);
+    if (!r)
+        return STK_ENOMEM;
+    c->recs = r;
+    c->cap = cap;
+    return 0;
+}
+
+/* Appends the record of the sample in wk->px (h x w) at c->off[j]; a JPEG
+ * one is decoded back into wk->px. */
+static int put_record(const pool *p, worker *wk, chunk *c, int j,
+                      int32_t label, int h, int w, const char *file,
+                      stk_err *err)
+{
+    const uint8_t *payload = wk->px;
+    size_t n = (size_t)p->channels * h * w;
+    stk_err je;
+    int rc = 0;
+    if (p->encoding == STK_ENC_JPEG &&
+        (rc = stk_jpeg_encode(wk->enc, wk->px, p->channels, h, w, p->quality,
+                              &payload, &n, &je)))
+        return stk_fail(err, rc, "%s: %s", file, je.msg);
+    if (chunk_reserve(c, c->off[j], p->header + n))
+        return stk_fail(err, STK_ENOMEM, "%s: out of memory", file);
+    uint8_t *dst = c->recs + c->off[j];
+    if (p->header == STK_RECORD_HEADER)
+        stk_record_put_header(dst, label, (uint32_t)n);
+    else
+        stk_record_put_header_v2(dst, label, (uint32_t)n, (uint32_t)h,
+                                 (uint32_t)w);
+    memcpy(dst + p->header, payload, n);
+    c->off[j + 1] = c->off[j] + p->header + n;
+    if (p->encoding != STK_ENC_JPEG)
+        return 0;
+    /* the statistics are of the pixels a reader decodes: decode it back */
+    stk_meta m = {.channels = p->channels, .encoding = STK_ENC_JPEG};
+    stk_record r = {label, (uint32_t)n, h, w, dst + p->header};
+    if ((rc = stk_record_pixels(wk->dec, &m, &r, wk->px, &je)))
+        return stk_fail(err, rc, "%s: %s", file, je.msg);
+    return 0;
+}
+
+static void fill_chunk(pool *p, worker *wk, chunk *c)
+{
     memset(c->sums, 0, 2 * STK_MAX_CHANNELS * sizeof *c->sums);
+    c->pixels = 0;
     c->rc = 0;
+    c->off[0] = 0;
     for (int j = 0; j < c->n; j++) {
-        uint8_t *dst = c->recs + j * rec;
         int32_t label = 0;
+        int h = 0, w = 0;
         stk_err e = {0};
-        int rc = stk_source_load(p->src, dec, c->split, c->first + (uint64_t)j,
-                                 &label, dst + STK_RECORD_HEADER, &e);
+        uint64_t i = c->first + (uint64_t)j;
+        const char *file = stk_source_sample_file(p->src, c->split, i);
+        int rc = stk_source_load_any(p->src, wk->dec, c->split, i, &label,
+                                     &wk->px, &wk->px_cap, &h, &w, &e);
+        if (!rc)
+            rc = put_record(p, wk, c, j, label, h, w, file, &e);
         c->ok[j] = rc == 0;
         free(c->why[j]);
         c->why[j] = NULL;
-        if (!rc) {
-            stk_record_put_header(dst, label, p->nbytes);
-            add_sums(c->sums, dst + STK_RECORD_HEADER, p->channels, plane);
+        if (!rc) { /* statistics of the stored (decoded) pixels */
+            add_sums(c->sums, wk->px, p->channels, (size_t)h * w);
+            c->pixels += (uint64_t)h * w;
         } else if (p->opts->skip_bad && rc != STK_ENOMEM) {
             /* the file and the reason apart, for the metadata's list */
-            uint64_t i = c->first + (uint64_t)j;
-            c->file[j] = stk_source_sample_file(p->src, c->split, i);
+            c->off[j + 1] = c->off[j];
+            c->file[j] = file;
             c->why[j] =
                 strdup(stk_source_error_reason(p->src, c->split, i, e.msg));
         } else {
@@ -118,12 +182,20 @@ static void fill_chunk(pool *p, stk_decoder *dec, chunk *c)
     }
 }
 
+static int worker_init(const pool *p, worker *wk, stk_err *err)
+{
+    int rc = stk_decoder_create(&wk->dec, err);
+    if (!rc && p->encoding == STK_ENC_JPEG)
+        rc = stk_encoder_create(&wk->enc, err);
+    return rc;
+}
+
 static void *worker_main(void *arg)
 {
     pool *p = arg;
-    stk_decoder *dec = NULL;
+    worker wk = {0};
     stk_err e;
-    int drc = stk_decoder_create(&dec, &e);
+    int drc = worker_init(p, &wk, &e);
     pthread_mutex_lock(&p->mu);
     while (!p->stop) {
         if (p->next_claim < p->nchunks &&
@@ -138,7 +210,7 @@ static void *worker_main(void *arg)
                 c->err = e;
                 c->n = 0;
             } else {
-                fill_chunk(p, dec, c);
+                fill_chunk(p, &wk, c);
             }
             pthread_mutex_lock(&p->mu);
             c->state = SLOT_DONE;
@@ -148,7 +220,9 @@ static void *worker_main(void *arg)
         }
     }
     pthread_mutex_unlock(&p->mu);
-    stk_decoder_destroy(dec);
+    stk_decoder_destroy(wk.dec);
+    stk_encoder_destroy(wk.enc);
+    free(wk.px);
     return NULL;
 }
 
@@ -157,6 +231,7 @@ static void *worker_main(void *arg)
 typedef struct split_stats {
     uint64_t *labels;
     uint64_t sums[2 * STK_MAX_CHANNELS];
+    uint64_t pixels; /* per channel */
     uint64_t written, skipped;
 } split_stats;
 
@@ -168,10 +243,13 @@ typedef struct run {
     split_stats stats[8];
     cJSON *skipped;   /* split -> [{file, error}] */
     uint64_t done, total;
+    uint64_t bytes; /* record bytes written */
     double t0;
 } run;
 
-static int pool_init(run *r, stk_err *err)
+/* rec: the bytes of a record when they are known in advance, else a
+ * first guess; chunks grow as they need. */
+static int pool_init(run *r, size_t rec, stk_err *err)
 {
     pool *p = &r->p;
     pthread_mutex_init(&p->mu, NULL);
@@ -185,10 +263,10 @@ static int pool_init(run *r, stk_err *err)
     r->nthreads = 0; /* none started yet */
     if (!p->slots || !r->threads)
         return stk_fail(err, STK_ENOMEM, "out of memory for %d workers", want);
-    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
     for (int i = 0; i < p->nslots; i++) {
         chunk *c = &p->slots[i];
-        c->recs = malloc(rec * CHUNK);
+        c->cap = rec * CHUNK; /* exact for fixed raw records */
+        c->recs = malloc(c->cap);
         c->ok = malloc(CHUNK);
         c->file = calloc(CHUNK, sizeof *c->file);
         c->why = calloc(CHUNK, sizeof *c->why);
@@ -307,7 +385,6 @@ static int write_chunk(run *r, chunk *c, stk_err *err)
     const pool *p = &r->p;
     const char *split = stk_source_split_name(p->src, c->split);
     split_stats *st = &r->stats[c->split];
-    size_t rec = STK_RECORD_HEADER + (size_t)p->nbytes;
     for (int j = 0; j < c->n; j++) {
         int rc;
         if (!c->ok[j]) {
@@ -316,16 +393,19 @@ static int write_chunk(run *r, chunk *c, stk_err *err)
                 return rc;
             continue;
         }
-        const uint8_t *v = c->recs + j * rec;
-        rc = stk_store_append(r->store, split, v, rec, err);
+        const uint8_t *v = c->recs + c->off[j];
+        size_t len = c->off[j + 1] - c->off[j];
+        rc = stk_store_append(r->store, split, v, len, err);
         if (rc)
             return rc;
+        r->bytes += len;
         st->labels[(uint32_t)v[0] | (uint32_t)v[1] << 8 |
                    (uint32_t)v[2] << 16 | (uint32_t)v[3] << 24]++;
         st->written++;
     }
     for (int k = 0; k < 2 * p->channels; k++)
         st->sums[k] += c->sums[k];
+    st->pixels += c->pixels;
     r->done += (uint64_t)c->n;
     if (c->rc) {
         *err = c->err;
@@ -371,6 +451,9 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
     const stk_source *src = r->p.src;
     memset(m, 0, sizeof *m);
     stk_source_shape(src, &m->channels, &m->height, &m->width);
+    m->variable = stk_source_variable(src, &m->short_side, &m->max_side);
+    m->encoding = r->p.encoding;
+    m->quality = r->p.encoding == STK_ENC_JPEG ? r->p.quality : 0;
     m->nclasses = stk_source_nclasses(src);
     m->classes = calloc((size_t)m->nclasses + 1, sizeof(char *));
     m->nsplits = stk_source_nsplits(src);
@@ -379,7 +462,6 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
     for (int c = 0; c < m->nclasses; c++)
         if (!(m->classes[c] = strdup(stk_source_class_name(src, c))))
             return stk_fail(err, STK_ENOMEM, "%s: out of memory", raw_dir);
-    size_t plane = (size_t)m->height * m->width;
     for (int k = 0; k < m->nsplits; k++) {
         stk_split_meta *sp = &m->splits[k];
         split_stats *st = &r->stats[k];
@@ -390,8 +472,7 @@ static int build_meta(run *r, const char *raw_dir, stk_meta *m,
         sp->label_counts = st->labels; /* borrowed; see release_meta */
         for (int ch = 0; ch < m->channels; ch++) {
             stk_channel_stats(st->sums[2 * ch], st->sums[2 * ch + 1],
-                              (double)st->written * (double)plane,
-                              &sp->mean[ch], &sp->std[ch]);
+                              (double)st->pixels, &sp->mean[ch], &sp->std[ch]);
         }
     }
     m->holdout = r->p.opts->source.holdout;
@@ -424,6 +505,18 @@ static size_t map_estimate(uint64_t samples, size_t rec)
     return (size_t)(per * (double)samples * 1.25) + ((size_t)16 << 20);
 }
 
+/* Payload bytes of a typical record: exact for fixed raw ones; variable
+ * ones at 4:3 (the short side, or the max side as the long one); JPEG
+ * about a sixth of the pixels. */
+static size_t record_guess(int c, int h, int w, int short_side, int max_side,
+                           int encoding)
+{
+    double px = h            ? (double)h * w
+                : short_side ? (double)short_side * short_side * 4 / 3
+                             : (double)max_side * max_side * 3 / 4;
+    return (size_t)(c * px / (encoding == STK_ENC_JPEG ? 6 : 1));
+}
+
 static void fill_summary(const run *r, stk_prep_summary *s)
 {
     if (!s)
@@ -439,7 +532,8 @@ static void fill_summary(const run *r, stk_prep_summary *s)
         s->samples += r->stats[k].written;
     }
     stk_source_shape(src, &s->channels, &s->height, &s->width);
-    s->bytes = s->samples * (STK_RECORD_HEADER + (uint64_t)r->p.nbytes);
+    s->encoding = r->p.encoding;
+    s->bytes = r->bytes;
     s->seconds = stk_now() - r->t0;
 }
 
@@ -447,10 +541,15 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
                    stk_err *err)
 {
     const stk_prep_opts *o = r->p.opts;
-    int c, h, w, rc;
+    int c, h, w, ss, ms, rc;
     stk_source_shape(r->p.src, &c, &h, &w);
+    bool variable = stk_source_variable(r->p.src, &ss, &ms);
     r->p.channels = c;
-    r->p.nbytes = (uint32_t)(c * h * w);
+    r->p.encoding = o->encoding;
+    r->p.quality = o->quality ? o->quality : 90;
+    bool fixed = !variable && o->encoding == STK_ENC_RAW;
+    r->p.header = fixed ? STK_RECORD_HEADER : STK_RECORD_HEADER_V2;
+    size_t rec = record_guess(c, h, w, ss, ms, o->encoding) + r->p.header;
     for (int k = 0; k < stk_source_nsplits(r->p.src); k++) {
         r->total += stk_source_split_count(r->p.src, k);
         r->stats[k].labels = calloc(
@@ -459,9 +558,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
             return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
     }
     stk_store_opts so = {
-        .map_size = o->map_size ? o->map_size
-                                : map_estimate(r->total, STK_RECORD_HEADER +
-                                                             r->p.nbytes),
+        .map_size = o->map_size ? o->map_size : map_estimate(r->total, rec),
         .map_size_max = o->map_size_max,
         .force = o->force,
         .force_hint = o->force_hint,
@@ -471,7 +568,7 @@ static int run_all(run *r, const char *raw_dir, const char *db_dir,
     if (!(r->skipped = cJSON_CreateObject()))
         return stk_fail(err, STK_ENOMEM, "%s: out of memory", db_dir);
     if ((rc = stk_store_create(db_dir, &so, &r->store, err)) ||
-        (rc = pool_init(r, err)) || (rc = write_all(r, err)))
+        (rc = pool_init(r, rec, err)) || (rc = write_all(r, err)))
         return rc;
     pool_stop(r);
     /* stop requests are honoured up to here and during the read-back
@@ -534,6 +631,13 @@ int stk_prep_run(const char *raw_dir, const char *db_dir,
     if (opts->workers < 1 || opts->workers > 256)
         return stk_fail(err, STK_EINVAL, "--workers must be 1..256, not %d",
                         opts->workers);
+    if (opts->encoding != STK_ENC_RAW && opts->encoding != STK_ENC_JPEG)
+        return stk_fail(err, STK_EINVAL, "encoding must be raw or jpeg");
+    if (opts->quality < 0 || opts->quality > 100)
+        return stk_fail(err, STK_EINVAL, "--quality must be 1..100, not %d",
+                        opts->quality);
+    if (opts->quality && opts->encoding != STK_ENC_JPEG)
+        return stk_fail(err, STK_EINVAL, "--quality needs --encode jpeg");
     run r;
     memset(&r, 0, sizeof r);
     r.p.opts = opts;

@@ -2,6 +2,7 @@
  * database (LMDB). A thin main over stk_prep_run(). */
 #include "common/cli.h"
 #include "preprocess/preprocess.h"
+#include "store/store.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -28,6 +29,14 @@ static const char usage[] =
     "  --format F         idx, cifar or folder (default: detected)\n"
     "  --size S           resize the shorter side to S and centre-crop SxS\n"
     "                     (default: native for idx/cifar, 64 for folders)\n"
+    "  --short-side S     keep each image's aspect ratio: the shorter side\n"
+    "                     resized to S (never enlarged without --upscale),\n"
+    "                     the longer one capped by --max-side (default 2*S);\n"
+    "                     records of varying size (folders only)\n"
+    "  --max-side L       cap the longer side at L (alone: only the cap)\n"
+    "  --upscale          enlarge images smaller than --short-side too\n"
+    "  --encode E         raw (default) or jpeg: store each record as a JPEG\n"
+    "  --quality Q        JPEG quality 1..100 (default 90)\n"
     "  --gray | --rgb     store 1 or 3 channels (default: the source's own;\n"
     "                     folders: rgb)\n"
     "  --holdout F        hold out the fraction F (0..1) of each class as\n"
@@ -146,11 +155,18 @@ static int created_time(char *buf, size_t n)
 static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
 {
     enum { O_SKIP = 256, O_FORCE, O_MAPSIZE, O_MAPMAX, O_QUIET, O_GRAY, O_RGB,
-           O_HOLDOUT, O_HSEED };
+           O_HOLDOUT, O_HSEED, O_SHORT, O_MAXSIDE, O_UPSCALE, O_ENCODE,
+           O_QUALITY };
+    static const char *const encodings[] = {"raw", "jpeg"};
     static const struct option longs[] = {
         {"workers", required_argument, 0, 'w'},
         {"format", required_argument, 0, 'f'},
         {"size", required_argument, 0, 's'},
+        {"short-side", required_argument, 0, O_SHORT},
+        {"max-side", required_argument, 0, O_MAXSIDE},
+        {"upscale", no_argument, 0, O_UPSCALE},
+        {"encode", required_argument, 0, O_ENCODE},
+        {"quality", required_argument, 0, O_QUALITY},
         {"gray", no_argument, 0, O_GRAY},
         {"rgb", no_argument, 0, O_RGB},
         {"holdout", required_argument, 0, O_HOLDOUT},
@@ -170,6 +186,11 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
         case 'w': bad = stk_cli_int("prep", "--workers", optarg, 1, 256, &o->workers); break;
         case 'f': bad = parse_format(optarg, &o->source.format); break;
         case 's': bad = stk_cli_int("prep", "--size", optarg, 1, 4096, &o->source.size); break;
+        case O_SHORT: bad = stk_cli_int("prep", "--short-side", optarg, 1, 4096, &o->source.short_side); break;
+        case O_MAXSIDE: bad = stk_cli_int("prep", "--max-side", optarg, 1, 8192, &o->source.max_side); break;
+        case O_UPSCALE: o->source.upscale = true; break;
+        case O_ENCODE: bad = stk_cli_choice("prep", "--encode", optarg, encodings, 2, &o->encoding); break;
+        case O_QUALITY: bad = stk_cli_int("prep", "--quality", optarg, 1, 100, &o->quality); break;
         case O_GRAY: o->source.channels = 1; break;
         case O_RGB: o->source.channels = 3; break;
         case O_HOLDOUT: bad = parse_holdout(optarg, &o->source.holdout); break;
@@ -207,8 +228,13 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
 
 static void print_summary(const char *db, const stk_prep_summary *s)
 {
-    printf("prep: wrote %s (%dx%dx%d uint8):", db, s->channels, s->height,
-           s->width);
+    if (s->height)
+        printf("prep: wrote %s (%dx%dx%d uint8%s):", db, s->channels,
+               s->height, s->width,
+               s->encoding == STK_ENC_JPEG ? ", as JPEG" : "");
+    else
+        printf("prep: wrote %s (%d channels, variable size%s):", db,
+               s->channels, s->encoding == STK_ENC_JPEG ? ", as JPEG" : "");
     uint64_t skipped = 0;
     for (int k = 0; k < s->nsplits; k++) {
         printf("%s %s %llu", k ? "," : "", s->split[k],
@@ -216,8 +242,9 @@ static void print_summary(const char *db, const stk_prep_summary *s)
         skipped += s->skipped[k];
     }
     double sec = s->seconds > 0 ? s->seconds : 1e-9;
-    printf(" in %.2f s (%.0f samples/s, %.1f MB/s)\n", s->seconds,
-           s->samples / sec, s->bytes / sec / 1e6);
+    printf(" in %.2f s (%.0f samples/s, %.1f MB/s, %.0f bytes/record)\n",
+           s->seconds, s->samples / sec, s->bytes / sec / 1e6,
+           s->samples ? (double)s->bytes / s->samples : 0.0);
     if (skipped)
         printf("prep: skipped %llu bad file(s); `dbinfo %s` lists them\n",
                (unsigned long long)skipped, db);

@@ -113,6 +113,41 @@ int stk_image_jpeg_size(stk_decoder *d, const uint8_t *data, size_t len,
 int stk_image_decode_box(stk_decoder *d, const uint8_t *data, size_t len,
                          int size, stk_box *box, stk_image *out, char *why,
                          size_t why_len);
+/* The size an image of w x h is stored at by prep --short-side/--max-side,
+ * computed as torchvision's Resize(short_side, max_size=max_side): the
+ * shorter side to short_side (0: unchanged), the longer one scaled and
+ * truncated; when that exceeds max_side (0: no cap) the longer side becomes
+ * max_side and the shorter int(max_side * short / long). A result that is
+ * not smaller than the image keeps the image's size unless upscale. */
+void stk_image_keep_aspect(int w, int h, int short_side, int max_side,
+                           bool upscale, int *ow, int *oh);
+
+/* Writes src as out_c channels resized to ow x oh (antialiased bilinear,
+ * as stk_image_fit, no crop) into chw (out_c * ow * oh bytes, CHW). */
+int stk_image_resize(const stk_image *src, int out_c, int ow, int oh,
+                     uint8_t *chw);
+
+/* Per-thread JPEG compressor (a TurboJPEG handle); not thread-safe. */
+typedef struct stk_encoder stk_encoder;
+int stk_encoder_create(stk_encoder **out, stk_err *err);
+void stk_encoder_destroy(stk_encoder *e); /* NULL is a no-op */
+
+/* Compresses c x h x w CHW pixels (c = 1: gray, 3: RGB with 4:2:0 chroma
+ * subsampling) as a baseline JPEG of quality 1..100. *jpeg points into
+ * the encoder and stays valid until its next call. */
+int stk_jpeg_encode(stk_encoder *e, const uint8_t *chw, int c, int h, int w,
+                    int quality, const uint8_t **jpeg, size_t *len,
+                    stk_err *err);
+
+struct stk_meta;
+struct stk_record;
+
+/* Writes the pixels of a record of the database m as C x H x W CHW bytes
+ * (rec->height x rec->width) to chw: a copy of a raw record, a decoded
+ * JPEG one (which must have the header's size and the meta's channels). */
+int stk_record_pixels(stk_decoder *d, const struct stk_meta *m,
+                      const struct stk_record *rec, uint8_t *chw,
+                      stk_err *err);
 
 /* Writes an 8-bit gray or RGB image (HWC) as a PNG file. */
 int stk_png_write(const char *path, const uint8_t *px, int w, int h, int c,
@@ -136,6 +171,11 @@ typedef struct stk_source_opts {
                               with that share of each class (see
                               stk_holdout_rank) */
     uint64_t holdout_seed;
+    /* Aspect-keeping storage (folders only; excludes size): every image at
+     * stk_image_keep_aspect's size, a variable-size database. */
+    int short_side, max_side; /* 0 = unused; short_side alone caps the
+                                 longer side at 2 * short_side */
+    bool upscale;
 } stk_source_opts;
 
 typedef struct stk_source stk_source;
@@ -163,8 +203,19 @@ const char *stk_source_split_name(const stk_source *s, int split);
 uint64_t stk_source_split_count(const stk_source *s, int split);
 int stk_source_nclasses(const stk_source *s);
 const char *stk_source_class_name(const stk_source *s, int cls);
-/* Output shape of every sample (CHW). */
+/* Output shape of every sample (CHW); h and w are 0 when variable. */
 void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
+
+/* Aspect-keeping sizing: true, with the short and max side in effect,
+ * when each sample has its own size. */
+bool stk_source_variable(const stk_source *s, int *short_side, int *max_side);
+
+/* Loads sample i of split at its output size, fixed or variable: label,
+ * *h x *w and c*h*w CHW pixels in *px (malloc'd, grown as needed; *cap
+ * its size). Errors as stk_source_load. */
+int stk_source_load_any(const stk_source *s, stk_decoder *d, int split,
+                        uint64_t i, int32_t *label, uint8_t **px, size_t *cap,
+                        int *h, int *w, stk_err *err);
 
 /* Loads sample i of split: label and c*h*w CHW pixels. Safe to call from
  * many threads at once, each with its own decoder. A bad sample returns
@@ -209,6 +260,8 @@ typedef struct stk_prep_opts {
     const char *force_hint;       /* see stk_store_opts; NULL = "--force" */
     size_t map_size;              /* initial LMDB map; 0 = from the data */
     size_t map_size_max;          /* 0 = 1 TiB */
+    int encoding;                 /* STK_ENC_RAW (0) or STK_ENC_JPEG */
+    int quality;                  /* JPEG quality 1..100; 0 = 90 */
     stk_source_opts source;
     const char *created;          /* ISO 8601 creation time for the meta */
     const volatile sig_atomic_t *cancel; /* non-zero asks the run to stop */
@@ -222,7 +275,8 @@ typedef struct stk_prep_summary {
     uint64_t count[8], skipped[8];
     uint64_t samples, bytes;      /* written */
     double seconds;
-    int channels, height, width;
+    int channels, height, width;  /* height, width 0: variable size */
+    int encoding;
 } stk_prep_summary;
 
 /* Converts raw_dir into a complete database at db_dir, or leaves db_dir as

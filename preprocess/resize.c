@@ -204,3 +204,24 @@ int stk_resample(const stk_pixview *in, int ow, int oh, int left, int top,
     }
     return 0;
 }
+
+void stk_image_keep_aspect(int w, int h, int short_side, int max_side,
+                           bool upscale, int *ow, int *oh)
+{
+    int64_t s = w <= h ? w : h, l = w <= h ? h : w;
+    int64_t ns = s, nl = l;
+    if (short_side > 0) { /* torchvision's Resize(short_side) */
+        ns = short_side;
+        nl = (int64_t)short_side * l / s;
+    }
+    if (max_side > 0 && nl > max_side) { /* and its max_size */
+        ns = (int64_t)max_side * ns / nl;
+        nl = max_side;
+    }
+    if (ns < 1)
+        ns = 1;
+    if (!upscale && nl >= l) /* not a reduction: kept as it is */
+        ns = s, nl = l;
+    *ow = (int)(w <= h ? ns : nl);
+    *oh = (int)(w <= h ? nl : ns);
+}

@@ -49,6 +49,22 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
                         "--holdout must be a fraction between 0 and 1 "
                         "(exclusive), not %g",
                         o.holdout);
+    if (o.short_side < 0 || o.short_side > 4096 || o.max_side < 0 ||
+        o.max_side > 8192)
+        return stk_fail(err, STK_EINVAL,
+                        "--short-side must be 1..4096 and --max-side "
+                        "1..8192");
+    bool aspect = o.short_side || o.max_side;
+    if (aspect && o.size)
+        return stk_fail(err, STK_EINVAL,
+                        "--size crops to a square, --short-side/--max-side "
+                        "keep the aspect ratio: give one or the other");
+    if (o.short_side && o.max_side && o.max_side < o.short_side)
+        return stk_fail(err, STK_EINVAL,
+                        "--max-side %d is below --short-side %d", o.max_side,
+                        o.short_side);
+    if (o.upscale && !o.short_side)
+        return stk_fail(err, STK_EINVAL, "--upscale needs --short-side");
     int rc = 0;
     if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
         return rc;
@@ -58,6 +74,11 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
                         "%s dataset comes with its own train and test "
                         "splits",
                         raw_dir, o.format == STK_SRC_IDX ? "IDX" : "CIFAR");
+    if (aspect && o.format != STK_SRC_FOLDER) /* one size already */
+        return stk_fail(err, STK_EINVAL,
+                        "%s: --short-side/--max-side apply to image folders; "
+                        "IDX and CIFAR images all have one size already",
+                        raw_dir);
     stk_source *s = calloc(1, sizeof *s);
     if (!s || !(s->dir = strdup(raw_dir))) {
         free(s);
@@ -67,6 +88,9 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
     s->size = o.size;
     s->holdout = o.holdout;
     s->holdout_seed = o.holdout_seed;
+    s->short_side = o.short_side;
+    s->max_side = o.max_side ? o.max_side : 2 * o.short_side;
+    s->upscale = o.upscale;
     rc = o.format == STK_SRC_IDX     ? stk_idx_open(s, err)
          : o.format == STK_SRC_CIFAR ? stk_cifar_open(s, err)
                                      : stk_folder_open(s, err);
@@ -126,9 +150,20 @@ const char *stk_source_class_name(const stk_source *s, int i)
     return s->classes[i];
 }
 
+bool stk_source_variable(const stk_source *s, int *short_side, int *max_side)
+{
+    *short_side = s->short_side;
+    *max_side = s->max_side;
+    return s->max_side > 0;
+}
+
 void stk_source_shape(const stk_source *s, int *c, int *h, int *w)
 {
     *c = s->out_c;
+    if (s->max_side) {
+        *h = *w = 0;
+        return;
+    }
     *h = s->size ? s->size : s->native_h;
     *w = s->size ? s->size : s->native_w;
 }
@@ -175,5 +210,44 @@ int stk_source_load_image(const stk_source *s, stk_decoder *d, int split,
     *im = (stk_image){0};
     int rc = s->ops->load(s, d, split, i, label, im, &own, err);
     *owned = !rc && own;
+    return rc;
+}
+
+/* Grows *px to at least need bytes. */
+static int reserve(uint8_t **px, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return 0;
+    uint8_t *p = realloc(*px, need);
+    if (!p)
+        return STK_ENOMEM;
+    *px = p;
+    *cap = need;
+    return 0;
+}
+
+int stk_source_load_any(const stk_source *s, stk_decoder *d, int split,
+                        uint64_t i, int32_t *label, uint8_t **px, size_t *cap,
+                        int *h, int *w, stk_err *err)
+{
+    const char *file = stk_source_sample_file(s, split, i);
+    int c;
+    stk_source_shape(s, &c, h, w);
+    if (!s->max_side) /* fixed size */
+        return reserve(px, cap, (size_t)c * *h * *w)
+                   ? stk_fail(err, STK_ENOMEM, "%s: out of memory", file)
+                   : stk_source_load(s, d, split, i, label, *px, err);
+    stk_image im = {0};
+    int owned = 0;
+    int rc = s->ops->load(s, d, split, i, label, &im, &owned, err);
+    if (rc)
+        return rc;
+    stk_image_keep_aspect(im.w, im.h, s->short_side, s->max_side, s->upscale,
+                          w, h);
+    if (reserve(px, cap, (size_t)c * *h * *w) ||
+        stk_image_resize(&im, c, *w, *h, *px))
+        rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", file);
+    if (owned)
+        stk_image_free(&im);
     return rc;
 }

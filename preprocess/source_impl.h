@@ -24,6 +24,8 @@ struct stk_source {
     int out_c, size;          /* requested output (size 0 = native) */
     double holdout;           /* stk_source_opts' */
     uint64_t holdout_seed;
+    int short_side, max_side; /* aspect-keeping sizing; max_side 0: none */
+    bool upscale;
     int native_w, native_h;   /* 0 when samples differ (folders) */
     int nclasses;
     char **classes;

@@ -141,3 +141,13 @@ int stk_image_fit(const stk_image *src, int out_c, int size, uint8_t *chw)
     stk_xform_scratch_free(&s);
     return rc;
 }
+
+int stk_image_resize(const stk_image *src, int out_c, int ow, int oh,
+                     uint8_t *chw)
+{
+    stk_pixview v = stk_pixview_hwc(src->px, src->w, src->h, src->c);
+    stk_xform_scratch s = {0};
+    int rc = window_chw(&v, ow, oh, 0, 0, ow, oh, false, out_c, &s, chw);
+    stk_xform_scratch_free(&s);
+    return rc;
+}

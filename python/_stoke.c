@@ -203,7 +203,32 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
     return self->views[k];
 }
 
-/* get(split, index) -> (bytes of the C*H*W pixels, label) */
+/* The C*H*W pixels of a record as bytes: its payload when raw, decoded
+ * with prep's decoder when JPEG. */
+static PyObject *record_bytes(const stk_meta *m, const stk_record *rec)
+{
+    if (m->encoding == STK_ENC_RAW)
+        return PyBytes_FromStringAndSize((const char *)rec->data,
+                                         (Py_ssize_t)rec->nbytes);
+    size_t n = (size_t)m->channels * rec->height * rec->width;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (!out)
+        return NULL;
+    stk_decoder *d = NULL; /* a handle per call: tjInitDecompress is cheap */
+    stk_err err = {0};
+    int rc = stk_decoder_create(&d, &err);
+    if (!rc)
+        rc = stk_record_pixels(d, m, rec, (uint8_t *)PyBytes_AS_STRING(out),
+                               &err);
+    stk_decoder_destroy(d);
+    if (rc) {
+        Py_DECREF(out);
+        return raise_stk(rc, &err);
+    }
+    return out;
+}
+
+/* get(split, index) -> (bytes of the C*H*W pixels, label, H, W) */
 static PyObject *db_get(DatabaseObject *self, PyObject *args)
 {
     const char *split;
@@ -235,8 +260,10 @@ static PyObject *db_get(DatabaseObject *self, PyObject *args)
                  split, index, (int)rec.label, nclasses, nclasses - 1);
         return raise_stk(STK_EFORMAT, &err);
     }
-    return Py_BuildValue("(y#i)", (const char *)rec.data,
-                         (Py_ssize_t)rec.nbytes, (int)rec.label);
+    PyObject *px = record_bytes(stk_store_meta(self->store), &rec);
+    return px ? Py_BuildValue("(Niii)", px, (int)rec.label, rec.height,
+                              rec.width)
+              : NULL;
 }
 
 static PyObject *doubles(const double *v, int n)
@@ -298,12 +325,18 @@ static PyObject *db_meta(DatabaseObject *self, PyObject *unused)
         }
         Py_DECREF(d);
     }
+    PyObject *side = m->variable ? Py_None : NULL; /* shape (C, None, None) */
     return Py_BuildValue(
-        "{s:s,s:(iii),s:N,s:N,s:s,s:s,s:s,s:s}", "path", self->path, "shape",
-        m->channels, m->height, m->width, "classes", classes, "splits", splits,
-        "source_path", m->source_path ? m->source_path : "", "source_format",
-        m->source_format ? m->source_format : "", "tool",
-        m->tool ? m->tool : "", "created", m->created ? m->created : "");
+        "{s:s,s:(iNN),s:N,s:N,s:s,s:s,s:s,s:s,s:O,s:s,s:i,s:i,s:i}", "path",
+        self->path, "shape", m->channels,
+        side ? Py_NewRef(side) : PyLong_FromLong(m->height),
+        side ? Py_NewRef(side) : PyLong_FromLong(m->width), "classes", classes,
+        "splits", splits, "source_path", m->source_path ? m->source_path : "",
+        "source_format", m->source_format ? m->source_format : "", "tool",
+        m->tool ? m->tool : "", "created", m->created ? m->created : "",
+        "variable", m->variable ? Py_True : Py_False, "encoding",
+        m->encoding == STK_ENC_JPEG ? "jpeg" : "raw", "quality", m->quality,
+        "short_side", m->short_side, "max_side", m->max_side);
 fail:
     Py_XDECREF(classes);
     Py_XDECREF(splits);
@@ -312,7 +345,7 @@ fail:
 
 static PyMethodDef db_methods[] = {
     {"get", (PyCFunction)db_get, METH_VARARGS,
-     "get(split, index) -> (pixels: bytes, label: int)"},
+     "get(split, index) -> (pixels: bytes, label: int, height, width)"},
     {"meta", (PyCFunction)db_meta, METH_NOARGS, "meta() -> dict"},
     {"close", (PyCFunction)db_close, METH_NOARGS,
      "close(): frees the LMDB handles (later calls raise)"},
@@ -843,10 +876,11 @@ static PyObject *summary_dict(const stk_prep_summary *s)
     }
     if (!splits)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii)}", "splits", splits,
+    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s}", "splits", splits,
                          "samples", (unsigned long long)s->samples, "bytes",
                          (unsigned long long)s->bytes, "seconds", s->seconds,
-                         "shape", s->channels, s->height, s->width);
+                         "shape", s->channels, s->height, s->width, "encoding",
+                         s->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
 }
 
 static int parse_format(const char *name, stk_src_format *out)
@@ -866,25 +900,33 @@ static int parse_format(const char *name, stk_src_format *out)
 static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
 {
     (void)mod;
-    static char *names[] = {"raw_dir", "db_dir",   "workers", "size",
-                            "channels", "format",  "force",   "skip_bad",
-                            "created",  "progress", "holdout",
+    static char *names[] = {"raw_dir",  "db_dir",   "workers",    "size",
+                            "channels", "format",   "force",      "skip_bad",
+                            "created",  "progress", "short_side", "max_side",
+                            "upscale",  "encode",   "quality",    "holdout",
                             "holdout_seed", NULL};
     PyObject *raw, *db, *progress = Py_None;
-    const char *format = "auto", *created = NULL;
+    const char *format = "auto", *created = NULL, *encode = "raw";
     prep_call c = {.o = {.workers = 1}};
-    int force = 0, skip_bad = 0;
+    int force = 0, skip_bad = 0, upscale = 0;
     unsigned long long hseed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&O&|iiisppzOdK", names, PyUnicode_FSConverter, &raw,
-            PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
+            args, kw, "O&O&|iiisppzOiipsidK", names, PyUnicode_FSConverter,
+            &raw, PyUnicode_FSConverter, &db, &c.o.workers, &c.o.source.size,
             &c.o.source.channels, &format, &force, &skip_bad, &created,
-            &progress, &c.o.source.holdout, &hseed))
+            &progress, &c.o.source.short_side, &c.o.source.max_side, &upscale,
+            &encode, &c.o.quality, &c.o.source.holdout, &hseed))
         return NULL;
     c.o.source.holdout_seed = hseed;
     PyObject *result = NULL;
+    c.o.source.upscale = upscale;
     if (parse_format(format, &c.o.source.format) < 0)
         goto out;
+    if (strcmp(encode, "raw") && strcmp(encode, "jpeg")) {
+        raise_arg("encode must be \"raw\" or \"jpeg\", not \"%s\"", encode);
+        goto out;
+    }
+    c.o.encoding = strcmp(encode, "jpeg") ? STK_ENC_RAW : STK_ENC_JPEG;
     c.raw = PyBytes_AS_STRING(raw);
     c.db = PyBytes_AS_STRING(db);
     c.o.force = force;
@@ -929,8 +971,9 @@ static PyMethodDef module_methods[] = {
     {"prep", (PyCFunction)(void (*)(void))py_prep,
      METH_VARARGS | METH_KEYWORDS,
      "prep(raw_dir, db_dir, workers=1, size=0, channels=0, format='auto', "
-     "force=False, skip_bad=False, created=None, progress=None, holdout=0, "
-     "holdout_seed=0) -> summary"},
+     "force=False, skip_bad=False, created=None, progress=None, "
+     "short_side=0, max_side=0, upscale=False, encode='raw', quality=0, "
+     "holdout=0, holdout_seed=0) -> summary"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

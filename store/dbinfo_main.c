@@ -50,9 +50,23 @@ static void print_header(const char *dir, const stk_meta *m)
     printf(" by ");
     put_name(m->tool);
     printf("\n");
-    printf("record    %d-byte header + uint8 %dx%dx%d (CHW) = %u bytes\n",
-           STK_RECORD_HEADER, m->channels, m->height, m->width,
-           STK_RECORD_HEADER + stk_meta_sample_bytes(m));
+    if (stk_meta_fixed(m))
+        printf("record    %d-byte header + uint8 %dx%dx%d (CHW) = %u bytes\n",
+               STK_RECORD_HEADER, m->channels, m->height, m->width,
+               STK_RECORD_HEADER + stk_meta_sample_bytes(m));
+    else if (!m->variable)
+        printf("record    %d-byte header + %dx%dx%d as JPEG (quality %d)\n",
+               STK_RECORD_HEADER_V2, m->channels, m->height, m->width,
+               m->quality);
+    else
+        printf("record    %d-byte header + %d channel(s), variable size "
+               "(short side %d, max side %d), %s",
+               STK_RECORD_HEADER_V2, m->channels, m->short_side, m->max_side,
+               m->encoding == STK_ENC_JPEG ? "JPEG" : "raw CHW");
+    if (m->variable && m->encoding == STK_ENC_JPEG)
+        printf(" (quality %d)\n", m->quality);
+    else if (m->variable)
+        printf("\n");
     if (m->holdout > 0)
         printf("holdout   %g of each class moved from \"train\" to \"test\" "
                "(prep --holdout %g --holdout-seed %llu)\n",
@@ -65,12 +79,45 @@ static void print_header(const char *dir, const stk_meta *m)
     printf("\n");
 }
 
-static void print_split(const stk_meta *m, const stk_split_meta *sp)
+/* Sizes of a format 2 split's records, read from their headers: min/max H
+ * and W and the bytes of an average record (one page read per record). */
+static void print_sizes(stk_store *s, const stk_split_meta *sp)
+{
+    stk_view *v;
+    stk_err e;
+    if (stk_view_open(s, sp->name, &v, &e)) {
+        printf("\n  sizes: %s", e.msg);
+        return;
+    }
+    int hmin = STK_MAX_SIDE, hmax = 0, wmin = STK_MAX_SIDE, wmax = 0;
+    uint64_t bytes = 0, n = stk_view_count(v);
+    for (uint64_t i = 0; i < n; i++) {
+        stk_record r;
+        if (stk_view_get(v, i, &r, &e)) {
+            printf("\n  sizes: %s", e.msg);
+            break;
+        }
+        hmin = r.height < hmin ? r.height : hmin;
+        hmax = r.height > hmax ? r.height : hmax;
+        wmin = r.width < wmin ? r.width : wmin;
+        wmax = r.width > wmax ? r.width : wmax;
+        bytes += STK_RECORD_HEADER_V2 + (uint64_t)r.nbytes;
+    }
+    if (n)
+        printf("\n  height %d..%d   width %d..%d   %.0f bytes/record", hmin,
+               hmax, wmin, wmax, (double)bytes / (double)n);
+    stk_view_close(v);
+}
+
+static void print_split(stk_store *s, const stk_meta *m,
+                        const stk_split_meta *sp)
 {
     printf("\nsplit %s: %llu records", sp->name,
            (unsigned long long)sp->count);
     if (sp->nskipped)
         printf(", %llu skipped", (unsigned long long)sp->nskipped);
+    if (!stk_meta_fixed(m))
+        print_sizes(s, sp);
     printf("\n  mean");
     for (int c = 0; c < m->channels; c++)
         printf(" %.4f", sp->mean[c]);
@@ -116,12 +163,52 @@ static void print_skipped(const stk_meta *m)
     cJSON_Delete(sk);
 }
 
+/* Tile side of a sheet of a format 2 database: records are decoded and
+ * fitted (shorter side resized, centre crop) to it. */
+#define TILE_MAX 128
+
+/* The pixels of a record of a format 2 database as a tile x tile CHW
+ * square in out (channels c). */
+static int fit_tile(stk_decoder *d, const stk_meta *m, const stk_record *rec,
+                    int tile, uint8_t *out, stk_err *err)
+{
+    size_t plane = (size_t)rec->height * rec->width;
+    uint8_t *chw = malloc(plane * m->channels);
+    stk_image im = {rec->width, rec->height, m->channels,
+                    malloc(plane * m->channels)};
+    int rc = chw && im.px ? stk_record_pixels(d, m, rec, chw, err)
+                          : stk_fail(err, STK_ENOMEM, "out of memory");
+    for (size_t i = 0; !rc && i < plane; i++) /* CHW -> HWC */
+        for (int k = 0; k < m->channels; k++)
+            im.px[i * m->channels + k] = chw[k * plane + i];
+    if (!rc && stk_image_fit(&im, m->channels, tile, out))
+        rc = stk_fail(err, STK_ENOMEM, "out of memory");
+    free(chw);
+    stk_image_free(&im);
+    return rc;
+}
+
 /* Writes up to 64 samples of split as an 8x8 sheet with gaps. */
 static int write_grid(stk_store *s, const char *split, const char *out,
                       stk_err *err)
 {
     const stk_meta *m = stk_store_meta(s);
     int c = m->channels == 1 ? 1 : 3, h = m->height, w = m->width;
+    bool fit = !stk_meta_fixed(m); /* decode, fit to a square tile */
+    if (fit && m->variable) {
+        int side = m->short_side ? m->short_side : m->max_side;
+        h = w = side < TILE_MAX ? side : TILE_MAX;
+    }
+    if (fit && m->channels != c)
+        return stk_fail(err, STK_EINVAL,
+                        "--grid: %d-channel records cannot be shown",
+                        m->channels);
+    uint8_t *tile = fit ? malloc((size_t)c * h * w) : NULL;
+    stk_decoder *dec = NULL;
+    if (fit && (!tile || stk_decoder_create(&dec, err))) {
+        free(tile);
+        return tile ? STK_ENOMEM : stk_fail(err, STK_ENOMEM, "out of memory");
+    }
     int W = GRID * w + (GRID + 1) * GAP, H = GRID * h + (GRID + 1) * GAP;
     uint8_t *sheet = calloc((size_t)W * H * c, 1);
     stk_reader *r = NULL;
@@ -134,17 +221,21 @@ static int write_grid(stk_store *s, const char *split, const char *out,
     size_t plane = (size_t)h * w;
     for (uint64_t i = 0; !rc && i < n; i++) {
         stk_record rec;
-        if ((rc = stk_reader_get(r, i, &rec, err)))
+        if ((rc = stk_reader_get(r, i, &rec, err)) ||
+            (fit && (rc = fit_tile(dec, m, &rec, h, tile, err))))
             break;
+        const uint8_t *px = fit ? tile : rec.data;
         int x0 = GAP + (int)(i % GRID) * (w + GAP);
         int y0 = GAP + (int)(i / GRID) * (h + GAP);
         for (int y = 0; y < h; y++)
             for (int x = 0; x < w; x++)
                 for (int k = 0; k < c; k++)
                     sheet[(((size_t)(y0 + y) * W) + x0 + x) * c + k] =
-                        rec.data[(size_t)k * plane + (size_t)y * w + x];
+                        px[(size_t)k * plane + (size_t)y * w + x];
     }
     stk_reader_close(r);
+    stk_decoder_destroy(dec);
+    free(tile);
     if (!rc)
         rc = stk_png_write(out, sheet, W, H, c, err);
     free(sheet);
@@ -222,7 +313,7 @@ int main(int argc, char **argv)
     print_header(dir, m);
     for (int k = 0; k < m->nsplits; k++)
         if (!split || !strcmp(split, m->splits[k].name))
-            print_split(m, &m->splits[k]);
+            print_split(s, m, &m->splits[k]);
     print_skipped(m);
     int rc = 0;
     if (grid && m->nsplits) {

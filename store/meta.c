@@ -8,7 +8,8 @@
 #include <string.h>
 
 #define STK_FORMAT_NAME "stoke"
-#define STK_FORMAT_VERSION 1
+#define STK_FORMAT_VERSION 1    /* fixed-size raw records */
+#define STK_FORMAT_VERSION_V2 2 /* variable-size or encoded records */
 
 void stk_meta_free(stk_meta *m)
 {
@@ -27,8 +28,20 @@ void stk_meta_free(stk_meta *m)
     memset(m, 0, sizeof *m);
 }
 
+bool stk_meta_fixed(const stk_meta *m)
+{
+    return !m->variable && m->encoding == STK_ENC_RAW;
+}
+
+size_t stk_meta_header_bytes(const stk_meta *m)
+{
+    return stk_meta_fixed(m) ? STK_RECORD_HEADER : STK_RECORD_HEADER_V2;
+}
+
 uint32_t stk_meta_sample_bytes(const stk_meta *m)
 {
+    if (!stk_meta_fixed(m))
+        return 0;
     uint64_t n = (uint64_t)m->channels * (uint64_t)m->height *
                  (uint64_t)m->width;
     return n <= STK_MAX_SAMPLE_BYTES ? (uint32_t)n : 0;
@@ -115,15 +128,39 @@ char *stk_meta_to_json(const stk_meta *m)
     if (!o)
         return NULL;
     cJSON_AddStringToObject(o, "format", STK_FORMAT_NAME);
-    cJSON_AddNumberToObject(o, "format_version", STK_FORMAT_VERSION);
+    bool v1 = stk_meta_fixed(m);
+    cJSON_AddNumberToObject(o, "format_version",
+                            v1 ? STK_FORMAT_VERSION : STK_FORMAT_VERSION_V2);
     cJSON *rec = cJSON_AddObjectToObject(o, "record");
-    cJSON_AddNumberToObject(rec, "header_bytes", STK_RECORD_HEADER);
+    cJSON_AddNumberToObject(rec, "header_bytes",
+                            (double)stk_meta_header_bytes(m));
     cJSON_AddStringToObject(rec, "label", "int32 little-endian at offset 0");
     cJSON_AddStringToObject(rec, "nbytes", "uint32 little-endian at offset 4");
+    if (!v1) {
+        cJSON_AddStringToObject(rec, "height",
+                                "uint32 little-endian at offset 8");
+        cJSON_AddStringToObject(rec, "width",
+                                "uint32 little-endian at offset 12");
+    }
     cJSON_AddStringToObject(rec, "dtype", "uint8");
     cJSON_AddStringToObject(rec, "layout", "CHW");
-    int shape[3] = {m->channels, m->height, m->width};
-    cJSON_AddItemToObject(rec, "shape", cJSON_CreateIntArray(shape, 3));
+    cJSON *shape = cJSON_AddArrayToObject(rec, "shape");
+    cJSON_AddItemToArray(shape, cJSON_CreateNumber(m->channels));
+    for (int i = 0; i < 2; i++) /* null: each record has its own */
+        cJSON_AddItemToArray(
+            shape, m->variable ? cJSON_CreateNull()
+                               : cJSON_CreateNumber(i ? m->width : m->height));
+    if (!v1) {
+        cJSON_AddStringToObject(rec, "encoding",
+                                m->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
+        cJSON_AddBoolToObject(rec, "variable", m->variable);
+        if (m->encoding == STK_ENC_JPEG)
+            cJSON_AddNumberToObject(rec, "quality", m->quality);
+        if (m->variable) {
+            cJSON_AddNumberToObject(rec, "short_side", m->short_side);
+            cJSON_AddNumberToObject(rec, "max_side", m->max_side);
+        }
+    }
     cJSON_AddStringToObject(o, "key", "uint64 big-endian sample index");
     cJSON *cl = cJSON_AddArrayToObject(o, "classes");
     for (int c = 0; c < m->nclasses; c++)
@@ -283,22 +320,77 @@ static int parse_split(const cJSON *o, const char *name, stk_meta *m,
               : 0;
 }
 
-/* record.shape: C 1..STK_MAX_CHANNELS, H and W 1..STK_MAX_SIDE, and
- * C*H*W at most STK_MAX_SAMPLE_BYTES, checked before any int holds them. */
-static int parse_shape(const cJSON *root, stk_meta *m, stk_err *err)
+/* Format 2's record fields: encoding, variable, quality (jpeg only),
+ * short_side and max_side (variable only). */
+static int parse_record_v2(const cJSON *rec, stk_meta *m, stk_err *err)
+{
+    const cJSON *enc = cJSON_GetObjectItemCaseSensitive(rec, "encoding");
+    const cJSON *var = cJSON_GetObjectItemCaseSensitive(rec, "variable");
+    int rc;
+    if ((rc = want(enc, is_str, "record.encoding", err)) ||
+        (rc = want(var, is_bool, "record.variable", err)))
+        return rc;
+    if (strcmp(enc->valuestring, "raw") && strcmp(enc->valuestring, "jpeg"))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: record.encoding is \"%s\", expected "
+                        "\"raw\" or \"jpeg\"",
+                        enc->valuestring);
+    m->encoding =
+        strcmp(enc->valuestring, "jpeg") ? STK_ENC_RAW : STK_ENC_JPEG;
+    m->variable = cJSON_IsTrue(var);
+    if (stk_meta_fixed(m))
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: format_version 2 with fixed-size raw "
+                        "records (those are format_version 1)");
+    uint64_t v;
+    if (m->encoding == STK_ENC_JPEG) {
+        if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "quality"),
+                            100, "record.quality", &v, err)))
+            return rc;
+        if (v == 0)
+            return stk_fail(err, STK_EFORMAT,
+                            "metadata: record.quality is 0, expected 1..100");
+        m->quality = (int)v;
+    }
+    if (!m->variable)
+        return 0;
+    if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "max_side"),
+                        STK_MAX_SIDE, "record.max_side", &v, err)))
+        return rc;
+    if (v == 0)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: record.max_side is 0, expected "
+                        "1..%d",
+                        STK_MAX_SIDE);
+    m->max_side = (int)v;
+    if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "short_side"),
+                        (uint64_t)m->max_side, "record.short_side", &v, err)))
+        return rc;
+    m->short_side = (int)v;
+    return 0;
+}
+
+/* record.shape: C 1..STK_MAX_CHANNELS, H and W 1..STK_MAX_SIDE (null for
+ * variable records), and C*H*W at most STK_MAX_SAMPLE_BYTES, checked
+ * before any int holds them. */
+static int parse_shape(const cJSON *root, int version, stk_meta *m,
+                       stk_err *err)
 {
     const cJSON *rec = cJSON_GetObjectItemCaseSensitive(root, "record");
     int rc = want(rec, is_obj, "record", err);
     if (rc)
         return rc;
-    uint64_t hb;
+    if (version == STK_FORMAT_VERSION_V2 &&
+        (rc = parse_record_v2(rec, m, err)))
+        return rc;
+    uint64_t hb, want_hb = stk_meta_header_bytes(m);
     if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "header_bytes"),
                         UINT32_MAX, "record.header_bytes", &hb, err)))
         return rc;
-    if (hb != STK_RECORD_HEADER)
+    if (hb != want_hb)
         return stk_fail(err, STK_EFORMAT,
-                        "metadata: record.header_bytes is %llu, expected %d",
-                        (unsigned long long)hb, STK_RECORD_HEADER);
+                        "metadata: record.header_bytes is %llu, expected %llu",
+                        (unsigned long long)hb, (unsigned long long)want_hb);
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(rec, "shape");
     if (!cJSON_IsArray(shape) || cJSON_GetArraySize(shape) != 3)
         return stk_fail(err, STK_EFORMAT,
@@ -308,13 +400,24 @@ static int parse_shape(const cJSON *root, stk_meta *m, stk_err *err)
                                          "record.shape[1] (height)",
                                          "record.shape[2] (width)"};
     const uint64_t max[3] = {STK_MAX_CHANNELS, STK_MAX_SIDE, STK_MAX_SIDE};
-    uint64_t dim[3];
+    uint64_t dim[3] = {0, 1, 1};
     for (int i = 0; i < 3; i++) {
-        if ((rc = get_count(cJSON_GetArrayItem(shape, i), max[i], names[i],
-                            &dim[i], err)))
+        const cJSON *d = cJSON_GetArrayItem(shape, i);
+        if (i && m->variable) {
+            if (!cJSON_IsNull(d))
+                return stk_fail(err, STK_EFORMAT,
+                                "metadata: %s must be null for variable-size "
+                                "records",
+                                names[i]);
+            continue;
+        }
+        if ((rc = get_count(d, max[i], names[i], &dim[i], err)))
             return rc;
         if (dim[i] == 0)
             return stk_fail(err, STK_EFORMAT, "metadata: %s is 0", names[i]);
+    }
+    if (m->variable) { /* the largest record bounds C*H*W */
+        dim[1] = dim[2] = (uint64_t)m->max_side;
     }
     uint64_t bytes = dim[0] * dim[1] * dim[2]; /* <= 4 * 2^32: no wrap */
     if (bytes > STK_MAX_SAMPLE_BYTES)
@@ -325,8 +428,8 @@ static int parse_shape(const cJSON *root, stk_meta *m, stk_err *err)
                         (unsigned long long)dim[2], (unsigned long long)bytes,
                         (unsigned long long)STK_MAX_SAMPLE_BYTES);
     m->channels = (int)dim[0];
-    m->height = (int)dim[1];
-    m->width = (int)dim[2];
+    m->height = m->variable ? 0 : (int)dim[1];
+    m->width = m->variable ? 0 : (int)dim[2];
     return 0;
 }
 
@@ -424,12 +527,14 @@ static int parse_root(const cJSON *root, stk_meta *m, stk_err *err)
     if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, STK_FORMAT_NAME))
         return stk_fail(err, STK_EFORMAT,
                         "metadata: \"format\" is not \"%s\"", STK_FORMAT_NAME);
-    if (!cJSON_IsNumber(ver) || ver->valueint != STK_FORMAT_VERSION)
+    if (!cJSON_IsNumber(ver) || (ver->valuedouble != STK_FORMAT_VERSION &&
+                                 ver->valuedouble != STK_FORMAT_VERSION_V2))
         return stk_fail(err, STK_EFORMAT,
-                        "metadata: format_version is not %d (written by a "
-                        "different stoke?)",
-                        STK_FORMAT_VERSION);
-    if ((rc = parse_shape(root, m, err)) || (rc = parse_classes(root, m, err)) ||
+                        "metadata: format_version is not %d or %d (written by "
+                        "a different stoke?)",
+                        STK_FORMAT_VERSION, STK_FORMAT_VERSION_V2);
+    if ((rc = parse_shape(root, ver->valueint, m, err)) ||
+        (rc = parse_classes(root, m, err)) ||
         (rc = parse_splits(root, m, err)))
         return rc;
     const cJSON *src = cJSON_GetObjectItemCaseSensitive(root, "source");

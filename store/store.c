@@ -828,34 +828,17 @@ static int find_split(const stk_store *s, const char *split, stk_err *err)
                              "split \"%s\" is not in the database", split);
 }
 
-/* Decodes a stored value; a wrong size names the split, the key and which
+/* Decodes a stored value; a bad one names the split, the key and which
  * size disagrees with what. */
 static int decode_value(const char *split, uint64_t index, const void *data,
-                        size_t len, uint32_t expect, stk_record *rec,
+                        size_t len, const stk_meta *m, stk_record *rec,
                         stk_err *err)
 {
-    if (!stk_record_decode(data, len, expect, rec))
+    char why[200];
+    if (!stk_record_parse(data, len, m, rec, why, sizeof why))
         return 0;
-    unsigned long long key = (unsigned long long)index;
-    if (len < STK_RECORD_HEADER)
-        return stk_fail(err, STK_EFORMAT,
-                        "split \"%s\": key %llu: record is %zu bytes, "
-                        "shorter than its %d-byte header",
-                        split, key, len, STK_RECORD_HEADER);
-    const uint8_t *p = data;
-    uint32_t n = stk_get_le32(p + 4);
-    if (n != expect)
-        return stk_fail(err, STK_EFORMAT,
-                        "split \"%s\": key %llu: the record's size field "
-                        "says %u pixel bytes, the metadata's shape needs %u",
-                        split, key, n, expect);
-    return stk_fail(err, STK_EFORMAT,
-                    "split \"%s\": key %llu: record is %zu bytes, its size "
-                    "field and the shape need %llu (%d-byte header + %u "
-                    "pixels)",
-                    split, key, len,
-                    (unsigned long long)STK_RECORD_HEADER + expect,
-                    STK_RECORD_HEADER, expect);
+    return stk_fail(err, STK_EFORMAT, "split \"%s\": key %llu: %s", split,
+                    (unsigned long long)index, why);
 }
 
 /* ---- readers ----------------------------------------------------------- */
@@ -865,7 +848,7 @@ struct stk_reader {
     MDB_dbi dbi;
     MDB_txn *txn;
     bool live;
-    uint32_t expect;
+    const stk_meta *meta;
     uint64_t count;
     char split[STK_SPLIT_NAME_MAX];
 };
@@ -882,7 +865,7 @@ int stk_reader_open(stk_store *s, const char *split, stk_reader **out,
         return stk_fail(err, STK_ENOMEM, "out of memory");
     r->s = s;
     r->dbi = s->split_dbi[i];
-    r->expect = stk_meta_sample_bytes(&s->meta);
+    r->meta = &s->meta;
     r->count = s->meta.splits[i].count;
     snprintf(r->split, sizeof r->split, "%s", split);
     *out = r;
@@ -918,7 +901,7 @@ int stk_reader_get(stk_reader *r, uint64_t index, stk_record *rec,
         return stk_fail(err, rc == MDB_NOTFOUND ? STK_EFORMAT : STK_ESTORE,
                         "split \"%s\": key %llu: %s", r->split,
                         (unsigned long long)index, mdb_strerror(rc));
-    return decode_value(r->split, index, v.mv_data, v.mv_size, r->expect, rec,
+    return decode_value(r->split, index, v.mv_data, v.mv_size, r->meta, rec,
                         err);
 }
 
@@ -948,7 +931,7 @@ typedef struct view_entry {
 struct stk_view {
     MDB_txn *txn;
     uint64_t count;
-    uint32_t expect;
+    const stk_meta *meta;
     view_entry *e;
     char split[STK_SPLIT_NAME_MAX];
 };
@@ -990,7 +973,7 @@ int stk_view_open(stk_store *s, const char *split, stk_view **out,
         return stk_fail(err, STK_ENOMEM, "out of memory");
     snprintf(v->split, sizeof v->split, "%s", split);
     v->count = s->meta.splits[k].count;
-    v->expect = stk_meta_sample_bytes(&s->meta);
+    v->meta = &s->meta;
     v->e = malloc((v->count ? v->count : 1) * sizeof *v->e);
     int rc = v->e ? mdb_txn_begin(s->env, NULL, MDB_RDONLY, &v->txn)
                   : STK_ENOMEM;
@@ -1013,8 +996,9 @@ int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
                  stk_err *err)
 {
     int rc = check_index(v->split, index, v->count, err);
-    return rc ? rc : decode_value(v->split, index, v->e[index].data,
-                                  v->e[index].len, v->expect, rec, err);
+    return rc ? rc
+              : decode_value(v->split, index, v->e[index].data,
+                             v->e[index].len, v->meta, rec, err);
 }
 
 void stk_view_prefetch(const stk_view *v, uint64_t index)

@@ -23,13 +23,19 @@
 
 /* ---- record codec ------------------------------------------------------ */
 
-/* Record value: int32 label (little-endian), uint32 payload byte count
- * (little-endian), then the payload: uint8 pixels in CHW order. */
+/* Record value, format 1 (fixed-size raw databases): int32 label
+ * (little-endian), uint32 payload byte count (little-endian), then the
+ * payload: uint8 pixels in CHW order. */
 #define STK_RECORD_HEADER 8
+/* Format 2 (variable-size or encoded databases): int32 label, uint32
+ * nbytes, uint32 height, uint32 width, then nbytes of payload: CHW pixels
+ * (raw, nbytes == C*H*W) or the JPEG file (jpeg, H x W its size). */
+#define STK_RECORD_HEADER_V2 16
 
 typedef struct stk_record {
     int32_t label;
-    uint32_t nbytes;      /* payload size, C*H*W */
+    uint32_t nbytes;      /* payload size */
+    int height, width;    /* this record's image (fixed ones: the meta's) */
     const uint8_t *data;  /* payload; borrowed, see stk_reader_get() */
 } stk_record;
 
@@ -37,14 +43,28 @@ typedef struct stk_record {
  * that place the payload themselves right after it. */
 void stk_record_put_header(uint8_t *dst, int32_t label, uint32_t nbytes);
 
+/* The same for a format 2 record (STK_RECORD_HEADER_V2 bytes). */
+void stk_record_put_header_v2(uint8_t *dst, int32_t label, uint32_t nbytes,
+                              uint32_t height, uint32_t width);
+
 /* Writes header and payload to dst (STK_RECORD_HEADER + nbytes bytes). */
 void stk_record_encode(uint8_t *dst, int32_t label, const uint8_t *pixels,
                        uint32_t nbytes);
 
-/* Parses a record of len bytes; its payload must be exactly expect bytes.
- * out->data points into src. Returns 0 or STK_EFORMAT. */
+/* Parses a format 1 record of len bytes; its payload must be exactly
+ * expect bytes. out->data points into src; height and width are left 0
+ * (the caller knows the shape). Returns 0 or STK_EFORMAT. */
 int stk_record_decode(const void *src, size_t len, uint32_t expect,
                       stk_record *out);
+
+struct stk_meta;
+
+/* Parses a record of len bytes as the database m describes it (format 1
+ * or 2, fixed or variable, raw or jpeg) and fills out (height and width
+ * always). Returns 0, or STK_EFORMAT with why (n bytes) saying what does
+ * not agree, e.g. "record is 20 bytes, its header says 16 + 8". */
+int stk_record_parse(const void *src, size_t len, const struct stk_meta *m,
+                     stk_record *out, char *why, size_t n);
 
 /* Little-endian uint32 at p. */
 void stk_put_le32(uint8_t *p, uint32_t v);
@@ -82,8 +102,16 @@ typedef struct stk_split_meta {
     uint64_t nskipped;         /* source files skipped with --skip-bad */
 } stk_split_meta;
 
+/* Record payload encodings (format 2). */
+enum { STK_ENC_RAW = 0, STK_ENC_JPEG = 1 };
+
 typedef struct stk_meta {
-    int channels, height, width;
+    int channels, height, width; /* height, width 0 when variable */
+    int encoding;              /* STK_ENC_RAW or STK_ENC_JPEG */
+    bool variable;             /* each record has its own height x width */
+    int short_side, max_side;  /* prep's sizing of variable records (0 when
+                                  unused); every H, W <= max_side */
+    int quality;               /* JPEG quality, 0 for raw */
     int nclasses;
     char **classes;            /* nclasses names, owned */
     int nsplits;
@@ -111,9 +139,18 @@ char *stk_meta_to_json(const stk_meta *m);
 int stk_meta_from_json(const char *json, size_t len, stk_meta *m,
                        stk_err *err);
 
-/* Payload bytes per record: channels * height * width (at most
- * STK_MAX_SAMPLE_BYTES in any parsed metadata). */
+/* True when every record is raw pixels of one shape (format 1): only
+ * then do records have a size known from the metadata. */
+bool stk_meta_fixed(const stk_meta *m);
+
+/* Payload bytes per record of a fixed database (stk_meta_fixed):
+ * channels * height * width, at most STK_MAX_SAMPLE_BYTES in any parsed
+ * metadata; 0 for a variable-size or encoded one. */
 uint32_t stk_meta_sample_bytes(const stk_meta *m);
+
+/* Record header bytes: STK_RECORD_HEADER for fixed databases, else
+ * STK_RECORD_HEADER_V2. */
+size_t stk_meta_header_bytes(const stk_meta *m);
 
 /* Named databases of the environment besides the splits. */
 #define STK_META_DB "meta"

@@ -29,6 +29,7 @@ static void problem(stk_verify_report *rep, const char *fmt, ...)
 typedef struct tally {
     uint64_t *labels;                    /* per class */
     uint64_t sums[2 * STK_MAX_CHANNELS]; /* per channel: sum, sum of squares */
+    uint64_t pixels;                     /* per channel */
 } tally;
 
 /* The split's checksum list, or NULL (reported) when it is missing or does
@@ -60,7 +61,8 @@ static uint8_t *checksum_list(stk_store *s, const stk_split_meta *sp,
 
 static void add_pixels(tally *t, const stk_record *r, int channels)
 {
-    size_t plane = r->nbytes / (size_t)channels;
+    size_t plane = (size_t)r->height * (size_t)r->width;
+    t->pixels += plane;
     for (int c = 0; c < channels; c++) {
         const uint8_t *p = r->data + (size_t)c * plane;
         uint64_t sum = 0, sq = 0;
@@ -88,8 +90,8 @@ static void check_record(const stk_view *v, const stk_meta *m,
     unsigned long long key = (unsigned long long)i;
     if (crcs) {
         uint32_t want = stk_get_le32(crcs + 4 * i);
-        uint32_t have = stk_crc32(r.data - STK_RECORD_HEADER,
-                                  STK_RECORD_HEADER + (size_t)r.nbytes);
+        size_t hb = stk_meta_header_bytes(m);
+        uint32_t have = stk_crc32(r.data - hb, hb + (size_t)r.nbytes);
         if (have != want)
             problem(rep,
                     "split \"%s\": key %llu: the record's crc32 is "
@@ -105,7 +107,8 @@ static void check_record(const stk_view *v, const stk_meta *m,
         return;
     }
     t->labels[r.label]++;
-    add_pixels(t, &r, m->channels);
+    if (m->encoding == STK_ENC_RAW) /* JPEG: decoding is prep's business */
+        add_pixels(t, &r, m->channels);
 }
 
 /* The split's label counts, mean and std against its metadata (the mean
@@ -122,8 +125,9 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
                     sp->name, (unsigned long long)t->labels[c], c,
                     stk_text_printable(name, sizeof name, m->classes[c]),
                     (unsigned long long)sp->label_counts[c]);
-    double n = (double)sp->count * m->height * m->width;
-    for (int c = 0; c < m->channels && n > 0; c++) {
+    double n = (double)t->pixels;
+    for (int c = 0; c < m->channels && n > 0 && m->encoding == STK_ENC_RAW;
+         c++) {
         double mean, std;
         stk_channel_stats(t->sums[2 * c], t->sums[2 * c + 1], n, &mean, &std);
         if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9)

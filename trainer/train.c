@@ -684,6 +684,11 @@ static int setup_data(run_state *r, stk_err *err)
         return stk_fail(err, STK_EINVAL,
                         "%s: needs splits \"train\" and \"test\" (has %d split%s)",
                         o->db, m->nsplits, m->nsplits == 1 ? "" : "s");
+    if (!stk_meta_fixed(m)) /* format 2: until the loader's transforms */
+        return stk_fail(err, STK_EINVAL,
+                        "%s: has variable-size or JPEG records (format 2); "
+                        "train reads fixed-size raw ones (prep --size)",
+                        o->db);
     r->classes = m->nclasses;
     /* augmentation draws from its own key, so its words never coincide
      * with dropout's (which uses r->key with step-based streams) */

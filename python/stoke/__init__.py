@@ -64,8 +64,20 @@ class Database:
     # -- what the database holds --
     @property
     def shape(self):
-        """(C, H, W) of every sample."""
+        """(C, H, W) of every sample; (C, None, None) when variable."""
         return tuple(self._meta["shape"])
+
+    @property
+    def variable(self):
+        """True when each record has its own height and width
+        (prep --short-side / --max-side)."""
+        return self._meta["variable"]
+
+    @property
+    def encoding(self):
+        """"raw" or "jpeg" (prep --encode): how records are stored; split[i]
+        gives decoded pixels either way."""
+        return self._meta["encoding"]
 
     @property
     def classes(self):
@@ -118,9 +130,12 @@ class Database:
 
     def __repr__(self):
         c, h, w = self.shape
-        return "stoke.Database(%r: %s, %dx%dx%d, %d classes)" % (
+        size = "%dx%dx%d" % (c, h, w) if h else "%d channels, variable size" % c
+        if self.encoding != "raw":
+            size += ", " + self.encoding
+        return "stoke.Database(%r: %s, %s, %d classes)" % (
             self.path, ", ".join("%s %d" % kv for kv in self.counts().items()),
-            c, h, w, self.num_classes)
+            size, self.num_classes)
 
     # -- lifetime --
     def close(self):
@@ -151,7 +166,9 @@ def _split_meta(path, meta, split):
 
 class Split:
     """One split of a database as a map-style dataset: split[i] is
-    (image, label), the image a read-only uint8 NumPy array (C, H, W).
+    (image, label), the image a read-only uint8 NumPy array (C, H, W): the
+    record's own H x W in a variable-size database, decoded (in C, with
+    prep's libjpeg-turbo decoder) in a JPEG one.
     torch.utils.data.DataLoader accepts it, with workers too."""
 
     def __init__(self, db, name):
@@ -174,8 +191,8 @@ class Split:
         if not 0 <= i < self._len:
             raise IndexError('split "%s" has %d records, not index %d'
                              % (self.name, self._len, i))
-        pixels, label = self._dbw._db.get(self.name, i)
-        image = np.frombuffer(pixels, dtype=np.uint8).reshape(self.shape)
+        pixels, label, h, w = self._dbw._db.get(self.name, i)
+        image = np.frombuffer(pixels, dtype=np.uint8).reshape(self.shape[0], h, w)
         return image, label
 
     @property
@@ -508,12 +525,16 @@ def _created():
 
 def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
          format="auto", force=False, skip_bad=False, progress=None,
-         holdout=None, holdout_seed=0):
+         short_side=None, max_side=None, upscale=False, encode="raw",
+         quality=None, holdout=None, holdout_seed=0):
     """Converts a raw dataset (IDX, CIFAR binaries, or a folder of images
     with one sub-folder per class) into a stoke database at db_dir, as the
     prep command does, with the same guarantees: db_dir is complete or left
     as it was. workers: decoding threads (default: one per CPU); size: the
     output side for folders (default 64); channels: 1 or 3 (default: the
+    source's). short_side, max_side, upscale: keep each image's aspect ratio
+    (prep --short-side/--max-side/--upscale, folders only, not with size);
+    encode: "raw" or "jpeg", quality: JPEG quality 1..100 (default 90).
     source's). holdout: a fraction (e.g. 0.1) of each class of a folder
     without split folders kept apart as the "test" split, chosen from each
     file's relative path and holdout_seed (the same files on any machine).
@@ -531,7 +552,9 @@ def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
         os.fspath(raw_dir), os.fspath(db_dir), workers=int(workers),
         size=int(size or 0), channels=int(channels or 0), format=format,
         force=bool(force), skip_bad=bool(skip_bad), created=_created(),
-        progress=progress or None, holdout=float(holdout or 0),
+        progress=progress or None, short_side=int(short_side or 0),
+        max_side=int(max_side or 0), upscale=bool(upscale), encode=encode,
+        quality=int(quality or 0), holdout=float(holdout or 0),
         holdout_seed=int(holdout_seed))
     if progress and getattr(progress, "__name__", "") == "show":
         sys.stderr.write("\n")

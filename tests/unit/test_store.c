@@ -837,6 +837,242 @@ static void finish_verifies_before_publishing(void **state)
     assert_int_not_equal(stat(dir, &st), 0);
 }
 
+/* A variable-size raw meta (format 2) of sample_meta's splits. */
+static stk_meta variable_meta(uint64_t train, int encoding)
+{
+    stk_meta m = sample_meta(train, 0);
+    m.nsplits = 1;
+    m.height = m.width = 0;
+    m.variable = true;
+    m.encoding = encoding;
+    m.quality = encoding == STK_ENC_JPEG ? 85 : 0;
+    m.short_side = 4;
+    m.max_side = 8;
+    return m;
+}
+
+/* Format 2 records: header fields at their offsets, parsed against a
+ * variable raw, a variable JPEG and a fixed JPEG meta; every disagreement
+ * refused with the reason. */
+static void codec_v2_round_trip(void **state)
+{
+    (void)state;
+    uint8_t buf[STK_RECORD_HEADER_V2 + 3 * 5 * 7 + 1];
+    stk_record_put_header_v2(buf, 2, 3 * 5 * 7, 5, 7);
+    for (int i = 0; i < 3 * 5 * 7; i++)
+        buf[STK_RECORD_HEADER_V2 + i] = (uint8_t)i;
+    assert_int_equal(buf[4], 105);
+    assert_int_equal(buf[8], 5);  /* height at 8 */
+    assert_int_equal(buf[12], 7); /* width at 12 */
+    size_t len = STK_RECORD_HEADER_V2 + 105;
+    stk_meta m = variable_meta(1, STK_ENC_RAW);
+    assert_false(stk_meta_fixed(&m));
+    assert_int_equal(stk_meta_sample_bytes(&m), 0);
+    assert_int_equal(stk_meta_header_bytes(&m), 16);
+    stk_record r;
+    char why[200];
+    assert_int_equal(stk_record_parse(buf, len, &m, &r, why, sizeof why), 0);
+    assert_int_equal(r.label, 2);
+    assert_int_equal(r.height, 5);
+    assert_int_equal(r.width, 7);
+    assert_int_equal(r.nbytes, 105);
+    assert_ptr_equal(r.data, buf + STK_RECORD_HEADER_V2);
+    /* truncated, one byte too long, shorter than the header */
+    assert_int_equal(stk_record_parse(buf, len - 1, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_non_null(strstr(why, "its header says 16 + 105"));
+    assert_int_equal(stk_record_parse(buf, len + 1, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_int_equal(stk_record_parse(buf, 15, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_non_null(strstr(why, "16-byte header"));
+    /* above the max side, zero, raw size disagreeing with C*H*W */
+    stk_record_put_header_v2(buf, 2, 105, 9, 7);
+    assert_int_equal(stk_record_parse(buf, len, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_non_null(strstr(why, "9x7 (HxW), outside 1..8"));
+    stk_record_put_header_v2(buf, 2, 105, 0, 7);
+    assert_int_equal(stk_record_parse(buf, len, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    stk_record_put_header_v2(buf, 2, 105, 7, 5); /* 3*7*5 = 105 too: ok */
+    assert_int_equal(stk_record_parse(buf, len, &m, &r, why, sizeof why), 0);
+    stk_record_put_header_v2(buf, 2, 105, 5, 6);
+    assert_int_equal(stk_record_parse(buf, len, &m, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_non_null(strstr(why, "3 x 5 x 6 raw pixels need 90"));
+    /* JPEG: any payload size, H and W within the max side */
+    stk_meta j = variable_meta(1, STK_ENC_JPEG);
+    assert_int_equal(stk_record_parse(buf, len, &j, &r, why, sizeof why), 0);
+    assert_int_equal(r.width, 6);
+    /* fixed JPEG (--size with --encode jpeg): H and W are the shape's */
+    stk_meta f = sample_meta(1, 0); /* 3x4x5 */
+    f.encoding = STK_ENC_JPEG;
+    f.quality = 90;
+    assert_int_equal(stk_meta_header_bytes(&f), 16);
+    assert_int_equal(stk_record_parse(buf, len, &f, &r, why, sizeof why),
+                     STK_EFORMAT);
+    assert_non_null(strstr(why, "shape says 4x5"));
+    stk_record_put_header_v2(buf, 2, 105, 4, 5);
+    assert_int_equal(stk_record_parse(buf, len, &f, &r, why, sizeof why), 0);
+    /* a format 1 meta reads the old 8-byte header and fills H and W */
+    stk_meta v1 = sample_meta(1, 0);
+    uint8_t old[STK_RECORD_HEADER + 60] = {0};
+    stk_record_put_header(old, 1, 60);
+    assert_int_equal(
+        stk_record_parse(old, sizeof old, &v1, &r, why, sizeof why), 0);
+    assert_int_equal(r.height, 4);
+    assert_int_equal(r.width, 5);
+}
+
+/* Format 2 metadata round-trips; a v1 reader's shape check sees null. */
+static void meta_v2_round_trip(void **state)
+{
+    (void)state;
+    for (int enc = STK_ENC_RAW; enc <= STK_ENC_JPEG; enc++) {
+        stk_meta m = variable_meta(10, enc);
+        m.complete = true;
+        char *json = stk_meta_to_json(&m);
+        assert_non_null(json);
+        assert_non_null(strstr(json, "\"format_version\":\t2"));
+        assert_non_null(strstr(json, "[3, null, null]"));
+        stk_meta back;
+        stk_err err = {0};
+        assert_int_equal(stk_meta_from_json(json, strlen(json), &back, &err),
+                         0);
+        assert_true(back.variable);
+        assert_int_equal(back.encoding, enc);
+        assert_int_equal(back.quality, enc == STK_ENC_JPEG ? 85 : 0);
+        assert_int_equal(back.short_side, 4);
+        assert_int_equal(back.max_side, 8);
+        assert_int_equal(back.channels, 3);
+        assert_int_equal(back.height, 0);
+        stk_meta_free(&back);
+        free(json);
+    }
+    /* a fixed raw meta stays format 1 with its 8-byte header */
+    stk_meta f = sample_meta(10, 4);
+    char *json = stk_meta_to_json(&f);
+    assert_non_null(strstr(json, "\"format_version\":\t1"));
+    assert_non_null(strstr(json, "\"header_bytes\":\t8"));
+    assert_null(strstr(json, "encoding"));
+    free(json);
+}
+
+/* Edits one field of a variable JPEG meta's JSON record object and parses
+ * it. value NULL removes the field. */
+static int parse_v2_with(const char *field, const char *value, stk_err *err)
+{
+    stk_meta m = variable_meta(10, STK_ENC_JPEG);
+    m.complete = true;
+    char *json = stk_meta_to_json(&m);
+    cJSON *root = cJSON_Parse(json);
+    free(json);
+    cJSON *rec = cJSON_GetObjectItemCaseSensitive(root, "record");
+    if (value)
+        cJSON_ReplaceItemInObjectCaseSensitive(rec, field, cJSON_Parse(value));
+    else
+        cJSON_DeleteItemFromObjectCaseSensitive(rec, field);
+    json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    stk_meta back;
+    int rc = stk_meta_from_json(json, strlen(json), &back, err);
+    free(json);
+    if (!rc)
+        stk_meta_free(&back);
+    return rc;
+}
+
+static void meta_v2_refused(void **state)
+{
+    (void)state;
+    stk_err err = {0};
+    assert_int_equal(parse_v2_with("quality", "85", &err), 0);
+    refused_naming(parse_v2_with("encoding", "\"png\"", &err), &err,
+                   "record.encoding", "\"raw\" or \"jpeg\"");
+    refused_naming(parse_v2_with("encoding", NULL, &err), &err,
+                   "record.encoding", "missing");
+    refused_naming(parse_v2_with("variable", "1", &err), &err,
+                   "record.variable", "wrong type");
+    refused_naming(parse_v2_with("quality", "101", &err), &err,
+                   "record.quality", "0..100");
+    refused_naming(parse_v2_with("quality", "0", &err), &err, "record.quality",
+                   "1..100");
+    refused_naming(parse_v2_with("max_side", "70000", &err), &err,
+                   "record.max_side", "0..65536");
+    refused_naming(parse_v2_with("max_side", NULL, &err), &err,
+                   "record.max_side", "missing");
+    refused_naming(parse_v2_with("short_side", "9", &err), &err,
+                   "record.short_side", "0..8");
+    refused_naming(parse_v2_with("header_bytes", "8", &err), &err,
+                   "record.header_bytes", "expected 16");
+    refused_naming(parse_v2_with("shape", "[3, 4, null]", &err), &err,
+                   "record.shape[1] (height)", "null for variable");
+    refused_naming(parse_v2_with("max_side", "20000", &err), &err,
+                   "record.shape", "over the limit");
+    /* format 2 claiming fixed raw records: those are format 1 */
+    refused_naming(parse_v2_with("variable", "false", &err), &err,
+                   "record.shape[1] (height)", "");
+    /* a format 1 meta with a null height (what a v1 reader would see) */
+    refused_naming(parse_with("record", "shape", 1, "null", &err), &err,
+                   "record.shape[1] (height)", "not a number");
+}
+
+/* A variable JPEG database: records of their own size come back through
+ * readers and views, verify passes, and a truncated or oversized record is
+ * refused naming the split and key. */
+static void variable_store_round_trip(void **state)
+{
+    (void)state;
+    const char *dir = scratch("variable");
+    rmdir(dir);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
+    uint8_t rec[STK_RECORD_HEADER_V2 + 40];
+    for (int i = 0; i < 4; i++) {
+        uint32_t n = 10 + 10 * (uint32_t)i;
+        stk_record_put_header_v2(rec, i % 3, n, 1 + (uint32_t)i,
+                                 i == 3 ? 9 : 8 - (uint32_t)i);
+        memset(rec + STK_RECORD_HEADER_V2, 'a' + i, n);
+        size_t len = STK_RECORD_HEADER_V2 + n - (i == 2); /* 2: cut short */
+        assert_int_equal(stk_store_append(s, "train", rec, len, &err), 0);
+    }
+    stk_meta m = variable_meta(4, STK_ENC_JPEG);
+    static uint64_t lc[3] = {2, 1, 1};
+    m.splits[0].label_counts = lc;
+    assert_int_equal(stk_store_finish(s, &m, &err), 0);
+    stk_store_close(s);
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    assert_true(stk_store_meta(s)->variable);
+    stk_view *v;
+    stk_record r;
+    assert_int_equal(stk_view_open(s, "train", &v, &err), 0);
+    assert_int_equal(stk_view_get(v, 1, &r, &err), 0);
+    assert_int_equal(r.height, 2);
+    assert_int_equal(r.width, 7);
+    assert_int_equal(r.nbytes, 20);
+    assert_int_equal(r.data[19], 'b');
+    assert_int_equal(stk_view_get(v, 2, &r, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "split \"train\": key 2"));
+    assert_non_null(strstr(err.msg, "its header says 16 + 30"));
+    assert_int_equal(stk_view_get(v, 3, &r, &err), STK_EFORMAT);
+    assert_non_null(strstr(err.msg, "split \"train\": key 3"));
+    assert_non_null(strstr(err.msg, "4x9 (HxW), outside 1..8"));
+    stk_view_close(v);
+    stk_reader *rd;
+    assert_int_equal(stk_reader_open(s, "train", &rd, &err), 0);
+    assert_int_equal(stk_reader_get(rd, 0, &r, &err), 0);
+    assert_int_equal(r.width, 8);
+    assert_int_equal(stk_reader_get(rd, 3, &r, &err), STK_EFORMAT);
+    stk_reader_close(rd);
+    stk_verify_report rep;
+    assert_int_equal(stk_store_verify(s, &rep, &err), STK_EFORMAT);
+    assert_true(rep.problems >= 2); /* the two records, then the counts */
+    assert_non_null(strstr(rep.first[0], "key 2"));
+    assert_non_null(strstr(rep.first[1], "key 3"));
+    stk_store_close(s);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(codec_round_trip),
     cmocka_unit_test(keys_sort_in_index_order),
@@ -855,5 +1091,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(utf8_escape_round_trip),
     cmocka_unit_test(names_made_printable),
     cmocka_unit_test(meta_names_keep_their_bytes),
+    cmocka_unit_test(codec_v2_round_trip),
+    cmocka_unit_test(meta_v2_round_trip),
+    cmocka_unit_test(meta_v2_refused),
+    cmocka_unit_test(variable_store_round_trip),
 };
 UNIT_MAIN(tests)

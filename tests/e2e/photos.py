@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""A new user's path with their own photos: a folder of class folders (JPEG
+photos of different sizes and aspect ratios, no train/test split),
+`prep --holdout 0.2 --short-side S` (raw and --encode jpeg), `dbinfo`, then
+`train --augment rrc` on each database. The run must train: its test
+accuracy beats chance by a wide margin (each class's photos are crops of
+one real photograph, so the classes are easy to tell apart), and the raw
+and JPEG databases give the model the same kind of input (both runs learn).
+"""
+import json, os, shutil, subprocess, sys
+import numpy as np
+from PIL import Image
+import stoke_test as t
+
+tmp = os.environ["STK_TMP"]
+bindir = os.environ["STK_BIN"]
+shutil.rmtree(tmp, ignore_errors=True)
+os.makedirs(tmp)
+os.chdir(tmp)
+
+# Real photographs from Debian packages (python3-sklearn, python3-skimage).
+SOURCES = {
+    "china": "/usr/lib/python3/dist-packages/sklearn/datasets/images/china.jpg",
+    "flower": "/usr/lib/python3/dist-packages/sklearn/datasets/images/flower.jpg",
+    "coffee": "/usr/lib/python3/dist-packages/skimage/data/coffee.png",
+    "rocket": "/usr/lib/python3/dist-packages/skimage/data/rocket.jpg",
+}
+for cls, path in SOURCES.items():
+    if not os.path.exists(path):
+        sys.exit(f"FAIL: {path} is missing (scripts/deps.sh test installs "
+                 f"python3-sklearn and python3-skimage)")
+
+rng = np.random.default_rng(17)
+PER_CLASS = 40
+for cls, path in SOURCES.items():
+    src = Image.open(path).convert("RGB")
+    os.makedirs(os.path.join("photos", cls))
+    for i in range(PER_CLASS):
+        # a random crop of the photograph, rescaled to a photo-like size
+        # with its own aspect ratio (some portrait, some landscape)
+        w0, h0 = src.size
+        cw = int(rng.integers(w0 // 3, w0 // 2))
+        ch = int(cw * rng.uniform(0.6, 1.4))
+        ch = min(ch, h0)
+        x, y = int(rng.integers(0, w0 - cw + 1)), int(rng.integers(0, h0 - ch + 1))
+        side = int(rng.integers(48, 90))
+        scale = side / min(cw, ch)
+        im = src.crop((x, y, x + cw, y + ch)).resize(
+            (max(1, round(cw * scale)), max(1, round(ch * scale))), Image.BILINEAR)
+        im.save(os.path.join("photos", cls, f"IMG_{i:04d}.jpg"), quality=90)
+
+
+def run(*args, code=0):
+    p = subprocess.run([os.path.join(bindir, args[0]), *args[1:]],
+                       capture_output=True, text=True)
+    if p.returncode != code:
+        sys.exit(f"FAIL: {' '.join(args)} exited {p.returncode}, expected "
+                 f"{code}\n{p.stdout}{p.stderr}")
+    return p.stdout + p.stderr
+
+
+# Without a split the trainer says what to do.
+run("prep", "--quiet", "--short-side", "40", "photos", "nosplit")
+out = run("train", "--db", "nosplit", "--epochs", "1", "--out", "r0", code=1)
+if "--holdout" not in out:
+    sys.exit(f"FAIL: train on a database without a test split does not "
+             f"suggest prep --holdout:\n{out}")
+
+accs = {}
+for enc in ("raw", "jpeg"):
+    db = f"db-{enc}"
+    run("prep", "--quiet", "--holdout", "0.2", "--short-side", "40",
+        "--encode", enc, "--workers", "2", "photos", db)
+    info = run("dbinfo", db)
+    if "holdout" not in info:
+        sys.exit(f"FAIL: dbinfo {db} does not show the holdout:\n{info}")
+    runs = f"run-{enc}"
+    run("train", "--db", db, "--model", "cnn", "--augment", "rrc",
+        "--crop-size", "32", "--rrc-scale", "0.35,1", "--epochs", "6",
+        "--batch", "16", "--optim", "adamw", "--lr", "0.003", "--workers", "2",
+        "--threads", "1", "--quiet", "--out", runs)
+    with open(os.path.join(runs, "metrics.jsonl")) as f:
+        lines = [json.loads(l) for l in f if l.strip()]
+    ep = [l for l in lines if "test_acc" in l]
+    if not ep:
+        sys.exit(f"FAIL: {runs}/metrics.jsonl has no test accuracy")
+    accs[enc] = max(l["test_acc"] for l in ep)
+    print(f"{enc}: test accuracy by epoch",
+          [round(l["test_acc"], 3) for l in ep])
+for enc, acc in accs.items():
+    # 4 classes: chance is 0.25
+    if acc < 0.6:
+        sys.exit(f"FAIL: train --augment rrc on the {enc} database reached "
+                 f"{acc:.3f} test accuracy (chance 0.25)")
+print("ok: photos -> prep --holdout --short-side (raw, jpeg) -> train "
+      "--augment rrc learns", accs)
