@@ -31,11 +31,20 @@ typedef struct slot {
     stk_err err;
 } slot;
 
+/* A fetched sample: its pixels, or a JPEG record (jpeg non-NULL, v.w x
+ * v.h its size from the record's header) that the transform decodes,
+ * at a reduced DCT scale where the crop allows. Valid until the next get
+ * on the same context. */
+typedef struct sample {
+    stk_pixview v;
+    const uint8_t *jpeg;
+    size_t len;
+} sample;
+
 /* Where samples come from: a database split or a raw source. */
 typedef struct fetch_ops {
     int (*open)(stk_loader *l, void **ctx, stk_err *err);
-    /* the sample's pixels, valid until the next get on ctx */
-    int (*get)(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
+    int (*get)(stk_loader *l, void *ctx, uint64_t index, sample *out,
                int32_t *label, stk_err *err);
     void (*prefetch)(void *ctx, uint64_t index); /* may be NULL */
     void (*close)(void *ctx);
@@ -55,6 +64,8 @@ typedef struct wstate {
     void *ctx;               /* the fetcher's */
     stk_xform_scratch xs;    /* the transform's buffers */
     uint8_t *tmp;            /* aug_pad/aug_flip's copy (sample_bytes) */
+    stk_decoder *dec;        /* JPEG records' decoder, made on first use */
+    stk_image im;            /* its last image */
 } wstate;
 
 typedef struct worker {
@@ -76,7 +87,9 @@ struct stk_loader {
     uint64_t shard_len, nbatches, first_abs; /* absolute = epoch*nb + batch */
     size_t sample_bytes; /* of an output sample */
     int c, h, w; /* the output sample's shape (augmentation) */
-    int in_c, in_h, in_w; /* a record's, or the source's fitted sample's */
+    int in_c, in_h, in_w; /* a record's, or the source's fitted sample's
+                             (h, w 0: records of their own sizes) */
+    bool jpeg;            /* records hold JPEG files */
     int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
@@ -113,16 +126,17 @@ static int store_open(stk_loader *l, void **ctx, stk_err *err)
     return 0;
 }
 
-/* A fetched record's pixels. TODO(issue 17, records v2): variable-size
- * records (r.height x r.width) and JPEG ones (decode here, with DCT
- * scaling) once the store has them; today every record is the meta's
- * fixed C x H x W. */
-static stk_pixview record_view(const stk_loader *l, const stk_record *r)
+/* A record of the database as a sample: CHW pixels of its own size
+ * (fixed or variable), or its JPEG bytes. */
+static void record_sample(const stk_loader *l, const stk_record *r,
+                          sample *out)
 {
-    return stk_pixview_chw(r->data, l->in_c, l->in_h, l->in_w);
+    out->jpeg = l->jpeg ? r->data : NULL;
+    out->len = r->nbytes;
+    out->v = stk_pixview_chw(r->data, l->in_c, r->height, r->width);
 }
 
-static int store_get(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
+static int store_get(stk_loader *l, void *ctx, uint64_t index, sample *out,
                      int32_t *label, stk_err *err)
 {
     stk_record r;
@@ -137,7 +151,7 @@ static int store_get(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
                         "database's %d classes (0..%d)",
                         l->split, (unsigned long long)index, (int)r.label,
                         l->nclasses, l->nclasses - 1);
-    *v = record_view(l, &r);
+    record_sample(l, &r, out);
     *label = r.label;
     return 0;
 }
@@ -188,10 +202,12 @@ static int raw_open(stk_loader *l, void **ctx, stk_err *err)
     return rc;
 }
 
-static int raw_get(stk_loader *l, void *ctx, uint64_t index, stk_pixview *v,
+static int raw_get(stk_loader *l, void *ctx, uint64_t index, sample *out,
                    int32_t *label, stk_err *err)
 {
     raw_ctx *r = ctx;
+    stk_pixview *v = &out->v;
+    out->jpeg = NULL;
     if (!l->o.xform.kind) {
         *v = stk_pixview_chw(r->fitted, l->in_c, l->in_h, l->in_w);
         return stk_source_load(l->src, r->d, l->src_split, index, label,
@@ -341,25 +357,71 @@ void stk_loader_rrc_draw(uint64_t seed, uint64_t epoch, uint64_t index,
     }
 }
 
-/* Sample index's view v made into the output sample dst: copied, or
- * through the transform with its draws. */
+/* A JPEG record decoded, whole (box NULL) or for a crop of *box to the
+ * output size: at a reduced DCT scale where that allows, box then mapped
+ * into the decoded image (stk_image_decode_box). The pixels live in
+ * st->im. The JPEG must have its record header's size, which the box was
+ * drawn on. */
+static int decode_record(const stk_loader *l, wstate *st, uint64_t index,
+                         const sample *in, stk_box *box, stk_pixview *v,
+                         stk_err *err)
+{
+    int rc = st->dec ? 0 : stk_decoder_create(&st->dec, err);
+    if (rc)
+        return rc;
+    stk_image_free(&st->im);
+    char why[200] = "";
+    int w = 0, h = 0;
+    if (!stk_image_jpeg_size(st->dec, in->jpeg, in->len, &w, &h))
+        snprintf(why, sizeof why, "not a readable JPEG"), rc = STK_EFORMAT;
+    else if (w != in->v.w || h != in->v.h)
+        snprintf(why, sizeof why, "the JPEG is %dx%d, its record header says "
+                 "%dx%d", w, h, in->v.w, in->v.h), rc = STK_EFORMAT;
+    else if (box)
+        rc = stk_image_decode_box(st->dec, in->jpeg, in->len, l->w, box,
+                                  &st->im, why, sizeof why);
+    else
+        rc = stk_image_decode(st->dec, in->jpeg, in->len, &st->im, why,
+                              sizeof why);
+    if (rc == STK_ENOMEM)
+        return stk_fail(err, rc, "out of memory");
+    if (rc)
+        return stk_fail(err, STK_EFORMAT, "split \"%s\": key %llu: %s",
+                        l->split, (unsigned long long)index, why);
+    *v = stk_pixview_hwc(st->im.px, st->im.w, st->im.h, st->im.c);
+    return 0;
+}
+
+/* Sample index made into the output sample dst: copied, or through the
+ * transform with its draws. */
 static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
-                 uint64_t index, const stk_pixview *v, uint8_t *dst)
+                 uint64_t index, const sample *in, uint8_t *dst,
+                 stk_err *err)
 {
     const stk_loader_xform *x = &l->o.xform;
+    stk_pixview v = in->v;
+    int rc = 0;
+    if (x->kind == STK_XFORM_RRC) {
+        double u[STK_RRC_UNIFORMS];
+        bool flip;
+        stk_loader_rrc_draw(l->o.seed, epoch, index, u, &flip);
+        stk_box box; /* drawn on the stored size, decoded or not */
+        stk_rrc_box(v.h, v.w, x->scale, x->ratio, u, &box);
+        if (in->jpeg)
+            rc = decode_record(l, st, index, in, &box, &v, err);
+        return rc ? rc
+                  : stk_resized_crop(&v, box, x->size, flip && x->flip, l->c,
+                                     &st->xs, dst);
+    }
+    if (in->jpeg && (rc = decode_record(l, st, index, in, NULL, &v, err)))
+        return rc;
     if (x->kind == STK_XFORM_CENTRE)
-        return stk_centre_crop(v, x->resize, x->size, l->c, &st->xs, dst);
-    if (x->kind == STK_XFORM_NONE) { /* a CHW record or fitted sample */
-        memcpy(dst, v->px, l->sample_bytes);
+        return stk_centre_crop(&v, x->resize, x->size, l->c, &st->xs, dst);
+    if (!in->jpeg) { /* a CHW record or fitted sample, as it is */
+        memcpy(dst, v.px, l->sample_bytes);
         return 0;
     }
-    double u[STK_RRC_UNIFORMS];
-    bool flip;
-    stk_loader_rrc_draw(l->o.seed, epoch, index, u, &flip);
-    stk_box box;
-    stk_rrc_box(v->h, v->w, x->scale, x->ratio, u, &box);
-    return stk_resized_crop(v, box, x->size, flip && x->flip, l->c, &st->xs,
-                            dst);
+    return stk_centre_crop(&v, 0, 0, l->c, &st->xs, dst); /* HWC -> CHW */
 }
 
 static void fill(stk_loader *l, wstate *st, slot *sl)
@@ -376,16 +438,17 @@ static void fill(stk_loader *l, wstate *st, slot *sl)
             sl->rc = stk_fail(&sl->err, STK_ECANCELED, "the loader is stopped");
             return;
         }
-        stk_pixview v;
+        sample in;
         uint8_t *dst = sl->data + (size_t)i * l->sample_bytes;
-        sl->rc = l->ops->get(l, st->ctx, sl->indices[i], &v, &sl->labels[i],
+        sl->rc = l->ops->get(l, st->ctx, sl->indices[i], &in, &sl->labels[i],
                              &e);
+        if (!sl->rc && (sl->rc = shape(l, st, epoch, sl->indices[i], &in,
+                                       dst, &e)) == STK_ENOMEM)
+            stk_fail(&e, sl->rc, "split \"%s\": key %llu: out of memory in "
+                     "the transform", l->split,
+                     (unsigned long long)sl->indices[i]);
         if (sl->rc)
             sl->err = e;
-        else if ((sl->rc = shape(l, st, epoch, sl->indices[i], &v, dst)))
-            stk_fail(&sl->err, sl->rc, "split \"%s\": key %llu: out of memory "
-                     "in the transform", l->split,
-                     (unsigned long long)sl->indices[i]);
     }
     if (sl->rc || (!l->o.aug_pad && !l->o.aug_flip))
         return;
@@ -413,6 +476,9 @@ static void wstate_close(stk_loader *l, wstate *st)
     stk_xform_scratch_free(&st->xs);
     free(st->tmp);
     st->tmp = NULL;
+    stk_decoder_destroy(st->dec);
+    st->dec = NULL;
+    stk_image_free(&st->im);
 }
 
 static void *worker_main(void *arg)
@@ -651,15 +717,18 @@ int stk_loader_open(stk_store *store, const stk_loader_opts *opts,
     stk_loader *l = new_loader(opts, err, &rc);
     if (!l)
         return rc;
-    if (!stk_meta_fixed(stk_store_meta(store))) { /* format 2: not yet */
+    const stk_meta *m = stk_store_meta(store);
+    if (m->variable && !l->o.xform.kind) { /* no one size to copy */
         free(l);
         return stk_fail(err, STK_EINVAL,
-                        "the loader reads fixed-size raw records; this "
-                        "database has variable-size or JPEG ones (format 2)");
+                        "the records of this database differ in size "
+                        "(prep --short-side/--max-side): the loader needs a "
+                        "transform to one size (random resized or centre "
+                        "crop)");
     }
     l->ops = &store_ops;
     l->store = store;
-    const stk_meta *m = stk_store_meta(store);
+    l->jpeg = m->encoding == STK_ENC_JPEG;
     set_shape(l, m->channels, m->height, m->width);
     l->nclasses = stk_store_meta(store)->nclasses;
     l->t_open = stk_now(); /* indexing the split counts toward first batch */

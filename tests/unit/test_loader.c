@@ -883,10 +883,10 @@ static void decode_file(const char *path, stk_image *im)
     stk_decoder_destroy(d);
 }
 
-static void raw_transforms_decode_the_original(void **state)
+/* Writes 24 PNGs of four sizes (gray and RGB) in two class folders. */
+static const char *png_folder(const char *name)
 {
-    (void)state;
-    const char *raw = scratch("rawx");
+    const char *raw = scratch(name);
     static const int size[4][2] = {{14, 10}, {31, 22}, {9, 17}, {40, 40}};
     for (int i = 0; i < 24; i++) {
         char path[1200], cmd[1300];
@@ -900,6 +900,13 @@ static void raw_transforms_decode_the_original(void **state)
             px[j] = (uint8_t)(i * 13 + j * 5 + (j / (w * c)) * 11);
         assert_int_equal(stk_png_write(path, px, w, h, c, NULL), 0);
     }
+    return raw;
+}
+
+static void raw_transforms_decode_the_original(void **state)
+{
+    (void)state;
+    const char *raw = png_folder("rawx");
     stk_source_opts so = {.size = 8}; /* prep would fit to 8 x 8 */
     stk_source *src;
     stk_err err = {0};
@@ -939,6 +946,114 @@ static void raw_transforms_decode_the_original(void **state)
     }
     assert_true(not_fitted > 24); /* originals, not prep's 8 x 8 images */
     stk_source_close(src);
+}
+
+/* What the loader makes of record r (format 2) for epoch: the raw
+ * record's CHW pixels, or the JPEG decoded as the loader documents it
+ * (at a reduced DCT scale for a crop that allows it), through the
+ * transform. */
+static void expect_record(const stk_loader_opts *o, const stk_meta *m,
+                          const stk_record *r, uint64_t epoch, uint64_t index,
+                          uint8_t *out)
+{
+    const stk_loader_xform *x = &o->xform;
+    stk_pixview v = stk_pixview_chw(r->data, m->channels, r->height, r->width);
+    if (m->encoding == STK_ENC_RAW) {
+        expect_xform(o, &v, epoch, index, m->channels, out);
+        return;
+    }
+    stk_decoder *d;
+    stk_err err = {0};
+    char why[200];
+    stk_image im;
+    stk_xform_scratch xs = {0};
+    assert_int_equal(stk_decoder_create(&d, &err), 0);
+    if (x->kind == STK_XFORM_CENTRE) {
+        assert_int_equal(stk_image_decode(d, r->data, r->nbytes, &im, why,
+                                          sizeof why), 0);
+        v = stk_pixview_hwc(im.px, im.w, im.h, im.c);
+        assert_int_equal(stk_centre_crop(&v, x->resize, x->size, m->channels,
+                                         &xs, out), 0);
+    } else {
+        double u[STK_RRC_UNIFORMS], scale[2] = {0.08, 1};
+        double ratio[2] = {3.0 / 4, 4.0 / 3};
+        bool flip;
+        stk_loader_rrc_draw(o->seed, epoch, index, u, &flip);
+        stk_box box;
+        stk_rrc_box(r->height, r->width, scale, ratio, u, &box);
+        assert_int_equal(stk_image_decode_box(d, r->data, r->nbytes, x->size,
+                                              &box, &im, why, sizeof why), 0);
+        v = stk_pixview_hwc(im.px, im.w, im.h, im.c);
+        assert_int_equal(stk_resized_crop(&v, box, x->size, flip && x->flip,
+                                          m->channels, &xs, out), 0);
+    }
+    stk_image_free(&im);
+    stk_xform_scratch_free(&xs);
+    stk_decoder_destroy(d);
+}
+
+/* Variable-size (prep --short-side) raw and JPEG databases: each record is
+ * transformed at its own size, JPEG records decoded in the workers; the
+ * batches are the same for 0 and 2 workers; a variable-size database
+ * without a transform is refused. */
+static void format2_records_through_the_transforms(void **state)
+{
+    (void)state;
+    const char *raw = png_folder("raw2");
+    for (int enc = STK_ENC_RAW; enc <= STK_ENC_JPEG; enc++) {
+        char db[1200];
+        snprintf(db, sizeof db, "%s-db%d", raw, enc);
+        stk_prep_opts po = {.workers = 2, .encoding = enc, .force = true,
+                            .source = {.short_side = 12}};
+        stk_prep_summary sum;
+        stk_err err = {0};
+        assert_int_equal(stk_prep_run(raw, db, &po, &sum, &err), 0);
+        stk_store *s;
+        assert_int_equal(stk_store_open(db, 0, &s, &err), 0);
+        const stk_meta *m = stk_store_meta(s);
+        assert_true(m->variable);
+        stk_loader *l = NULL;
+        stk_loader_opts none = {.batch_size = 4};
+        assert_int_equal(stk_loader_open(s, &none, &l, &err), STK_EINVAL);
+        assert_non_null(strstr(err.msg, "differ in size"));
+        stk_view *view;
+        assert_int_equal(stk_view_open(s, "train", &view, &err), 0);
+        stk_loader_xform xf[2] = {{.kind = STK_XFORM_RRC, .size = 5, .flip = true},
+                                  {.kind = STK_XFORM_CENTRE, .size = 6, .resize = 7}};
+        for (int k = 0; k < 2; k++) {
+            trace t[2] = {{0}};
+            for (int wk = 0; wk < 2; wk++) {
+                stk_loader_opts o = {.batch_size = 5, .workers = 2 * wk,
+                                     .shuffle = true, .seed = 3, .xform = xf[k]};
+                assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+                stk_batch b;
+                int rc, seen = 0;
+                size_t sb = (size_t)3 * xf[k].size * xf[k].size;
+                while ((rc = stk_loader_next(l, &b, &err)) == 1) {
+                    assert_int_equal(b.sample_bytes, sb);
+                    for (int j = 0; wk == 0 && j < b.n; j++, seen++) {
+                        stk_record r;
+                        uint8_t want[3 * 6 * 6];
+                        assert_int_equal(stk_view_get(view, b.indices[j], &r,
+                                                      &err), 0);
+                        expect_record(&o, m, &r, b.epoch, b.indices[j], want);
+                        assert_memory_equal(b.data + (size_t)j * sb, want, sb);
+                    }
+                    record(&t[wk], b.data, (size_t)b.n * sb);
+                    stk_loader_release(l, &b);
+                }
+                assert_int_equal(rc, 0);
+                assert_true(wk || seen == 24);
+                stk_loader_close(l);
+            }
+            assert_int_equal(t[1].len, t[0].len);
+            assert_memory_equal(t[1].bytes, t[0].bytes, t[0].len);
+            free(t[0].bytes);
+            free(t[1].bytes);
+        }
+        stk_view_close(view);
+        stk_store_close(s);
+    }
 }
 
 static void transform_options_are_checked(void **state)
@@ -987,6 +1102,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(rrc_batches_equal_the_transform_for_any_workers),
     cmocka_unit_test(raw_transforms_decode_the_original),
     cmocka_unit_test(transform_options_are_checked),
+    cmocka_unit_test(format2_records_through_the_transforms),
 };
 
 UNIT_MAIN_WITH(tests, setup, NULL)
