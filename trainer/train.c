@@ -311,7 +311,7 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     stk_loader_opts lo = {.split = "test", .batch_size = r->o->batch,
                           .workers = r->o->workers, .uneven = true,
                           .rank = r->rank.rank, .world = r->rank.world,
-                          .host = r->host};
+                          .host = r->host, .xform = r->test_xf};
     stk_loader *l;
     int rc = stk_loader_open(r->store, &lo, &l, err);
     if (rc)
@@ -545,7 +545,8 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
                               .workers = r->o->workers, .shuffle = true,
                               .seed = r->o->seed, .start_epoch = (uint64_t)r->epoch,
                               .start_batch = r->start_batch, .host = r->host,
-                              .rank = r->rank.rank, .world = r->rank.world};
+                              .rank = r->rank.rank, .world = r->rank.world,
+                              .xform = r->train_xf};
         stk_loader *l;
         if ((rc = stk_loader_open(r->store, &lo, &l, err)))
             break;
@@ -672,6 +673,49 @@ static int load_spec(run_state *r, stk_err *err)
     return rc;
 }
 
+/* The images the model sees and the loaders' transforms that make them:
+ * the records as stored, or (--augment rrc, --crop-size, --crop-ratio, or
+ * an aspect-keeping database) crop x crop images: the test split through
+ * torchvision's Resize(crop / ratio) + CenterCrop(crop), the train split
+ * through RandomResizedCrop + flip (rrc) or the same centre crop. */
+static int input_shape(run_state *r, const stk_meta *m, stk_err *err)
+{
+    const stk_train_opts *o = r->o;
+    r->augment = o->augment != STK_AUG_AUTO ? o->augment
+                 : m->variable              ? STK_AUG_RRC
+                                            : STK_AUG_NONE;
+    r->in_c = m->channels;
+    r->in_h = m->height;
+    r->in_w = m->width;
+    if (!m->variable && r->augment != STK_AUG_RRC && !o->crop_size &&
+        !(o->crop_ratio > 0))
+        return 0; /* as stored (JPEG records decoded by the loader) */
+    int stored = m->variable ? m->short_side
+                             : (m->height < m->width ? m->height : m->width);
+    if (!stored && !o->crop_size)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: its records keep their aspect ratio with only the "
+                        "longer side capped (prep --max-side), so there is no "
+                        "shorter side to size the crops from: pass --crop-size",
+                        o->db);
+    int crop = o->crop_size ? o->crop_size
+               : m->variable ? (int)lround(0.875 * stored)
+                             : stored;
+    double ratio = o->crop_ratio > 0 ? o->crop_ratio
+                   : m->variable || !stored ? 0.875
+                                            : (double)crop / stored;
+    int resize = (int)lround(crop / (ratio < 1 ? ratio : 1));
+    r->test_xf = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = crop,
+                                    .resize = resize < crop ? crop : resize};
+    r->train_xf = r->test_xf;
+    if (r->augment == STK_AUG_RRC)
+        r->train_xf = (stk_loader_xform){
+            .kind = STK_XFORM_RRC, .size = crop, .flip = true,
+            .scale = {o->rrc_scale[0], o->rrc_scale[1]}};
+    r->in_h = r->in_w = crop;
+    return 0;
+}
+
 static int setup_data(run_state *r, stk_err *err)
 {
     const stk_train_opts *o = r->o;
@@ -680,21 +724,25 @@ static int setup_data(run_state *r, stk_err *err)
         return rc;
     const stk_meta *m = stk_store_meta(r->store);
     int tr = stk_meta_split(m, "train"), te = stk_meta_split(m, "test");
+    if (tr >= 0 && te < 0 && !strcmp(m->source_format, "folder"))
+        return stk_fail(err, STK_EINVAL,
+                        "%s: has no \"test\" split to evaluate on; hold part of "
+                        "each class out with `prep --holdout 0.1 --force %s %s` (or give "
+                        "the photos RAW/train/<class> and RAW/test/<class> folders)",
+                        o->db, m->source_path, o->db);
     if (tr < 0 || te < 0)
         return stk_fail(err, STK_EINVAL,
                         "%s: needs splits \"train\" and \"test\" (has %d split%s)",
                         o->db, m->nsplits, m->nsplits == 1 ? "" : "s");
-    if (!stk_meta_fixed(m)) /* format 2: until the loader's transforms */
-        return stk_fail(err, STK_EINVAL,
-                        "%s: has variable-size or JPEG records (format 2); "
-                        "train reads fixed-size raw ones (prep --size)",
-                        o->db);
+    if ((rc = input_shape(r, m, err)))
+        return rc;
     r->classes = m->nclasses;
     /* augmentation draws from its own key, so its words never coincide
      * with dropout's (which uses r->key with step-based streams) */
     stk_philox_key aug = {r->key.k0 ^ 0x243f6a88u, r->key.k1 ^ 0x85a308d3u};
-    stk_transform t = {m->channels, m->height, m->width, {0}, {0},
-                       o->augment ? m->height / 8 : 0, o->augment, aug, 0};
+    bool crop = r->augment == STK_AUG_CROP;
+    stk_transform t = {r->in_c, r->in_h, r->in_w, {0}, {0},
+                       crop ? r->in_h / 8 : 0, crop, aug, 0};
     for (int c = 0; c < m->channels; c++) {
         t.mean[c] = (float)m->splits[tr].mean[c];
         t.inv_std[c] = 1.0f / (float)(m->splits[tr].std[c] > 0 ? m->splits[tr].std[c] : 1);
@@ -712,9 +760,8 @@ static int setup_data(run_state *r, stk_err *err)
 
 static int setup_buffers(run_state *r, stk_err *err)
 {
-    const stk_meta *m = stk_store_meta(r->store);
     stk_backend *be = r->be;
-    size_t n = (size_t)r->o->batch, sb = stk_meta_sample_bytes(m);
+    size_t n = (size_t)r->o->batch, sb = (size_t)r->in_c * r->in_h * r->in_w;
     size_t np = stk_model_param_count(r->model);
     r->x_f = stk_dev_alloc(be, n * sb * sizeof(float), err);
     r->mdev = stk_dev_alloc(be, sizeof *r->mdev, err);
@@ -861,7 +908,7 @@ static int setup(run_state *r, stk_err *err)
         const stk_meta *m = stk_store_meta(r->store);
         r->host = pinned_ring_host(&r->ring, r->be);
         rc =
-            stk_model_create(r->be, &r->spec, m->channels, m->height, m->width,
+            stk_model_create(r->be, &r->spec, r->in_c, r->in_h, r->in_w,
                              m->nclasses, o->batch, o->seed, &r->model, err);
     }
     if (!rc)
@@ -931,6 +978,10 @@ int stk_train_check_opts(const stk_train_opts *o, stk_err *err)
         return stk_fail(err, STK_EINVAL,
                         "--label-smoothing must be in [0, 1), not %g",
                         (double)o->label_smoothing);
+    if (o->rrc_scale[1] > 0 && o->augment != STK_AUG_RRC &&
+        o->augment != STK_AUG_AUTO)
+        return stk_fail(err, STK_EINVAL,
+                        "--rrc-scale applies to --augment rrc (RandomResizedCrop)");
     return 0;
 }
 

@@ -47,7 +47,17 @@ static const char usage[] =
     "  --threads N         CPU compute threads (default: the CPUs usable)\n"
     "  --conv auto|im2col  3x3 stride-1 convolutions by Winograd F(2x2,3x3)\n"
     "                      (auto, default) or im2col + GEMM like the others\n"
-    "  --augment           random crop (padding h/8) and horizontal flip\n"
+    "  --augment [crop|rrc|none]  the training transform: crop = random crop\n"
+    "                      (padding h/8) and horizontal flip (--augment alone);\n"
+    "                      rrc = RandomResizedCrop + flip in the loader (the\n"
+    "                      default on aspect-keeping databases); none\n"
+    "  --crop-size N       side of the images the model sees (rrc, and the\n"
+    "                      test split's centre crop); default: the stored side,\n"
+    "                      or 0.875 of the shorter side on aspect-keeping DBs\n"
+    "  --crop-ratio R      test split: resize the shorter side to N / R, then\n"
+    "                      centre crop N (default 0.875 on aspect-keeping DBs,\n"
+    "                      torchvision's 224/256)\n"
+    "  --rrc-scale LO,HI   RandomResizedCrop's area range (default 0.08,1)\n"
     "  --no-dropout        dropout layers pass their input unchanged\n"
     "  --seed S            (default 1)\n"
     "  --out RUN_DIR       metrics.jsonl, curves.svg and checkpoints\n"
@@ -88,6 +98,37 @@ static int choose(const char *flag, const char *s, const char *const *names,
                   int n, int *out)
 {
     return stk_cli_choice("train", flag, s, names, n, out);
+}
+
+/* --augment, --augment=KIND or --augment KIND: the bare flag is the crop
+ * it always was, a following word names the transform. */
+static int parse_augment(int argc, char **argv, stk_augment *out)
+{
+    static const char *const kinds[] = {"crop", "rrc", "none"};
+    static const stk_augment values[] = {STK_AUG_CROP, STK_AUG_RRC, STK_AUG_NONE};
+    const char *arg = optarg;
+    if (!arg && optind < argc && argv[optind][0] != '-')
+        arg = argv[optind++];
+    int v = 0;
+    if (arg && choose("--augment", arg, kinds, 3, &v))
+        return -1;
+    *out = values[v];
+    return 0;
+}
+
+/* --rrc-scale LO,HI: 0 < LO <= HI <= 1. */
+static int parse_scale(const char *s, float scale[2])
+{
+    char *end;
+    double lo = strtod(s, &end), hi = *end == ',' ? strtod(end + 1, &end) : -1;
+    if (*end || !(lo > 0 && lo <= hi && hi <= 1)) {
+        fprintf(stderr, "train: --rrc-scale: expected LO,HI with 0 < LO <= HI <= 1 "
+                        "(e.g. 0.08,1), got '%s'\n", s);
+        return -1;
+    }
+    scale[0] = (float)lo;
+    scale[1] = (float)hi;
+    return 0;
 }
 
 /* The launcher's side of the command line. */
@@ -134,7 +175,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
            O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
            O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND, O_SYNCBN,
-           O_SMOOTH, O_NODECAY };
+           O_SMOOTH, O_NODECAY, O_CROP, O_CRATIO, O_RRCSCALE };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
         {"epochs", 1, 0, 'e'}, {"batch", 1, 0, 'b'}, {"lr", 1, 0, 'l'},
@@ -143,7 +184,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"weight-decay", 1, 0, O_WD}, {"clip", 1, 0, O_CLIP},
         {"schedule", 1, 0, O_SCHED}, {"warmup", 1, 0, O_WARM},
         {"step-size", 1, 0, O_SS}, {"gamma", 1, 0, O_GAMMA},
-        {"threads", 1, 0, O_THREADS}, {"augment", 0, 0, O_AUG},
+        {"threads", 1, 0, O_THREADS}, {"augment", 2, 0, O_AUG},
         {"no-dropout", 0, 0, O_NODROP}, {"resume", 1, 0, O_RESUME},
         {"init-from", 1, 0, O_INIT}, {"log-every", 1, 0, O_LOG},
         {"keep", 1, 0, O_KEEP}, {"max-steps", 1, 0, O_MAX},
@@ -155,7 +196,8 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
         {"conv", 1, 0, O_CONV}, {"bind", 1, 0, O_BIND},
         {"label-smoothing", 1, 0, O_SMOOTH}, {"no-decay-norm-bias", 0, 0, O_NODECAY},
-        {"sync-bn", 0, 0, O_SYNCBN},
+        {"sync-bn", 0, 0, O_SYNCBN}, {"crop-size", 1, 0, O_CROP},
+        {"crop-ratio", 1, 0, O_CRATIO}, {"rrc-scale", 1, 0, O_RRCSCALE},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
     static const char *const optims[] = {"sgd", "adamw"};
@@ -187,7 +229,10 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); break;
         case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); break;
         case O_THREADS: rc = num_i("--threads", optarg, 0, 1024, &o->threads); break;
-        case O_AUG: o->augment = true; break;
+        case O_AUG: rc = parse_augment(argc, argv, &o->augment); break;
+        case O_CROP: rc = num_i("--crop-size", optarg, 1, 4096, &o->crop_size); break;
+        case O_CRATIO: rc = num_f("--crop-ratio", optarg, 0.01, 1, &o->crop_ratio); break;
+        case O_RRCSCALE: rc = parse_scale(optarg, o->rrc_scale); break;
         case O_NODROP: o->dropout = false; break;
         case O_RESUME: o->resume = optarg; break;
         case O_INIT: o->init_from = optarg; break;

@@ -183,6 +183,16 @@ typedef enum stk_sched {
     STK_SCHED_ONECYCLE
 } stk_sched;
 
+/* The training transform (--augment). CROP is the CIFAR recipe's random
+ * crop with h/8 zero padding and a horizontal flip, drawn on the device
+ * (or the CPU backend) as the batch is normalised; RRC is ImageNet's
+ * RandomResizedCrop and a flip, done by the loader's workers on uint8
+ * records of any size. AUTO: RRC on an aspect-keeping database, else
+ * NONE. */
+typedef enum stk_augment {
+    STK_AUG_AUTO, STK_AUG_NONE, STK_AUG_CROP, STK_AUG_RRC
+} stk_augment;
+
 typedef struct stk_train_opts {
     const char *db;           /* database directory (train and test splits) */
     stk_device_kind device;
@@ -201,7 +211,16 @@ typedef struct stk_train_opts {
     int warmup;               /* steps of linear warm-up (not onecycle) */
     int step_size;            /* step schedule: epochs per decay */
     float gamma;
-    bool augment;             /* random crop (pad h/8) + horizontal flip */
+    stk_augment augment;      /* the training transform */
+    int crop_size;            /* side of the loader's output (rrc, and the
+                                 evaluation's centre crop); 0: the stored
+                                 side (fixed-size databases) or 0.875 of
+                                 the shorter side (aspect-keeping ones) */
+    float crop_ratio;         /* evaluation: resize the shorter side to
+                                 crop_size / crop_ratio, centre crop; 0:
+                                 0.875 (aspect-keeping) or crop / stored */
+    float rrc_scale[2];       /* RandomResizedCrop's area fraction range;
+                                 0,0: torchvision's (0.08, 1) */
     bool dropout;             /* false: every dropout layer's p is 0 (the
                                  identity; batchnorm still trains) */
     stk_conv_algo conv;       /* 3x3 convolutions: Winograd or im2col */
