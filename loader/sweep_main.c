@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,8 +23,9 @@ typedef struct config {
     int batch, epochs, prefetch;
     double consume_ms;
     uint64_t seed;
-    const char *augment; /* "none", "crop" (train --augment's) or "rrc" */
-    int crop_size;       /* rrc and --eval output side; 0 = the DB's height */
+    const char *augment; /* "none", "crop" (train --augment's) or "rrc";
+                            NULL: rrc on aspect-keeping databases, else none */
+    int crop_size;       /* rrc and --eval output side; 0 = crop_side's */
     bool eval;           /* Resize(size / 0.875) + CenterCrop(size) */
 } config;
 
@@ -116,13 +118,13 @@ static int parse_args(int argc, char **argv, config *c)
             return -1;
         }
     }
-    if (!rc && strcmp(c->augment, "none") && strcmp(c->augment, "crop") &&
-        strcmp(c->augment, "rrc")) {
+    if (!rc && c->augment && strcmp(c->augment, "none") &&
+        strcmp(c->augment, "crop") && strcmp(c->augment, "rrc")) {
         fprintf(stderr, "sweep: --augment: expected none, crop or rrc, got "
                         "'%s'\n", c->augment);
         return -1;
     }
-    if (!rc && c->eval && strcmp(c->augment, "none")) {
+    if (!rc && c->eval && c->augment && strcmp(c->augment, "none")) {
         fprintf(stderr, "sweep: --eval and --augment %s exclude each other\n",
                 c->augment);
         return -1;
@@ -163,14 +165,25 @@ static int time_loader(stk_loader *l, const config *c, stk_loader_stats *st,
     return 0;
 }
 
+/* The side of the transforms' output: --crop-size, else the database's
+ * height, or on an aspect-keeping one 0.875 of its shorter side (train's
+ * default); 0 when there is none (prep --max-side alone). */
+static int crop_side(const config *c, const stk_meta *m)
+{
+    if (c->crop_size)
+        return c->crop_size;
+    return m->variable ? (int)lround(0.875 * m->short_side) : m->height;
+}
+
 /* The loader options of one run: the flags' transform on a database of
  * height h. */
-static stk_loader_opts run_opts(const config *c, int h, int workers)
+static stk_loader_opts run_opts(const config *c, const stk_meta *m,
+                                int workers)
 {
     stk_loader_opts o = {.split = c->split, .batch_size = c->batch,
                          .workers = workers, .prefetch = c->prefetch,
                          .shuffle = true, .seed = c->seed};
-    int size = c->crop_size ? c->crop_size : h;
+    int h = m->height, size = crop_side(c, m);
     if (!strcmp(c->augment, "crop")) { /* train --augment's */
         o.aug_pad = h / 8;
         o.aug_flip = true;
@@ -186,8 +199,7 @@ static stk_loader_opts run_opts(const config *c, int h, int workers)
 static int run_one(stk_store *store, const stk_source *src, int src_split,
                    const config *c, result *r, stk_err *err)
 {
-    stk_loader_opts o = run_opts(c, stk_store_meta(store)->height,
-                                 r->workers);
+    stk_loader_opts o = run_opts(c, stk_store_meta(store), r->workers);
     stk_loader *l;
     int rc = src ? stk_loader_open_raw(src, src_split, &o, &l, err)
                  : stk_loader_open(store, &o, &l, err);
@@ -333,25 +345,32 @@ static int write_svg(const config *c, const result *rs, int n, stk_err *err)
 }
 
 /* Reads the split once so that every worker count meets the same (warm)
- * page cache, whatever order the counts run in. */
+ * page cache, whatever order the counts run in: every record's bytes,
+ * whatever their format (nothing decoded). */
 static int warm_up(stk_store *store, const config *c, stk_err *err)
 {
-    stk_loader_opts o = {.split = c->split, .batch_size = c->batch};
-    stk_loader *l;
-    stk_batch b;
-    int rc = stk_loader_open(store, &o, &l, err);
-    while (!rc && (rc = stk_loader_next(l, &b, err)) == 1)
-        stk_loader_release(l, &b);
-    stk_loader_close(l);
-    return rc < 0 ? rc : 0;
+    stk_view *v;
+    int rc = stk_view_open(store, c->split, &v, err);
+    volatile uint8_t sink = 0;
+    for (uint64_t i = 0; !rc && i < stk_view_count(v); i++) {
+        stk_record r;
+        if (!(rc = stk_view_get(v, i, &r, err)))
+            for (uint32_t k = 0; k < r.nbytes; k += 4096)
+                sink ^= r.data[k];
+    }
+    (void)sink;
+    stk_view_close(v);
+    return rc;
 }
 
 /* Opens the raw folder with the database's shape, and finds the split. */
 static int open_raw(const config *c, const stk_meta *m, stk_source **src,
                     int *split, stk_err *err)
 {
+    /* the database's holdout, so that "test" holds the same files */
     stk_source_opts so = {.format = STK_SRC_FOLDER, .size = m->height,
-                          .channels = m->channels};
+                          .channels = m->channels, .holdout = m->holdout,
+                          .holdout_seed = m->holdout_seed};
     int rc = stk_source_open(c->raw, &so, src, err);
     if (rc)
         return rc;
@@ -366,7 +385,7 @@ static int open_raw(const config *c, const stk_meta *m, stk_source **src,
 int main(int argc, char **argv)
 {
     config c = {.split = "train", .counts = {0, 1, 2, 4, 8}, .ncounts = 5,
-                .batch = 256, .epochs = 1, .augment = "none"};
+                .batch = 256, .epochs = 1};
     if (parse_args(argc, argv, &c))
         return 2;
     stk_err err = {0};
@@ -380,6 +399,15 @@ int main(int argc, char **argv)
         rc = stk_fail(&err, STK_ENOENT, "--split: no split \"%s\" in %s",
                       c.split, c.db);
     }
+    if (!rc && !c.augment) /* records of many sizes need a crop to one */
+        c.augment = m->variable && !c.eval ? "rrc" : "none";
+    if (!rc && m->variable && !crop_side(&c, m)) {
+        usage = true;
+        rc = stk_fail(&err, STK_EINVAL,
+                      "%s: its records keep their aspect ratio with only the "
+                      "longer side capped (prep --max-side): pass --crop-size",
+                      c.db);
+    }
     if (!rc && c.raw)
         rc = open_raw(&c, m, &src, &src_split, &err);
     if (!rc)
@@ -387,12 +415,20 @@ int main(int argc, char **argv)
     result rs[2 * MAX_COUNTS];
     int n = 0;
     if (!rc) {
-        printf("sweep: %s split %s, %llu samples of %dx%dx%d, batch %d, %d "
-               "epoch(s), consume %.1f ms/batch, transform %s\n",
+        char shape[64];
+        if (m->variable)
+            snprintf(shape, sizeof shape, "%dx(own HxW)", m->channels);
+        else
+            snprintf(shape, sizeof shape, "%dx%dx%d", m->channels, m->height,
+                     m->width);
+        if (m->encoding == STK_ENC_JPEG)
+            strcat(shape, " JPEG");
+        printf("sweep: %s split %s, %llu samples of %s, batch %d, %d "
+               "epoch(s), consume %.1f ms/batch, transform %s (to %d)\n",
                c.db, c.split,
                (unsigned long long)m->splits[stk_meta_split(m, c.split)].count,
-               m->channels, m->height, m->width, c.batch, c.epochs,
-               c.consume_ms, c.eval ? "eval" : c.augment);
+               shape, c.batch, c.epochs, c.consume_ms,
+               c.eval ? "eval" : c.augment, crop_side(&c, m));
         printf("source workers   samples/s      MB/s  first(ms)  stall%%  "
                "busy/wkr\n");
     }

@@ -87,6 +87,16 @@ for enc in ("raw", "jpeg"):
     accs[enc] = max(l["test_acc"] for l in ep)
     print(f"{enc}: test accuracy by epoch",
           [round(l["test_acc"], 3) for l in ep])
+# sweep times the same transforms, on the records and on the original files
+# of the held-out split (the database's holdout recomputed over the folder)
+out = run("sweep", "--db", "db-jpeg", "--workers", "0,1", "--batch", "16",
+          "--raw", "photos", "--split", "test")
+if "transform rrc (to 35)" not in out or "\nraw " not in out:
+    sys.exit(f"FAIL: sweep on an aspect-keeping JPEG database:\n{out}")
+out = run("sweep", "--db", "db-raw", "--workers", "1", "--eval",
+          "--crop-size", "24")
+if "transform eval (to 24)" not in out:
+    sys.exit(f"FAIL: sweep --eval:\n{out}")
 for enc, acc in accs.items():
     # 4 classes: chance is 0.25
     if acc < 0.6:

@@ -133,7 +133,7 @@ PY
 fi
 "$STK_BIN/prep" --quiet --format folder "$STK_SRC/tests/e2e" notadb 2>/dev/null || true
 mkdir onesplit && $PY "$STK_SRC/tests/e2e/make_folder.py" onesplit/raw 50 28 && "$STK_BIN/prep" --quiet onesplit/raw onesplit/db
-expect_fail 1 "onesplit/db: needs splits \"train\" and \"test\"" "$T" --db onesplit/db --out x
+expect_fail 1 "onesplit/db: has no \"test\" split to evaluate on; hold part of each class out with .prep --holdout 0.1" "$T" --db onesplit/db --out x
 expect_fail 1 "nodb: not a stoke database" "$T" --db nodb
 ! ls x/checkpoints 2>/dev/null | grep -q step- || fail "a refused run wrote a checkpoint into x"
 ok "bad input refused"
