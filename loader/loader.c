@@ -11,6 +11,7 @@
 
 #include "kernels/ops_inline.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -355,6 +356,31 @@ void stk_loader_rrc_draw(uint64_t seed, uint64_t epoch, uint64_t index,
                 *flip = ctr[j] & 1;
         }
     }
+}
+
+int stk_loader_crop_plan(const stk_meta *m, int crop_size, double crop_ratio,
+                         const char *db, stk_loader_xform *centre,
+                         stk_err *err)
+{
+    int stored = m->variable ? m->short_side
+                             : (m->height < m->width ? m->height : m->width);
+    if (!stored && !crop_size)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: its records keep their aspect ratio with only "
+                        "the longer side capped (prep --max-side), so there "
+                        "is no shorter side to size the crops from: give a "
+                        "crop size",
+                        db);
+    int side = crop_size ? crop_size
+               : m->variable ? (int)lround(0.875 * stored)
+                             : stored;
+    double ratio = crop_ratio > 0 ? crop_ratio
+                   : m->variable || !stored ? 0.875
+                                            : (double)side / stored;
+    int resize = (int)lround(side / (ratio < 1 ? ratio : 1));
+    *centre = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = side,
+                                 .resize = resize < side ? side : resize};
+    return 0;
 }
 
 /* A JPEG record decoded, whole (box NULL) or for a crop of *box to the

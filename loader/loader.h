@@ -72,6 +72,18 @@ typedef struct stk_loader_xform {
     int resize;         /* CENTRE: shorter side; 0 = size / 0.875 */
 } stk_loader_xform;
 
+/* Images of one size from a database, as train, sweep and the Python
+ * Loader size them: side crop_size, else the stored side, or on an
+ * aspect-keeping database (prep --short-side S) 0.875 S (S = 256 gives
+ * 224). Fills *centre with the evaluation's Resize(side / ratio) +
+ * CenterCrop(side), ratio crop_ratio, else 0.875 on an aspect-keeping
+ * database and side / stored side on a fixed one (as stored when side is
+ * the stored side). Returns 0, or STK_EINVAL naming db when there is no
+ * side to derive (prep --max-side alone, no crop_size). */
+int stk_loader_crop_plan(const stk_meta *m, int crop_size, double crop_ratio,
+                         const char *db, stk_loader_xform *centre,
+                         stk_err *err);
+
 /* The draws of sample index in epoch for STK_XFORM_RRC: the uniforms
  * stk_rrc_box consumes and the flip, from Philox keyed by the seed
  * (docs/loader.md says which counters give which). */

@@ -44,8 +44,10 @@ static const char usage[] =
     "step of X ms per batch; --raw also times decoding RAW_DIR's image files\n"
     "on every epoch (what an ImageFolder does), side by side. --augment: the\n"
     "workers' transform (crop: train --augment's padded crop + flip; rrc:\n"
-    "RandomResizedCrop(N) + flip); --eval: Resize(N / 0.875) + CenterCrop(N);\n"
-    "N = --crop-size, default the database's height.\n";
+    "RandomResizedCrop(N) + flip); --eval: train's test transform, Resize +\n"
+    "CenterCrop(N) (docs/cli.md, train --crop-ratio);\n"
+    "N = --crop-size, default the stored side (0.875 of the shorter side on\n"
+    "aspect-keeping databases, as train).\n";
 
 static int parse_counts(const char *s, config *c)
 {
@@ -165,14 +167,12 @@ static int time_loader(stk_loader *l, const config *c, stk_loader_stats *st,
     return 0;
 }
 
-/* The side of the transforms' output: --crop-size, else the database's
- * height, or on an aspect-keeping one 0.875 of its shorter side (train's
- * default); 0 when there is none (prep --max-side alone). */
-static int crop_side(const config *c, const stk_meta *m)
+/* The centre crop the flags and the database ask for (its size is every
+ * transform's), as train chooses it. */
+static int crop_plan(const config *c, const stk_meta *m,
+                     stk_loader_xform *centre, stk_err *err)
 {
-    if (c->crop_size)
-        return c->crop_size;
-    return m->variable ? (int)lround(0.875 * m->short_side) : m->height;
+    return stk_loader_crop_plan(m, c->crop_size, 0, c->db, centre, err);
 }
 
 /* The loader options of one run: the flags' transform on a database of
@@ -183,7 +183,9 @@ static stk_loader_opts run_opts(const config *c, const stk_meta *m,
     stk_loader_opts o = {.split = c->split, .batch_size = c->batch,
                          .workers = workers, .prefetch = c->prefetch,
                          .shuffle = true, .seed = c->seed};
-    int h = m->height, size = crop_side(c, m);
+    stk_loader_xform centre = {0};
+    crop_plan(c, m, &centre, NULL); /* checked once in main */
+    int h = m->height, size = centre.size;
     if (!strcmp(c->augment, "crop")) { /* train --augment's */
         o.aug_pad = h / 8;
         o.aug_flip = true;
@@ -191,7 +193,7 @@ static stk_loader_opts run_opts(const config *c, const stk_meta *m,
         o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC, .size = size,
                                      .flip = true};
     } else if (c->eval) {
-        o.xform = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = size};
+        o.xform = centre;
     }
     return o;
 }
@@ -401,13 +403,9 @@ int main(int argc, char **argv)
     }
     if (!rc && !c.augment) /* records of many sizes need a crop to one */
         c.augment = m->variable && !c.eval ? "rrc" : "none";
-    if (!rc && m->variable && !crop_side(&c, m)) {
+    stk_loader_xform centre = {0};
+    if (!rc && (rc = crop_plan(&c, m, &centre, &err)))
         usage = true;
-        rc = stk_fail(&err, STK_EINVAL,
-                      "%s: its records keep their aspect ratio with only the "
-                      "longer side capped (prep --max-side): pass --crop-size",
-                      c.db);
-    }
     if (!rc && c.raw)
         rc = open_raw(&c, m, &src, &src_split, &err);
     if (!rc)
@@ -428,7 +426,7 @@ int main(int argc, char **argv)
                c.db, c.split,
                (unsigned long long)m->splits[stk_meta_split(m, c.split)].count,
                shape, c.batch, c.epochs, c.consume_ms,
-               c.eval ? "eval" : c.augment, crop_side(&c, m));
+               c.eval ? "eval" : c.augment, centre.size);
         printf("source workers   samples/s      MB/s  first(ms)  stall%%  "
                "busy/wkr\n");
     }

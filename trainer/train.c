@@ -690,23 +690,11 @@ static int input_shape(run_state *r, const stk_meta *m, stk_err *err)
     if (!m->variable && r->augment != STK_AUG_RRC && !o->crop_size &&
         !(o->crop_ratio > 0))
         return 0; /* as stored (JPEG records decoded by the loader) */
-    int stored = m->variable ? m->short_side
-                             : (m->height < m->width ? m->height : m->width);
-    if (!stored && !o->crop_size)
-        return stk_fail(err, STK_EINVAL,
-                        "%s: its records keep their aspect ratio with only the "
-                        "longer side capped (prep --max-side), so there is no "
-                        "shorter side to size the crops from: pass --crop-size",
-                        o->db);
-    int crop = o->crop_size ? o->crop_size
-               : m->variable ? (int)lround(0.875 * stored)
-                             : stored;
-    double ratio = o->crop_ratio > 0 ? o->crop_ratio
-                   : m->variable || !stored ? 0.875
-                                            : (double)crop / stored;
-    int resize = (int)lround(crop / (ratio < 1 ? ratio : 1));
-    r->test_xf = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = crop,
-                                    .resize = resize < crop ? crop : resize};
+    int rc = stk_loader_crop_plan(m, o->crop_size, o->crop_ratio, o->db,
+                                  &r->test_xf, err);
+    if (rc)
+        return rc;
+    int crop = r->test_xf.size;
     r->train_xf = r->test_xf;
     if (r->augment == STK_AUG_RRC)
         r->train_xf = (stk_loader_xform){
