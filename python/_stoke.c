@@ -448,18 +448,28 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
                             "workers", "prefetch",    "rank",
                             "world",   "start_epoch", "start_batch",
                             "uneven",  "pad",         "flip",
-                            "alloc",   NULL};
+                            "alloc",   "transform",   "crop_size",
+                            "crop_ratio", "scale_lo", "scale_hi", NULL};
     PyObject *path, *alloc = Py_None;
-    const char *split = "train";
-    int shuffle = 1, drop_last = 0, uneven = 0, flip = 0;
+    const char *split = "train", *transform = "none";
+    int shuffle = 1, drop_last = 0, uneven = 0, flip = 0, crop_size = 0;
+    double crop_ratio = 0, scale[2] = {0, 0};
     unsigned long long seed = 0, start_epoch = 0, start_batch = 0;
     stk_loader_opts o = {.batch_size = 0};
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&si|ppKiiiiKKpipO", names, PyUnicode_FSConverter,
+            args, kw, "O&si|ppKiiiiKKpipOsiddd", names, PyUnicode_FSConverter,
             &path, &split, &o.batch_size, &shuffle, &drop_last, &seed,
             &o.workers, &o.prefetch, &o.rank, &o.world, &start_epoch,
-            &start_batch, &uneven, &o.aug_pad, &flip, &alloc))
+            &start_batch, &uneven, &o.aug_pad, &flip, &alloc, &transform,
+            &crop_size, &crop_ratio, &scale[0], &scale[1]))
         return -1;
+    bool rrc = !strcmp(transform, "rrc");
+    if (!rrc && strcmp(transform, "none") && strcmp(transform, "centre")) {
+        Py_DECREF(path);
+        raise_arg("transform must be none, rrc or centre, not \"%s\"",
+                  transform);
+        return -1;
+    }
     if (self->loader || self->store || self->keep || self->alloc ||
         self->closing) {
         Py_DECREF(path);
@@ -501,6 +511,22 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         self->store = NULL;
         return -1;
     }
+    if (rrc || strcmp(transform, "none") || m->variable || crop_size ||
+        crop_ratio > 0) { /* images of one size, sized as train sizes them */
+        rc = stk_loader_crop_plan(m, crop_size, crop_ratio,
+                                  PyBytes_AS_STRING(path), &o.xform, &err);
+        if (!rc && rrc)
+            o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC,
+                                         .size = o.xform.size, .flip = true,
+                                         .scale = {scale[0], scale[1]}};
+        if (rc) {
+            Py_DECREF(path);
+            raise_stk(rc, &err);
+            stk_store_close(self->store);
+            self->store = NULL;
+            return -1;
+        }
+    }
     Py_DECREF(path);
     if (o.aug_pad == -1) /* train --augment's padding, H / 8 */
         o.aug_pad = m->height / 8;
@@ -527,8 +553,8 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
         return -1;
     }
     self->c = m->channels;
-    self->h = m->height;
-    self->w = m->width;
+    self->h = o.xform.kind ? o.xform.size : m->height;
+    self->w = o.xform.kind ? o.xform.size : m->width;
     return 0;
 }
 

@@ -280,9 +280,19 @@ class Loader:
     uneven=True gives every sample exactly once over the ranks, for
     evaluation).
 
-    augment=True applies train --augment's transform in the workers: a
-    random crop with H // 8 pixels of zero padding and a horizontal flip,
-    drawn per (seed, epoch, sample).
+    augment=True (or "crop") applies train --augment's transform in the
+    workers: a random crop with H // 8 pixels of zero padding and a
+    horizontal flip, drawn per (seed, epoch, sample). augment="rrc" is
+    torchvision's RandomResizedCrop(crop_size, scale=rrc_scale) and a
+    horizontal flip (train --augment rrc), for photos. Images come out
+    crop_size x crop_size whenever a crop size is asked for, rrc is, or the
+    database keeps each image's aspect ratio (prep --short-side): without
+    rrc through the evaluation transform Resize(crop_size / crop_ratio) +
+    CenterCrop(crop_size). crop_size defaults to the stored side, or 0.875
+    of the stored shorter side (prep --short-side 256: 224); crop_ratio to
+    0.875 there (torchvision's 224/256) and to crop_size / stored side on
+    fixed-size databases. Batches of JPEG records (prep --encode jpeg) are
+    decoded by the workers.
 
     Batches are views of the ring, never overwritten while viewed (see the
     module's doc); copy=True gives copies instead. pin_memory (default: when as_torch and CUDA are there)
@@ -294,7 +304,8 @@ class Loader:
     def __init__(self, db_dir, split="train", batch_size=256, shuffle=True,
                  drop_last=False, seed=0, workers=None, prefetch=None,
                  rank=None, world_size=None, augment=False, as_torch=False,
-                 copy=False, pin_memory=None, uneven=False):
+                 copy=False, pin_memory=None, uneven=False, crop_size=None,
+                 crop_ratio=None, rrc_scale=(0.08, 1.0)):
         self.path = os.fspath(db_dir)
         self.split = split
         self.batch_size = int(batch_size)
@@ -304,7 +315,17 @@ class Loader:
         self.seed = _u64("seed", seed)
         self.workers = _default_workers() if workers is None else int(workers)
         self.rank, self.world_size = _world(rank, world_size)
-        self.augment = bool(augment)
+        kinds = {False: "none", None: "none", True: "crop", "none": "none",
+                 "crop": "crop", "rrc": "rrc"}
+        if not isinstance(augment, (bool, str, type(None))) or augment not in kinds:
+            raise _arg_error("augment must be False, True, \"crop\" or "
+                             "\"rrc\", not %r" % (augment,))
+        self.augment = kinds[augment]
+        self.crop_size = int(crop_size or 0)
+        self.crop_ratio = float(crop_ratio or 0)
+        self.rrc_scale = tuple(float(x) for x in rrc_scale)
+        if len(self.rrc_scale) != 2:
+            raise _arg_error("rrc_scale must be (lo, hi), not %r" % (rrc_scale,))
         self.as_torch = bool(as_torch)
         self.copy = bool(copy)
         if prefetch is None:
@@ -350,8 +371,12 @@ class Loader:
             drop_last=self.drop_last, seed=self.seed, workers=self.workers,
             prefetch=self.prefetch, rank=self.rank, world=self.world_size,
             start_epoch=self._epoch, start_batch=self._batch,
-            uneven=self.uneven, pad=-1 if self.augment else 0,  # -1: H // 8
-            flip=self.augment,
+            uneven=self.uneven,
+            pad=-1 if self.augment == "crop" else 0,  # -1: H // 8
+            flip=self.augment == "crop",
+            transform="rrc" if self.augment == "rrc" else "none",
+            crop_size=self.crop_size, crop_ratio=self.crop_ratio,
+            scale_lo=self.rrc_scale[0], scale_hi=self.rrc_scale[1],
             alloc=_pinned_alloc(self._torch) if self.pin_memory else None)
         self._ring_at = (self._epoch, self._batch)
         self._ring_pid = os.getpid()

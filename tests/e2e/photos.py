@@ -97,6 +97,51 @@ out = run("sweep", "--db", "db-raw", "--workers", "1", "--eval",
           "--crop-size", "24")
 if "transform eval (to 24)" not in out:
     sys.exit(f"FAIL: sweep --eval:\n{out}")
+# the Python package: the same transforms from stoke.Loader
+try:
+    import stoke
+except ImportError:
+    stoke = None
+if stoke is not None:
+    import torchvision.transforms as T
+    db = stoke.open("db-raw")
+    test = stoke.Loader("db-raw", split="test", batch_size=8, shuffle=False,
+                        workers=1)
+    if test.shape != (3, 35, 35):
+        sys.exit(f"FAIL: stoke.Loader on an aspect-keeping database: shape "
+                 f"{test.shape}, expected (3, 35, 35)")
+    centre = T.Compose([T.Resize(40), T.CenterCrop(35)])  # 35 / 0.875
+    worst, k = 0, 0
+    for images, labels in stoke.Loader("db-raw", split="test", batch_size=8,
+                                       shuffle=False, workers=2):
+        for img, label in zip(images, labels):
+            rec, want_label = db["test"][k]
+            pil = Image.fromarray(np.ascontiguousarray(rec.transpose(1, 2, 0)))
+            want = np.asarray(centre(pil)).transpose(2, 0, 1).astype(int)
+            worst = max(worst, int(np.abs(img.astype(int) - want).max()))
+            if label != want_label:
+                sys.exit(f"FAIL: Loader test/{k}: label {label}, not {want_label}")
+            k += 1
+    if k != len(db["test"]) or worst > 1:
+        sys.exit(f"FAIL: stoke.Loader's centre crops of {k} records differ "
+                 f"from torchvision's Resize + CenterCrop by {worst} levels")
+    runs = []
+    for _ in range(2):
+        ld = stoke.Loader("db-jpeg", batch_size=16, augment="rrc", crop_size=24,
+                          rrc_scale=(0.3, 1), seed=5, workers=2)
+        runs.append([(im.copy(), lb.copy()) for im, lb in ld])
+        if runs[-1][0][0].shape != (16, 3, 24, 24):
+            sys.exit(f"FAIL: rrc batch shape {runs[-1][0][0].shape}")
+    if any(not np.array_equal(a[0], b[0]) for a, b in zip(*runs)):
+        sys.exit("FAIL: stoke.Loader(augment='rrc') differs between two runs")
+    try:
+        stoke.Loader("db-raw", augment="bogus")
+        sys.exit("FAIL: augment='bogus' accepted")
+    except stoke.ArgumentError as e:
+        if "augment" not in str(e):
+            sys.exit(f"FAIL: augment='bogus': {e}")
+    print(f"ok: stoke.Loader: centre crops of {k} test records within "
+          f"{worst} of torchvision; rrc batches repeat for a seed")
 for enc, acc in accs.items():
     # 4 classes: chance is 0.25
     if acc < 0.6:
