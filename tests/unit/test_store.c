@@ -548,6 +548,19 @@ static void damage_is_named(void **state)
 
 /* ---- metadata bounds and names ----------------------------------------- */
 
+/* Parses edited metadata JSON (root, deleted here) as a reader would. */
+static int parse_back(cJSON *root, stk_err *err)
+{
+    char *json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    stk_meta back;
+    int rc = stk_meta_from_json(json, strlen(json), &back, err);
+    free(json);
+    if (!rc)
+        stk_meta_free(&back);
+    return rc;
+}
+
 /* The sample metadata's JSON with one field replaced: path is "record",
  * "shape", 1 style (object keys, then an array index as a number). */
 static int parse_with(const char *key1, const char *key2, int index,
@@ -569,14 +582,7 @@ static int parse_with(const char *key1, const char *key2, int index,
     else
         cJSON_ReplaceItemInObjectCaseSensitive(
             cJSON_GetObjectItemCaseSensitive(root, key1), key2, v);
-    json = cJSON_PrintUnformatted(root);
-    cJSON_Delete(root);
-    stk_meta back;
-    int rc = stk_meta_from_json(json, strlen(json), &back, err);
-    free(json);
-    if (!rc)
-        stk_meta_free(&back);
-    return rc;
+    return parse_back(root, err);
 }
 
 static void refused_naming(int rc, const stk_err *err, const char *field,
@@ -972,14 +978,7 @@ static int parse_v2_with(const char *field, const char *value, stk_err *err)
         cJSON_ReplaceItemInObjectCaseSensitive(rec, field, cJSON_Parse(value));
     else
         cJSON_DeleteItemFromObjectCaseSensitive(rec, field);
-    json = cJSON_PrintUnformatted(root);
-    cJSON_Delete(root);
-    stk_meta back;
-    int rc = stk_meta_from_json(json, strlen(json), &back, err);
-    free(json);
-    if (!rc)
-        stk_meta_free(&back);
-    return rc;
+    return parse_back(root, err);
 }
 
 static void meta_v2_refused(void **state)
