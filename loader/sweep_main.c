@@ -252,6 +252,15 @@ static int write_json(const config *c, const stk_meta *m, const result *rs,
     cJSON_AddNumberToObject(o, "consume_ms", c->consume_ms);
     int shape[3] = {m->channels, m->height, m->width};
     cJSON_AddItemToObject(o, "shape", cJSON_CreateIntArray(shape, 3));
+    /* what the workers made of the records, and its size */
+    stk_loader_xform centre = {0};
+    crop_plan(c, m, &centre, NULL);
+    stk_loader_opts lo = run_opts(c, m, 1);
+    bool sized = lo.xform.kind != STK_XFORM_NONE;
+    int out[3] = {m->channels, sized ? centre.size : m->height,
+                  sized ? centre.size : m->width};
+    cJSON_AddStringToObject(o, "transform", c->eval ? "eval" : c->augment);
+    cJSON_AddItemToObject(o, "sample_shape", cJSON_CreateIntArray(out, 3));
     cJSON *arr = cJSON_AddArrayToObject(o, "results");
     for (int i = 0; i < n; i++) {
         cJSON *r = cJSON_CreateObject();

@@ -94,9 +94,12 @@ out = run("sweep", "--db", "db-jpeg", "--workers", "0,1", "--batch", "16",
 if "transform rrc (to 35)" not in out or "\nraw " not in out:
     sys.exit(f"FAIL: sweep on an aspect-keeping JPEG database:\n{out}")
 out = run("sweep", "--db", "db-raw", "--workers", "1", "--eval",
-          "--crop-size", "24")
-if "transform eval (to 24)" not in out:
-    sys.exit(f"FAIL: sweep --eval:\n{out}")
+          "--crop-size", "24", "--json", "sweep.json")
+with open("sweep.json") as f:
+    js = json.load(f)
+if "transform eval (to 24)" not in out or js["transform"] != "eval" or \
+        js["sample_shape"] != [3, 24, 24]:
+    sys.exit(f"FAIL: sweep --eval:\n{out}\n{js}")
 # the Python package: the same transforms from stoke.Loader
 try:
     import stoke
