@@ -308,7 +308,7 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
  * included, as PyTorch users compute it with the same CrossEntropyLoss. */
 static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
 {
-    stk_loader_opts lo = {.split = "test", .batch_size = r->o->batch,
+    stk_loader_opts lo = {.split = r->eval_split, .batch_size = r->o->batch,
                           .workers = r->o->workers, .uneven = true,
                           .rank = r->rank.rank, .world = r->rank.world,
                           .host = r->host, .xform = r->test_xf};
@@ -711,7 +711,11 @@ static int setup_data(run_state *r, stk_err *err)
     if (rc)
         return rc;
     const stk_meta *m = stk_store_meta(r->store);
+    /* evaluation on "test", or ImageNet's "val" where there is no test */
     int tr = stk_meta_split(m, "train"), te = stk_meta_split(m, "test");
+    r->eval_split = "test";
+    if (te < 0 && (te = stk_meta_split(m, "val")) >= 0)
+        r->eval_split = "val";
     if (tr >= 0 && te < 0 && !strcmp(m->source_format, "folder"))
         return stk_fail(err, STK_EINVAL,
                         "%s: has no \"test\" split to evaluate on; hold part of "
@@ -720,7 +724,8 @@ static int setup_data(run_state *r, stk_err *err)
                         o->db, m->source_path, o->db);
     if (tr < 0 || te < 0)
         return stk_fail(err, STK_EINVAL,
-                        "%s: needs splits \"train\" and \"test\" (has %d split%s)",
+                        "%s: needs splits \"train\" and \"test\" (or \"val\") "
+                        "(has %d split%s)",
                         o->db, m->nsplits, m->nsplits == 1 ? "" : "s");
     if ((rc = input_shape(r, m, err)))
         return rc;

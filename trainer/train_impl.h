@@ -81,6 +81,7 @@ typedef struct run_state {
     int in_c, in_h, in_w;    /* the images the model sees */
     stk_augment augment;     /* --augment, AUTO resolved */
     stk_loader_xform train_xf, test_xf; /* the loaders' transforms */
+    const char *eval_split;  /* "test", or "val" (ImageNet's layout) */
     stk_host_alloc host;     /* the loader's ring comes from the backend */
     pinned_ring ring;        /* the loaders' slots, pinned once */
     uploader up;             /* batches to the device */

@@ -100,6 +100,20 @@ with open("sweep.json") as f:
 if "transform eval (to 24)" not in out or js["transform"] != "eval" or \
         js["sample_shape"] != [3, 24, 24]:
     sys.exit(f"FAIL: sweep --eval:\n{out}\n{js}")
+# an ImageNet-style tree (train/ and val/ folders): train evaluates on val
+for split, keep in (("train", range(0, PER_CLASS, 2)), ("val", range(1, PER_CLASS, 8))):
+    for cls in SOURCES:
+        os.makedirs(os.path.join("tree", split, cls))
+        for i in keep:
+            shutil.copy(os.path.join("photos", cls, f"IMG_{i:04d}.jpg"),
+                        os.path.join("tree", split, cls))
+run("prep", "--quiet", "--short-side", "40", "tree", "db-tree")
+run("train", "--db", "db-tree", "--model", "mlp", "--crop-size", "24",
+    "--epochs", "1", "--batch", "16", "--quiet", "--out", "run-tree")
+with open(os.path.join("run-tree", "metrics.jsonl")) as f:
+    if not any("test_acc" in json.loads(l) for l in f if l.strip()):
+        sys.exit("FAIL: train on a train/val tree did not evaluate on val")
+
 # the Python package: the same transforms from stoke.Loader
 try:
     import stoke
