@@ -9,9 +9,9 @@
 enum {
     STK_SCRATCH_CX,   /* horizontal filter taps */
     STK_SCRATCH_CY,   /* vertical filter taps */
-    STK_SCRATCH_MID,  /* the horizontal pass's rows */
+    STK_SCRATCH_MID,  /* the window transposed, the horizontal pass */
     STK_SCRATCH_CONV, /* a channel conversion's pixels */
-    STK_SCRATCH_ACC,  /* the vertical pass's sums, one row */
+    STK_SCRATCH_ACC,  /* a pass's sums of one output row */
     STK_SCRATCH_N
 };
 
