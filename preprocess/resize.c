@@ -14,7 +14,6 @@
 #include <string.h>
 
 #define PRECISION_BITS 22
-#define STK_MAX_CHANNELS_FIT 3
 
 /* Filter taps of one output position: weights for in[first..first+n). */
 typedef struct taps {
@@ -26,6 +25,10 @@ typedef struct coeffs {
     int ksize;
     taps *t;     /* one per cropped output position */
 } coeffs;
+
+_Static_assert(STK_SCRATCH_N ==
+                   sizeof((stk_xform_scratch *)0)->buf / sizeof(void *),
+               "stk_xform_scratch holds one buffer per STK_SCRATCH_ slot");
 
 /* Scratch buffer i holding at least bytes; NULL when out of memory. */
 void *stk_scratch_get(stk_xform_scratch *s, int i, size_t bytes)
@@ -98,56 +101,71 @@ static int coeffs_make(coeffs *c, int in_size, int out_size, int first,
     return 0;
 }
 
-static uint8_t clip8(int32_t acc)
+/* A sum's 8-bit sample, as a max and a min that vectorise. */
+static inline uint8_t clip8(int32_t acc)
 {
-    acc >>= PRECISION_BITS;
-    return (uint8_t)(acc < 0 ? 0 : acc > 255 ? 255 : acc);
+    int32_t v = acc >> PRECISION_BITS;
+    v = v < 0 ? 0 : v;
+    return (uint8_t)(v > 255 ? 255 : v);
 }
 
-/* Filter taps applied along a line whose samples are stride bytes apart,
- * for 1 or 3 channels cs bytes apart. Weights are >= 0 and sum to 1 << 22, so
- * 255 * (1 << 22) plus the rounding half fits an int32, as in PIL. */
+/* Weights are >= 0 and sum to 1 << 22, so 255 * (1 << 22) plus the
+ * rounding half fits an int32, as in PIL. */
 #define HALF (1 << (PRECISION_BITS - 1))
 
-static inline void tap1(const uint8_t *p, ptrdiff_t stride, const taps *t,
-                        uint8_t *out)
+/* Taps t applied down the columns of rows (the first tap's row, rows len
+ * bytes apart) into len outputs: sums of whole rows into acc, contiguous
+ * loops that the compiler vectorises. x86-64's baseline SSE2 lacks 32-bit
+ * multiplies, so an AVX2 clone too (picked at load time by the CPU; integer
+ * arithmetic, the same bytes). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void
+taps_down(const uint8_t *rows, int len, const taps *t, int32_t *acc,
+          uint8_t *out)
 {
-    int32_t a = HALF;
-    p += t->first * stride;
-    for (int x = 0; x < t->n; x++, p += stride)
-        a += p[0] * t->w[x];
-    out[0] = clip8(a);
+    for (int x = 0; x < len; x++)
+        acc[x] = HALF;
+    for (int k = 0; k < t->n; k++, rows += len) {
+        int32_t w = t->w[k];
+        for (int x = 0; x < len; x++)
+            acc[x] += rows[x] * w;
+    }
+    for (int x = 0; x < len; x++)
+        out[x] = clip8(acc[x]);
 }
 
-static inline void tap3(const uint8_t *p, ptrdiff_t stride, ptrdiff_t cs,
-                        const taps *t, uint8_t *out)
+/* dst[x * ny + y] = src[y * ys + x * xs] for x < bx, y < by: one tile of
+ * a transpose, unrolled where inlined with constant sizes. */
+static inline void tile(const uint8_t *src, ptrdiff_t xs, ptrdiff_t ys, int bx,
+                        int by, int ny, uint8_t *dst)
 {
-    int32_t a = HALF, b = HALF, c = HALF;
-    p += t->first * stride;
-    for (int x = 0; x < t->n; x++, p += stride) {
-        int32_t w = t->w[x];
-        a += p[0] * w;
-        b += p[cs] * w;
-        c += p[2 * cs] * w;
-    }
-    out[0] = clip8(a);
-    out[1] = clip8(b);
-    out[2] = clip8(c);
+    for (int x = 0; x < bx; x++)
+        for (int y = 0; y < by; y++)
+            dst[(size_t)x * ny + y] = src[y * ys + x * xs];
 }
 
-/* One output line: n outputs (HWC), output i from taps t[i] (or one tap set
- * for all outputs when t is NULL, with in advancing by step per output). */
-static void tap_line(const uint8_t *in, ptrdiff_t stride, ptrdiff_t cs,
-                     ptrdiff_t step, int c, const taps *t, const taps *one,
-                     int n, uint8_t *out)
+/* dst[x * ny + y] = src[y * ys + x * xs] for x < nx, y < ny, in tiles that
+ * keep both sides in cache; whole tiles of a contiguous src (xs 1) get
+ * unrolled copies. */
+static void transpose(const uint8_t *src, ptrdiff_t xs, ptrdiff_t ys, int nx,
+                      int ny, uint8_t *dst)
 {
-    for (int i = 0; i < n; i++, out += c, in += step) {
-        const taps *ti = one ? one : &t[i];
-        if (c == 3)
-            tap3(in, stride, cs, ti, out);
-        else
-            tap1(in, stride, ti, out);
-    }
+    enum { TILE = 16 };
+    for (int y0 = 0; y0 < ny; y0 += TILE)
+        for (int x0 = 0; x0 < nx; x0 += TILE) {
+            const uint8_t *s = src + y0 * ys + x0 * xs;
+            uint8_t *d = dst + (size_t)x0 * ny + y0;
+            int bx = nx - x0 < TILE ? nx - x0 : TILE;
+            int by = ny - y0 < TILE ? ny - y0 : TILE;
+            if (bx < TILE || by < TILE)
+                tile(s, xs, ys, bx, by, ny, d);
+            else if (xs == 1)
+                tile(s, 1, ys, TILE, TILE, ny, d);
+            else
+                tile(s, xs, ys, TILE, TILE, ny, d);
+        }
 }
 
 /* Converts channels of v into HWC out: 3 -> 1 with PIL's "L" luma, 1 -> 3
@@ -166,41 +184,65 @@ void stk_convert(const stk_pixview *v, int out_c, uint8_t *out)
         }
 }
 
-int stk_resample(const stk_pixview *in, int ow, int oh, int left, int top,
-                 int cw, int ch, stk_xform_scratch *s, uint8_t *out)
+/* The range [*lo, *hi) of input samples that outputs first..first+n of c
+ * read (those outputs themselves without a resize). */
+static void span(const coeffs *c, int first, int n, int *lo, int *hi)
 {
-    int w = in->w, h = in->h, c = in->c;
+    *lo = c->t ? c->t[0].first : first;
+    *hi = c->t ? c->t[n - 1].first + c->t[n - 1].n : first + n;
+}
+
+/* One pass of c down the columns of src (rows len bytes apart, row 0 input
+ * sample lo): output row i of n (in reverse order when mirror) from taps
+ * c->t[i], or input sample first + i when c does not resize. */
+static void pass(const uint8_t *src, int len, int lo, const coeffs *c,
+                 int first, int n, bool mirror, int32_t *acc, uint8_t *dst)
+{
+    for (int i = 0; i < n; i++) {
+        const taps *t = c->t ? &c->t[i] : NULL;
+        int row = (t ? t->first : first + i) - lo;
+        const uint8_t *r = src + (size_t)row * len;
+        uint8_t *o = dst + (size_t)(mirror ? n - 1 - i : i) * len;
+        if (t)
+            taps_down(r, len, t, acc, o);
+        else
+            memcpy(o, r, len);
+    }
+}
+
+int stk_resample(const stk_pixview *in, int ow, int oh, int left, int top,
+                 int cw, int ch, bool flip, stk_xform_scratch *s, uint8_t *chw)
+{
     coeffs cx = {0}, cy = {0};
-    uint8_t *mid = stk_scratch_get(s, STK_SCRATCH_MID, (size_t)h * cw * c);
-    int rc = mid ? 0 : STK_ENOMEM;
-    if (!rc && ow != w)
-        rc = coeffs_make(&cx, w, ow, left, cw, s, STK_SCRATCH_CX);
-    if (!rc && oh != h)
-        rc = coeffs_make(&cy, h, oh, top, ch, s, STK_SCRATCH_CY);
+    int rc = 0;
+    if (ow != in->w)
+        rc = coeffs_make(&cx, in->w, ow, left, cw, s, STK_SCRATCH_CX);
+    if (!rc && oh != in->h)
+        rc = coeffs_make(&cy, in->h, oh, top, ch, s, STK_SCRATCH_CY);
     if (rc)
         return rc;
-    int y0 = top, y1 = top + ch; /* rows of in that the output needs */
-    if (oh != h) {
-        y0 = cy.t[0].first;
-        y1 = cy.t[ch - 1].first + cy.t[ch - 1].n;
-    }
-    size_t row = (size_t)cw * c;
-    for (int y = y0; y < y1; y++) {
-        const uint8_t *src = in->px + y * in->ys;
-        uint8_t *dst = mid + (size_t)y * row;
-        if (ow != w)
-            tap_line(src, in->xs, in->cs, 0, c, cx.t, NULL, cw, dst);
-        else /* a copy through the view's strides */
-            for (int x = 0; x < cw; x++)
-                for (int k = 0; k < c; k++)
-                    dst[x * c + k] = src[(left + x) * in->xs + k * in->cs];
-    }
-    for (int y = 0; y < ch; y++) {
-        uint8_t *dst = out + (size_t)y * row;
-        if (oh == h)
-            memcpy(dst, mid + (size_t)(top + y) * row, row);
-        else
-            tap_line(mid, (ptrdiff_t)row, 1, c, c, NULL, &cy.t[y], cw, dst);
+    int x0, x1, y0, y1; /* the input window that the output reads */
+    span(&cx, left, cw, &x0, &x1);
+    span(&cy, top, ch, &y0, &y1);
+    int nx = x1 - x0, ny = y1 - y0, wide = nx > cw ? nx : cw;
+    /* the window transposed (then the vertical pass's input), and the
+     * horizontal pass's columns */
+    uint8_t *win =
+        stk_scratch_get(s, STK_SCRATCH_MID, (size_t)(wide + cw) * ny);
+    int32_t *acc = stk_scratch_get(s, STK_SCRATCH_ACC,
+                                   (size_t)(ny > cw ? ny : cw) * sizeof *acc);
+    if (!win || !acc)
+        return STK_ENOMEM;
+    uint8_t *cols = win + (size_t)wide * ny;
+    /* A plane at a time, both passes down contiguous rows (vectorised):
+     * the horizontal one on the transposed window, mirrored there when
+     * flip, the vertical one on its result transposed back, into CHW. */
+    for (int k = 0; k < in->c; k++) {
+        transpose(in->px + k * in->cs + y0 * in->ys + x0 * in->xs, in->xs,
+                  in->ys, nx, ny, win);
+        pass(win, ny, x0, &cx, left, cw, flip, acc, cols);
+        transpose(cols, 1, ny, ny, cw, win);
+        pass(win, cw, y0, &cy, top, ch, false, acc, chw + (size_t)k * cw * ch);
     }
     return 0;
 }

@@ -77,24 +77,8 @@ static int window_chw(const stk_pixview *v, int ow, int oh, int left,
 {
     stk_pixview in;
     int rc = as_channels(v, out_c, s, &in);
-    uint8_t *hwc = rc ? NULL
-                      : stk_scratch_get(s, STK_SCRATCH_OUT,
-                                        (size_t)cw * ch * out_c);
-    if (!rc && !hwc)
-        rc = STK_ENOMEM;
-    if (!rc)
-        rc = stk_resample(&in, ow, oh, left, top, cw, ch, s, hwc);
-    if (rc)
-        return rc;
-    size_t plane = (size_t)cw * ch;
-    for (int k = 0; k < out_c; k++)
-        for (int y = 0; y < ch; y++) {
-            const uint8_t *src = hwc + (size_t)y * cw * out_c + k;
-            uint8_t *dst = chw + k * plane + (size_t)y * cw;
-            for (int x = 0; x < cw; x++)
-                dst[flip ? cw - 1 - x : x] = src[(size_t)x * out_c];
-        }
-    return 0;
+    return rc ? rc
+              : stk_resample(&in, ow, oh, left, top, cw, ch, flip, s, chw);
 }
 
 int stk_resized_crop(const stk_pixview *v, stk_box b, int size, bool flip,

@@ -202,6 +202,49 @@ static void fit_downscale_matches_pil(void **state)
     assert_int_equal(out[3], 160);
 }
 
+/* stk_resized_crop reads a planar (CHW) view through other loops than an
+ * interleaved (HWC) one: the same pixels give the same bytes, and a flip
+ * gives the mirror, for odd sizes, edge boxes, reductions and enlargements. */
+static void resized_crop_views_and_mirror_agree(void **state)
+{
+    (void)state;
+    enum { H = 37, W = 53, C = 3, MAX = 40 };
+    static uint8_t hwc[H * W * C], chw[C * H * W];
+    uint32_t r = 12345;
+    for (int y = 0; y < H; y++)
+        for (int x = 0; x < W; x++)
+            for (int k = 0; k < C; k++) {
+                r = r * 1664525u + 1013904223u;
+                uint8_t v = (uint8_t)(x * 4 + y * 3 + (r >> 28) * 9 + k);
+                hwc[(y * W + x) * C + k] = chw[(k * H + y) * W + x] = v;
+            }
+    stk_pixview vh = stk_pixview_hwc(hwc, W, H, C);
+    stk_pixview vc = stk_pixview_chw(chw, C, H, W);
+    stk_box boxes[] = {{0, 0, H, W},
+                       {3, 50, 30, 3},
+                       {20, 1, 17, 40},
+                       {0, 17, 1, 36},
+                       {36, 52, 1, 1}};
+    int sizes[] = {5, 17, 40};
+    stk_xform_scratch s = {0};
+    static uint8_t a[C * MAX * MAX], b[C * MAX * MAX], m[C * MAX * MAX];
+    for (int i = 0; i < 5; i++)
+        for (int j = 0; j < 3; j++)
+            for (int c = 1; c <= C; c += 2) {
+                int n = sizes[j], plane = n * n;
+                assert_int_equal(
+                    stk_resized_crop(&vh, boxes[i], n, false, c, &s, a), 0);
+                assert_int_equal(
+                    stk_resized_crop(&vc, boxes[i], n, false, c, &s, b), 0);
+                assert_memory_equal(a, b, (size_t)c * plane);
+                assert_int_equal(
+                    stk_resized_crop(&vc, boxes[i], n, true, c, &s, m), 0);
+                for (int p = 0; p < c * plane; p++)
+                    assert_int_equal(m[p], a[p - p % n + n - 1 - p % n]);
+            }
+    stk_xform_scratch_free(&s);
+}
+
 static void channel_conversions(void **state)
 {
     (void)state;
@@ -229,6 +272,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(fit_constant_stays_constant),
     cmocka_unit_test(fit_crop_geometry),
     cmocka_unit_test(fit_downscale_matches_pil),
+    cmocka_unit_test(resized_crop_views_and_mirror_agree),
     cmocka_unit_test(channel_conversions),
 };
 
