@@ -362,6 +362,12 @@ int stk_loader_crop_plan(const stk_meta *m, int crop_size, double crop_ratio,
                          const char *db, stk_loader_xform *centre,
                          stk_err *err)
 {
+    if (!(crop_ratio >= 0 && crop_ratio <= 1) || crop_size < 0 ||
+        crop_size > 16384)
+        return stk_fail(err, STK_EINVAL,
+                        "crop ratio %g must be in (0, 1] and crop size %d in "
+                        "1..16384",
+                        crop_ratio, crop_size);
     int stored = m->variable ? m->short_side
                              : (m->height < m->width ? m->height : m->width);
     if (!stored && !crop_size)
@@ -377,9 +383,15 @@ int stk_loader_crop_plan(const stk_meta *m, int crop_size, double crop_ratio,
     double ratio = crop_ratio > 0 ? crop_ratio
                    : m->variable || !stored ? 0.875
                                             : (double)side / stored;
-    int resize = (int)lround(side / (ratio < 1 ? ratio : 1));
+    /* floor, as timm's crop_pct and check_xform's default: 224 -> 256 */
+    double resize = floor(side / ratio + 1e-9);
+    if (resize > 65535)
+        return stk_fail(err, STK_EINVAL,
+                        "crop ratio %g resizes the shorter side to %.0f, over "
+                        "65535",
+                        ratio, resize);
     *centre = (stk_loader_xform){.kind = STK_XFORM_CENTRE, .size = side,
-                                 .resize = resize < side ? side : resize};
+                                 .resize = resize < side ? side : (int)resize};
     return 0;
 }
 
@@ -411,6 +423,9 @@ static int decode_record(const stk_loader *l, wstate *st, uint64_t index,
                               sizeof why);
     if (rc == STK_ENOMEM)
         return stk_fail(err, rc, "out of memory");
+    if (!rc && st->im.c != l->in_c) /* prep encodes the database's channels */
+        snprintf(why, sizeof why, "the JPEG has %d channel(s), the database "
+                 "%d", st->im.c, l->in_c), rc = STK_EFORMAT;
     if (rc)
         return stk_fail(err, STK_EFORMAT, "split \"%s\": key %llu: %s",
                         l->split, (unsigned long long)index, why);
@@ -441,8 +456,16 @@ static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
     }
     if (in->jpeg && (rc = decode_record(l, st, index, in, NULL, &v, err)))
         return rc;
-    if (x->kind == STK_XFORM_CENTRE)
+    if (x->kind == STK_XFORM_CENTRE) {
+        int lo = v.w < v.h ? v.w : v.h, hi = v.w < v.h ? v.h : v.w;
+        if ((int64_t)x->resize * hi / lo > STK_MAX_SIDE) /* a sliver */
+            return stk_fail(err, STK_EFORMAT,
+                            "split \"%s\": key %llu: a %dx%d image resized "
+                            "to %d on its shorter side is over %d on its "
+                            "longer one", l->split, (unsigned long long)index,
+                            v.w, v.h, x->resize, STK_MAX_SIDE);
         return stk_centre_crop(&v, x->resize, x->size, l->c, &st->xs, dst);
+    }
     if (!in->jpeg) { /* a CHW record or fitted sample, as it is */
         memcpy(dst, v.px, l->sample_bytes);
         return 0;
@@ -779,6 +802,14 @@ int stk_loader_open_raw(const stk_source *src, int split,
         return rc;
     int c, h, w;
     stk_source_shape(src, &c, &h, &w);
+    if (!h && !l->o.xform.kind) { /* aspect-keeping: no one size */
+        free(l);
+        return stk_fail(err, STK_EINVAL,
+                        "the images of %s keep their own sizes: the loader "
+                        "needs a transform to one size (random resized or "
+                        "centre crop)",
+                        o.split);
+    }
     l->ops = &raw_ops;
     l->src = src;
     l->src_split = split;

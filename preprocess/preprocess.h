@@ -191,9 +191,10 @@ const char *stk_source_format_name(const stk_source *s);
 /* The --holdout rule: a file's rank within its class, from the bytes of
  * its path relative to RAW_DIR and the seed (FNV-1a 64 of the path, xor
  * the seed, through SplitMix64's finaliser; docs/formats.md). Each class
- * holds out its round(fraction * n) files of lowest rank (at least one and
- * never all of a class of two or more), so the choice depends on nothing
- * but names and the seed: not on workers, machine or listing order. */
+ * holds out its floor(fraction * n + 0.5) files of lowest rank (at least
+ * one and never all of a class of two or more), so the choice depends on
+ * nothing but names and the seed: not on workers, machine or listing
+ * order. */
 uint64_t stk_holdout_rank(const char *relpath, uint64_t seed);
 
 /* Files a class of n holds out at fraction f. */

@@ -195,8 +195,9 @@ static int write_grid(stk_store *s, const char *split, const char *out,
     const stk_meta *m = stk_store_meta(s);
     int c = m->channels == 1 ? 1 : 3, h = m->height, w = m->width;
     bool fit = !stk_meta_fixed(m); /* decode, fit to a square tile */
-    if (fit && m->variable) {
-        int side = m->short_side ? m->short_side : m->max_side;
+    if (fit) { /* square tiles, whatever the records' shape */
+        int side = m->variable ? (m->short_side ? m->short_side : m->max_side)
+                               : (h < w ? h : w);
         h = w = side < TILE_MAX ? side : TILE_MAX;
     }
     if (fit && m->channels != c)

@@ -117,7 +117,7 @@ static void holdout_json(cJSON *o, const stk_meta *m)
     cJSON_AddStringToObject(h, "from", "train");
     cJSON_AddStringToObject(h, "to", "test");
     cJSON_AddStringToObject(h, "rule",
-                            "per class, the round(fraction * n) files "
+                            "per class, the floor(fraction * n + 0.5) files "
                             "(1..n-1 for n >= 2) of lowest splitmix64("
                             "fnv1a64(path relative to source.path) ^ seed)");
 }
@@ -416,6 +416,11 @@ static int parse_shape(const cJSON *root, int version, stk_meta *m,
         if (dim[i] == 0)
             return stk_fail(err, STK_EFORMAT, "metadata: %s is 0", names[i]);
     }
+    if (m->encoding == STK_ENC_JPEG && dim[0] != 1 && dim[0] != 3)
+        return stk_fail(err, STK_EFORMAT,
+                        "metadata: %s is %llu, but JPEG records hold 1 (gray) "
+                        "or 3 (RGB) channels",
+                        names[0], (unsigned long long)dim[0]);
     if (m->variable) { /* the largest record bounds C*H*W */
         dim[1] = dim[2] = (uint64_t)m->max_side;
     }

@@ -117,7 +117,7 @@ static int parse_augment(int argc, char **argv, stk_augment *out)
 }
 
 /* --rrc-scale LO,HI: 0 < LO <= HI <= 1. */
-static int parse_scale(const char *s, float scale[2])
+static int parse_scale(const char *s, double scale[2])
 {
     char *end;
     double lo = strtod(s, &end), hi = *end == ',' ? strtod(end + 1, &end) : -1;
@@ -126,8 +126,8 @@ static int parse_scale(const char *s, float scale[2])
                         "(e.g. 0.08,1), got '%s'\n", s);
         return -1;
     }
-    scale[0] = (float)lo;
-    scale[1] = (float)hi;
+    scale[0] = lo; /* kept in double: 0.08 draws as the default does */
+    scale[1] = hi;
     return 0;
 }
 

@@ -219,7 +219,7 @@ typedef struct stk_train_opts {
     float crop_ratio;         /* evaluation: resize the shorter side to
                                  crop_size / crop_ratio, centre crop; 0:
                                  0.875 (aspect-keeping) or crop / stored */
-    float rrc_scale[2];       /* RandomResizedCrop's area fraction range;
+    double rrc_scale[2];      /* RandomResizedCrop's area fraction range;
                                  0,0: torchvision's (0.08, 1) */
     bool dropout;             /* false: every dropout layer's p is 0 (the
                                  identity; batchnorm still trains) */

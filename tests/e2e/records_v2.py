@@ -179,3 +179,16 @@ if stoke is not None:  # loads, cropped to one size (0.875 * 48 = 42)
     images, _ = next(iter(ld))
     assert images.shape == (4, 3, 42, 42), images.shape
 print("ok: refusals (prep's flags); stoke.Loader crops a format 2 database to one size")
+
+# a fixed-size, non-square JPEG database (IDX images of 40x30): dbinfo --grid
+# fits each record to a square tile, within its buffer
+os.makedirs("idx_wide")
+rng = np.random.default_rng(2)
+t.write_idx("idx_wide/train-images-idx3-ubyte", rng.integers(0, 256, (12, 30, 40)))
+t.write_idx("idx_wide/train-labels-idx1-ubyte", np.arange(12) % 3)
+run("--workers", "2", "--encode", "jpeg", "idx_wide", "db_wide")
+out = subprocess.run([dbinfo, "db_wide", "--grid", "wide.png"], capture_output=True, text=True)
+assert out.returncode == 0 and os.path.getsize("wide.png") > 0, out.stdout + out.stderr
+wide = np.asarray(Image.open("wide.png"))
+assert wide.shape[0] == wide.shape[1], wide.shape  # square tiles, not 30x40
+print("ok: dbinfo --grid on a non-square fixed JPEG database:", wide.shape)

@@ -113,6 +113,14 @@ def formats_reader():
     return ns
 
 
+def write_idx(path, arr):
+    """An uncompressed IDX file of an array as uint8."""
+    arr = np.asarray(arr, np.uint8)
+    with open(path, "wb") as f:
+        f.write(struct.pack(">HBB", 0, 8, arr.ndim) +
+                struct.pack(">" + "I" * arr.ndim, *arr.shape) + arr.tobytes())
+
+
 def read_idx(path):
     """Independent IDX reader: numpy array of the file's dimensions."""
     data = open(path, "rb").read()

@@ -26,20 +26,13 @@ os.chdir(tmp)
 t0 = time.time()
 
 
-def write_idx(path, arr):
-    """An uncompressed IDX file of a uint8 array."""
-    with open(path, "wb") as f:
-        f.write(struct.pack(">HBB", 0, 0x08, arr.ndim) +
-                struct.pack(">" + "I" * arr.ndim, *arr.shape) + arr.tobytes())
-
-
 full = ref.make_db("db_full")
 # cnn: a Fashion-MNIST with the first 12000 training images and the full test set
 os.makedirs("fashion_12k")
 for part, n in (("train", 12000), ("t10k", None)):
     for kind in ("images-idx3", "labels-idx1"):
         a = t.read_idx(f"{ref.FASHION}/{part}-{kind}-ubyte.gz")
-        write_idx(f"fashion_12k/{part}-{kind}-ubyte", a[:n] if n else a)
+        t.write_idx(f"fashion_12k/{part}-{kind}-ubyte", a[:n] if n else a)
 subprocess.run([os.path.join(os.environ["STK_BIN"], "prep"), "--quiet", "fashion_12k",
                 "db_12k"], check=True)
 

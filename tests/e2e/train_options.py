@@ -39,19 +39,12 @@ def run(*cmd):
 
 # ---- data ------------------------------------------------------------------
 
-def write_idx(path, arr):
-    arr = np.asarray(arr, np.uint8)
-    with open(path, "wb") as f:
-        f.write(struct.pack(">HBB", 0, 8, arr.ndim) +
-                struct.pack(">" + "I" * arr.ndim, *arr.shape) + arr.tobytes())
-
-
 def make_db():
     rng = np.random.default_rng(11)
     os.makedirs("idx", exist_ok=True)
     for prefix, n in (("train", TR), ("t10k", TE)):
-        write_idx(f"idx/{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, HW, HW)))
-        write_idx(f"idx/{prefix}-labels-idx1-ubyte", rng.permutation(np.arange(n) % CLS))
+        t.write_idx(f"idx/{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, HW, HW)))
+        t.write_idx(f"idx/{prefix}-labels-idx1-ubyte", rng.permutation(np.arange(n) % CLS))
     run(f"{BIN}/prep", "--quiet", "idx", "db")
     r = t.formats_reader()
     env, meta = r["open_stoke"]("db")

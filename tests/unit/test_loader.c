@@ -1016,6 +1016,17 @@ static void format2_records_through_the_transforms(void **state)
         stk_loader_opts none = {.batch_size = 4};
         assert_int_equal(stk_loader_open(s, &none, &l, &err), STK_EINVAL);
         assert_non_null(strstr(err.msg, "differ in size"));
+        /* the crop plan: 0.875 of the short side, Resize(side / 0.875);
+         * ratios outside (0, 1] refused */
+        stk_loader_xform plan;
+        assert_int_equal(stk_loader_crop_plan(m, 0, 0, db, &plan, &err), 0);
+        assert_int_equal(plan.size, 11); /* lround(0.875 * 12) */
+        assert_int_equal(plan.resize, 12); /* floor(11 / 0.875) */
+        assert_int_equal(stk_loader_crop_plan(m, 8, 1e-9, db, &plan, &err),
+                         STK_EINVAL);
+        assert_non_null(strstr(err.msg, "crop ratio"));
+        assert_int_equal(stk_loader_crop_plan(m, 8, 1.5, db, &plan, &err),
+                         STK_EINVAL);
         stk_view *view;
         assert_int_equal(stk_view_open(s, "train", &view, &err), 0);
         stk_loader_xform xf[2] = {{.kind = STK_XFORM_RRC, .size = 5, .flip = true},

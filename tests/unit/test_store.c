@@ -1008,6 +1008,11 @@ static void meta_v2_refused(void **state)
                    "record.shape[1] (height)", "null for variable");
     refused_naming(parse_v2_with("max_side", "20000", &err), &err,
                    "record.shape", "over the limit");
+    /* a JPEG decodes to gray or RGB: any other count would be misread */
+    refused_naming(parse_v2_with("shape", "[4, null, null]", &err), &err,
+                   "record.shape[0] (channels)", "1 (gray) or 3 (RGB)");
+    refused_naming(parse_v2_with("shape", "[2, null, null]", &err), &err,
+                   "record.shape[0] (channels)", "1 (gray) or 3 (RGB)");
     /* format 2 claiming fixed raw records: those are format 1 */
     refused_naming(parse_v2_with("variable", "false", &err), &err,
                    "record.shape[1] (height)", "");
