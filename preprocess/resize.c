@@ -118,7 +118,8 @@ static inline uint8_t clip8(int32_t acc)
  * loops that the compiler vectorises. x86-64's baseline SSE2 lacks 32-bit
  * multiplies, so an AVX2 clone too (picked at load time by the CPU; integer
  * arithmetic, the same bytes). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__) /* its resolver runs before TSan's start */
 __attribute__((target_clones("avx2", "default")))
 #endif
 static void
