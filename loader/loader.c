@@ -3,10 +3,13 @@
  *
  * Batches are numbered by a sequence s = 0, 1, 2, ... from the start
  * position; batch s lives in ring slot s % K. A worker claims the next
- * sequence number when its slot is free, copies the batch's indices from the
- * epoch's shard, and fills the slot outside the lock; the consumer takes
- * sequence numbers in order and hands slots back with release. So the
- * output order is fixed whatever the scheduling, and memory is K buffers. */
+ * sequence number when its slot is free and copies the batch's indices from
+ * the epoch's shard; the batch is cut into one part per worker, which the
+ * workers take in (batch, part) order and fill outside the lock, so all of
+ * them work on the oldest batch first (the first batch comes W times
+ * sooner than if one worker filled it). The consumer takes sequence numbers
+ * in order and hands slots back with release. So the output order is fixed
+ * whatever the scheduling, and memory is K buffers. */
 #include "loader.h"
 
 #include "kernels/ops_inline.h"
@@ -25,10 +28,11 @@ typedef struct slot {
     int state;
     uint64_t seq;
     int n;
+    int parts, parts_left; /* parts handed out in turn; not yet filled */
     uint8_t *data;
     int32_t *labels;
     uint64_t *indices;
-    int rc;
+    int rc, rc_part; /* the error of the lowest failed part */
     stk_err err;
 } slot;
 
@@ -94,13 +98,16 @@ struct stk_loader {
     int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
-    pthread_cond_t ready, freed;
+    pthread_cond_t ready, work; /* a batch is ready; a slot freed or a
+                                   batch's parts to take */
     slot *slots;
     int nslots;
     size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
                                             indices, 64-byte aligned */
     shard *shards;
     uint64_t claim_seq, take_seq;
+    slot *open;    /* the batch whose parts are being handed out */
+    int open_next; /* its next part */
     atomic_bool stop; /* read by workers mid-batch, without mu */
     bool ended, started;
     bool joined; /* stk_loader_stop: the workers are gone */
@@ -274,7 +281,8 @@ static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
     *batch = abs % l->nbatches;
 }
 
-/* Claims seq into its slot and copies its indices (mu held). */
+/* Claims seq into its slot and copies its indices (mu held): one part
+ * per worker, or one part when that fails (the error is the batch's). */
 static int claim(stk_loader *l, uint64_t seq, slot *sl)
 {
     uint64_t epoch, batch;
@@ -282,6 +290,7 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
     sl->state = SLOT_FILLING;
     sl->seq = seq;
     sl->rc = 0;
+    sl->parts = sl->parts_left = 1;
     uint64_t first = batch * (uint64_t)l->o.batch_size;
     uint64_t left = l->shard_len - first;
     sl->n = (int)(left < (uint64_t)l->o.batch_size ? left
@@ -292,7 +301,33 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
         return rc;
     memcpy(sl->indices, s->idx + first, (size_t)sl->n * sizeof(uint64_t));
     s->refs--;
+    if (l->o.workers > 1)
+        sl->parts = sl->parts_left = sl->n < l->o.workers ? sl->n
+                                                          : l->o.workers;
     return 0;
+}
+
+/* Part p's samples of sl: [*from, *to), balanced, never empty. */
+static void part_range(const slot *sl, int p, int *from, int *to)
+{
+    *from = (int)((int64_t)sl->n * p / sl->parts);
+    *to = (int)((int64_t)sl->n * (p + 1) / sl->parts);
+}
+
+/* A part filled (mu held): its error kept if it is the lowest part's, so
+ * the batch reports the same error whichever worker finished first. */
+static void part_done(stk_loader *l, slot *sl, int p, int rc,
+                      const stk_err *e)
+{
+    if (rc && (!sl->rc || p < sl->rc_part)) {
+        sl->rc = rc;
+        sl->rc_part = p;
+        sl->err = *e;
+    }
+    if (--sl->parts_left == 0) {
+        sl->state = SLOT_READY;
+        pthread_cond_broadcast(&l->ready);
+    }
 }
 
 void stk_loader_aug_key(uint64_t seed, uint32_t key[2])
@@ -473,37 +508,36 @@ static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
     return stk_centre_crop(&v, 0, 0, l->c, &st->xs, dst); /* HWC -> CHW */
 }
 
-static void fill(stk_loader *l, wstate *st, slot *sl)
+/* Fills samples [from, to) of sl's batch. */
+static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
+                stk_err *err)
 {
     uint64_t epoch, batch;
     seq_pos(l, sl->seq, &epoch, &batch);
     /* Start every record's cache misses before the first copy waits on
      * one: lookups are already done, so the batch's loads overlap. */
-    for (int i = 0; l->ops->prefetch && i < sl->n; i++)
+    for (int i = from; l->ops->prefetch && i < to; i++)
         l->ops->prefetch(st->ctx, sl->indices[i]);
-    for (int i = 0; i < sl->n && !sl->rc; i++) {
-        stk_err e = {0};
-        if (stopping(l)) {
-            sl->rc = stk_fail(&sl->err, STK_ECANCELED, "the loader is stopped");
-            return;
-        }
+    for (int i = from; i < to; i++) {
+        if (stopping(l))
+            return stk_fail(err, STK_ECANCELED, "the loader is stopped");
         sample in;
         uint8_t *dst = sl->data + (size_t)i * l->sample_bytes;
-        sl->rc = l->ops->get(l, st->ctx, sl->indices[i], &in, &sl->labels[i],
-                             &e);
-        if (!sl->rc && (sl->rc = shape(l, st, epoch, sl->indices[i], &in,
-                                       dst, &e)) == STK_ENOMEM)
-            stk_fail(&e, sl->rc, "split \"%s\": key %llu: out of memory in "
+        int rc = l->ops->get(l, st->ctx, sl->indices[i], &in, &sl->labels[i],
+                             err);
+        if (!rc && (rc = shape(l, st, epoch, sl->indices[i], &in, dst,
+                               err)) == STK_ENOMEM)
+            stk_fail(err, rc, "split \"%s\": key %llu: out of memory in "
                      "the transform", l->split,
                      (unsigned long long)sl->indices[i]);
-        if (sl->rc)
-            sl->err = e;
+        if (rc)
+            return rc;
     }
-    if (sl->rc || (!l->o.aug_pad && !l->o.aug_flip))
-        return;
-    for (int i = 0; i < sl->n && !stopping(l); i++)
+    for (int i = from; (l->o.aug_pad || l->o.aug_flip) && i < to &&
+                       !stopping(l); i++)
         augment(l, epoch, sl->indices[i],
                 sl->data + (size_t)i * l->sample_bytes, st->tmp);
+    return 0;
 }
 
 /* Opens st's fetcher and buffers (once per worker). */
@@ -530,32 +564,57 @@ static void wstate_close(stk_loader *l, wstate *st)
     stk_image_free(&st->im);
 }
 
+/* The next part to fill (mu held): of the batch being handed out, else
+ * of the next batch when its slot is free; NULL when there is none. *rc
+ * is claim's error (the whole batch is then that part). */
+static slot *take_part(stk_loader *l, int *p, int *rc)
+{
+    *rc = 0;
+    if (l->open && l->open_next < l->open->parts) {
+        *p = l->open_next++;
+        return l->open;
+    }
+    slot *sl = &l->slots[l->claim_seq % (uint64_t)l->nslots];
+    if (sl->state != SLOT_FREE)
+        return NULL;
+    *rc = claim(l, l->claim_seq++, sl);
+    l->open = sl;
+    l->open_next = 1;
+    *p = 0;
+    if (sl->parts > 1) /* idle workers take the other parts */
+        pthread_cond_broadcast(&l->work);
+    return sl;
+}
+
 static void *worker_main(void *arg)
 {
     worker *w = arg;
     stk_loader *l = w->l;
     pthread_mutex_lock(&l->mu);
     while (!l->stop) {
-        slot *sl = &l->slots[l->claim_seq % (uint64_t)l->nslots];
-        if (sl->state != SLOT_FREE) {
-            pthread_cond_wait(&l->freed, &l->mu);
+        int p, rc;
+        slot *sl = take_part(l, &p, &rc);
+        if (!sl) {
+            pthread_cond_wait(&l->work, &l->mu);
             continue;
         }
-        int rc = claim(l, l->claim_seq++, sl);
         pthread_mutex_unlock(&l->mu);
         double t0 = stk_now();
+        stk_err e = {0};
         if (rc)
-            sl->rc = stk_fail(&sl->err, rc, "split \"%s\": cannot build the "
-                              "epoch's sample order", l->split);
+            rc = stk_fail(&e, rc, "split \"%s\": cannot build the epoch's "
+                          "sample order", l->split);
         else if (!w->st.ctx)
-            sl->rc = wstate_open(l, &w->st, &sl->err);
-        if (!sl->rc)
-            fill(l, &w->st, sl);
+            rc = wstate_open(l, &w->st, &e);
+        if (!rc) {
+            int from, to;
+            part_range(sl, p, &from, &to);
+            rc = fill(l, &w->st, sl, from, to, &e);
+        }
         double dt = stk_now() - t0;
         pthread_mutex_lock(&l->mu);
         l->busy[w->id] += dt;
-        sl->state = SLOT_READY;
-        pthread_cond_broadcast(&l->ready);
+        part_done(l, sl, p, rc, &e);
     }
     pthread_mutex_unlock(&l->mu);
     return NULL;
@@ -708,7 +767,7 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
     pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
     pthread_cond_init(&l->ready, &monotonic);
     pthread_condattr_destroy(&monotonic);
-    pthread_cond_init(&l->freed, NULL);
+    pthread_cond_init(&l->work, NULL);
     l->started = true;
     if (!l->t_open)
         l->t_open = stk_now();
@@ -847,7 +906,8 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
             return stk_fail(err, rc, "split \"%s\": cannot build the sample "
                             "order", l->split);
         double t0 = stk_now();
-        fill(l, &l->inline_st, sl);
+        stk_err e = {0};
+        part_done(l, sl, 0, fill(l, &l->inline_st, sl, 0, sl->n, &e), &e);
         double dt = stk_now() - t0;
         l->busy[0] += dt;
         l->wait += dt; /* the consumer waits for data while it loads it */
@@ -950,7 +1010,7 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
         return;
     pthread_mutex_lock(&l->mu);
     l->slots[b->slot].state = SLOT_FREE;
-    pthread_cond_broadcast(&l->freed);
+    pthread_cond_broadcast(&l->work);
     pthread_mutex_unlock(&l->mu);
     b->data = NULL;
 }
@@ -974,7 +1034,7 @@ int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
     slot *sl = &l->slots[b->slot];
     set_block(l, sl, fresh);
     sl->state = SLOT_FREE;
-    pthread_cond_broadcast(&l->freed);
+    pthread_cond_broadcast(&l->work);
     pthread_mutex_unlock(&l->mu);
     b->slot = -1;
     return 0;
@@ -1038,7 +1098,7 @@ void stk_loader_stop(stk_loader *l)
             stk_fail(&l->fail_err, STK_ECANCELED, "split \"%s\": the loader is "
                      "stopped", l->split);
         }
-        pthread_cond_broadcast(&l->freed);
+        pthread_cond_broadcast(&l->work);
         pthread_cond_broadcast(&l->ready); /* a waiting next returns */
         pthread_mutex_unlock(&l->mu);
     }
@@ -1071,7 +1131,7 @@ void stk_loader_close(stk_loader *l)
     if (l->started) {
         pthread_mutex_destroy(&l->mu);
         pthread_cond_destroy(&l->ready);
-        pthread_cond_destroy(&l->freed);
+        pthread_cond_destroy(&l->work);
     }
     stk_view_close(l->view);
     free(l->workers);

@@ -19,14 +19,20 @@ import collections
 import os
 import sys
 
-import numpy as np
-
 from . import _stoke
 from ._stoke import ArgumentError, DatabaseError, Error
 
 __all__ = ["open", "Database", "Split", "Loader", "prep", "Error",
            "ArgumentError", "DatabaseError"]
 __version__ = "0.1.0"
+
+
+def _numpy():
+    """numpy, imported on first use rather than by `import stoke` (numpy's
+    import takes about 100 ms, stoke's own a few): a Loader imports it while
+    its workers, which need no GIL, fill the first batch."""
+    import numpy
+    return numpy
 
 
 def _arg_error(msg):
@@ -192,6 +198,7 @@ class Split:
             raise IndexError('split "%s" has %d records, not index %d'
                              % (self.name, self._len, i))
         pixels, label, h, w = self._dbw._db.get(self.name, i)
+        np = _numpy()
         image = np.frombuffer(pixels, dtype=np.uint8).reshape(self.shape[0], h, w)
         return image, label
 
@@ -359,6 +366,7 @@ class Loader:
         self._pending = None  # the pinned batch the loop holds now
         self._ring = None
         self._open_ring()  # the store is opened (and checked) once, here
+        self._np = _numpy()  # while the workers fill the first batches
         info = self._ring.info()
         self.shape, self._len = tuple(info["shape"]), info["batches"]
 
@@ -404,6 +412,7 @@ class Loader:
 
     def _convert(self, raw):
         batch, labels, indices, _, _ = raw
+        np = self._np
         images = np.frombuffer(batch, dtype=np.uint8).reshape(
             (len(labels) // 4,) + self.shape)
         labels = np.frombuffer(labels, dtype=np.int32)

@@ -220,7 +220,8 @@ def forked(db, X, Y):
 
 
 CHILD = r"""
-import os, sys, time, stoke
+import os, sys, time
+import numpy, stoke  # numpy's own (OpenBLAS) threads counted in base
 base = len(os.listdir("/proc/self/task"))
 L = stoke.Loader(sys.argv[1], batch_size=60000, workers=1, prefetch=2,
                  augment=True)

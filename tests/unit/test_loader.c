@@ -24,9 +24,10 @@ static void pattern(uint64_t i, uint8_t *px)
         px[j] = (uint8_t)(i * 7 + j * 3 + (i >> 8));
 }
 
-/* A database of n samples (pattern) in split "train"; record `corrupt`
- * (UINT64_MAX: none) cut short. */
-static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
+/* A database of n samples (pattern) in split "train"; records `corrupt`
+ * and `corrupt2` (UINT64_MAX: none) cut short. */
+static void make_db2(const char *dir, uint64_t n, uint64_t corrupt,
+                     uint64_t corrupt2)
 {
     stk_store *s;
     stk_err err = {0};
@@ -37,7 +38,8 @@ static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
     for (uint64_t i = 0; i < n; i++) {
         pattern(i, px);
         stk_record_encode(rec, (int32_t)(i % 10), px, SB);
-        size_t len = i == corrupt ? sizeof rec - 5 : sizeof rec;
+        size_t len = i == corrupt || i == corrupt2 ? sizeof rec - 5
+                                                   : sizeof rec;
         assert_int_equal(stk_store_append(s, "train", rec, len, &err), 0);
         lc[i % 10]++;
     }
@@ -50,6 +52,11 @@ static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
     m.splits[0].label_counts = lc;
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
+}
+
+static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
+{
+    make_db2(dir, n, corrupt, corrupt);
 }
 
 static int setup(void **state)
@@ -553,6 +560,35 @@ static void corrupt_record_is_an_error_naming_its_key(void **state)
         assert_int_equal(stk_loader_next(l, &b, &err), STK_EFORMAT);
         stk_loader_close(l);
     }
+    stk_store_close(s);
+}
+
+/* A batch's parts are filled by different workers in any order: the error
+ * it reports is its first bad record's, for every worker count. */
+static void a_batch_reports_its_first_error(void **state)
+{
+    (void)state;
+    const char *dir = scratch("corrupt2");
+    rmdir(dir);
+    make_db2(dir, N, 510, 545); /* batch 10 of 50: parts 0 and last of 4 */
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    int workers[] = {0, 2, 4, 8};
+    for (int rep = 0; rep < 5; rep++)
+        for (int w = 0; w < 4; w++) {
+            stk_loader_opts o = {.batch_size = 50, .workers = workers[w],
+                                 .prefetch = 12};
+            stk_loader *l;
+            assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+            stk_batch b;
+            int rc;
+            while ((rc = stk_loader_next(l, &b, &err)) == 1)
+                stk_loader_release(l, &b);
+            assert_int_equal(rc, STK_EFORMAT);
+            assert_non_null(strstr(err.msg, "split \"train\": key 510"));
+            stk_loader_close(l);
+        }
     stk_store_close(s);
 }
 
@@ -1105,6 +1141,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(loader_delivers_the_known_shards),
     cmocka_unit_test(drop_last_and_short_batches),
     cmocka_unit_test(corrupt_record_is_an_error_naming_its_key),
+    cmocka_unit_test(a_batch_reports_its_first_error),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stop_keeps_held_batches),
