@@ -157,8 +157,9 @@ def loader_factory(tool, workers, db_dir, work, batch, seed):
     has; a peer's dataset is made here, before any timing."""
     if tool in ("stoke", "stoke-torch"):
         import stoke
-        if tool == "stoke-torch":
-            __import__("torch")  # before the timing, as for the peers
+        # before the timing, as for the peers (torch imports numpy); stoke
+        # itself imports numpy only when a Loader or a record needs it
+        __import__("torch" if tool == "stoke-torch" else "numpy")
         n = len(stoke.open(db_dir)["train"])
         return (lambda: stoke.Loader(db_dir, batch_size=batch, workers=workers,
                                      seed=seed, as_torch=tool == "stoke-torch")), n
