@@ -812,17 +812,25 @@ STK_HD float stk_normalize1(float v, const stk_transform *t, int c)
     return (v / 255.0f - t->mean[c]) * t->inv_std[c];
 }
 
-/* Output pixel (c, y, x) of one sample img (uint8 CHW) given its draw:
- * read through the crop offset and flip, zero outside the image (the
- * padding), normalised. */
+/* Pixel (c, y, x) of one sample img (uint8 CHW) after its draw: read
+ * through the crop offset and flip, 0 outside the image (the padding).
+ * The loader's uint8 augmentation and the device transform share it. */
+STK_HD uint8_t stk_transform_src(const uint8_t *img, const stk_transform *t,
+                                 int c, int y, int x, int dy, int dx,
+                                 int mirror)
+{
+    int sx = (mirror ? t->w - 1 - x : x) + dx, sy = y + dy;
+    if (sx < 0 || sx >= t->w || sy < 0 || sy >= t->h)
+        return 0;
+    return img[((size_t)c * t->h + sy) * t->w + sx];
+}
+
+/* Output pixel (c, y, x) of one sample img given its draw, normalised. */
 STK_HD float stk_transform_px(const uint8_t *img, const stk_transform *t,
                               int c, int y, int x, int dy, int dx, int mirror)
 {
-    int sx = (mirror ? t->w - 1 - x : x) + dx, sy = y + dy;
-    float v = 0.0f;
-    if (sx >= 0 && sx < t->w && sy >= 0 && sy < t->h)
-        v = (float)img[((size_t)c * t->h + sy) * t->w + sx];
-    return stk_normalize1(v, t, c);
+    return stk_normalize1(
+        (float)stk_transform_src(img, t, c, y, x, dy, dx, mirror), t, c);
 }
 
 /* Output element j of the batch (n, c, y, x). sample_id keys the draws, so

@@ -353,16 +353,9 @@ static void augment(const stk_loader *l, uint64_t epoch, uint64_t index,
         return;
     memcpy(tmp, img, l->sample_bytes);
     for (int c = 0; c < t.c; c++)
-        for (int y = 0; y < t.h; y++) {
-            uint8_t *row = img + ((size_t)c * t.h + y) * t.w;
-            int sy = y + dy;
-            for (int x = 0; x < t.w; x++) {
-                int sx = (mirror ? t.w - 1 - x : x) + dx;
-                row[x] = sy >= 0 && sy < t.h && sx >= 0 && sx < t.w
-                             ? tmp[((size_t)c * t.h + sy) * t.w + sx]
-                             : 0;
-            }
-        }
+        for (int y = 0; y < t.h; y++)
+            for (int x = 0; x < t.w; x++)
+                *img++ = stk_transform_src(tmp, &t, c, y, x, dy, dx, mirror);
 }
 
 /* A stopping loader's workers leave the batch they fill (nobody will take
