@@ -894,12 +894,17 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
                                    !l->o.workers))
         return held_error(l, err);
     if (!l->o.workers) {
-        int rc = claim(l, l->claim_seq++, sl);
-        if (rc)
-            return stk_fail(err, rc, "split \"%s\": cannot build the sample "
-                            "order", l->split);
-        double t0 = stk_now();
+        /* a claim that fails is the batch's error, as in a worker: the
+         * loader then stays failed instead of going on with the next */
         stk_err e = {0};
+        int rc = claim(l, l->claim_seq++, sl);
+        if (rc) {
+            part_done(l, sl, 0, stk_fail(&e, rc, "split \"%s\": cannot "
+                                         "build the sample order", l->split),
+                      &e);
+            return 0;
+        }
+        double t0 = stk_now();
         part_done(l, sl, 0, fill(l, &l->inline_st, sl, 0, sl->n, &e), &e);
         double dt = stk_now() - t0;
         l->busy[0] += dt;
@@ -999,11 +1004,16 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
 
 void stk_loader_release(stk_loader *l, stk_batch *b)
 {
-    if (!b->data || b->slot < 0) /* none, or detached: not the ring's */
-        return;
+    if (!b->data || b->slot < 0 || b->slot >= l->nslots)
+        return; /* none, or detached: not the ring's */
     pthread_mutex_lock(&l->mu);
-    l->slots[b->slot].state = SLOT_FREE;
-    pthread_cond_broadcast(&l->work);
+    slot *sl = &l->slots[b->slot];
+    /* a stale copy of a batch released twice must not free the slot that
+     * its buffer went on to (workers may be filling it) */
+    if (sl->state == SLOT_HELD && sl->data == b->data) {
+        sl->state = SLOT_FREE;
+        pthread_cond_broadcast(&l->work);
+    }
     pthread_mutex_unlock(&l->mu);
     b->data = NULL;
 }

@@ -180,8 +180,10 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
  * stk_loader_next with an error. */
 int stk_loader_slots(const stk_loader *l);
 
-/* Gives a batch's buffer back to the ring. Thread-safe against
- * stk_loader_next. */
+/* Gives a batch's buffer back to the ring and clears b->data. Thread-safe
+ * against stk_loader_next. A batch that is not held (released already,
+ * through a copy of b, or detached) is left alone: its buffer may be
+ * being refilled. */
 void stk_loader_release(stk_loader *l, stk_batch *b);
 
 /* Hands a held batch's buffer to the caller for good, and gives its ring
