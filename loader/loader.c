@@ -4,10 +4,11 @@
  * Batches are numbered by a sequence s = 0, 1, 2, ... from the start
  * position; batch s lives in ring slot s % K. A worker claims the next
  * sequence number when its slot is free and copies the batch's indices from
- * the epoch's shard; the batch is cut into one part per worker, which the
- * workers take in (batch, part) order and fill outside the lock, so all of
- * them work on the oldest batch first (the first batch comes W times
- * sooner than if one worker filled it). The consumer takes sequence numbers
+ * the epoch's shard; the batch is cut into one part per worker (fewer for
+ * small batches of copied samples), which the workers take in (batch,
+ * part) order and fill outside the lock, so all of them work on the
+ * oldest batch first (the first batch comes W times sooner than if one
+ * worker filled it). The consumer takes sequence numbers
  * in order and hands slots back with release. So the output order is fixed
  * whatever the scheduling, and memory is K buffers. */
 #include "loader.h"
@@ -281,6 +282,21 @@ static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
     *batch = abs % l->nbatches;
 }
 
+/* How many parts a batch of n samples is cut into: one per worker, but
+ * where samples are only copied, no part under PART_MIN_BYTES (a handoff
+ * costs a lock round and a wake-up: 16 workers on a 100 KB batch spent
+ * more on those than on copying). Decoded samples (JPEG records, a raw
+ * source) cost far more than a handoff: one each is fine. */
+enum { PART_MIN_BYTES = 32 << 10 };
+static int batch_parts(const stk_loader *l, int n)
+{
+    int parts = n < l->o.workers ? n : l->o.workers;
+    if (l->jpeg || l->src)
+        return parts;
+    size_t fit = (size_t)n * l->sample_bytes / PART_MIN_BYTES;
+    return fit < 1 ? 1 : fit < (size_t)parts ? (int)fit : parts;
+}
+
 /* Claims seq into its slot and copies its indices (mu held): one part
  * per worker, or one part when that fails (the error is the batch's). */
 static int claim(stk_loader *l, uint64_t seq, slot *sl)
@@ -302,8 +318,7 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
     memcpy(sl->indices, s->idx + first, (size_t)sl->n * sizeof(uint64_t));
     s->refs--;
     if (l->o.workers > 1)
-        sl->parts = sl->parts_left = sl->n < l->o.workers ? sl->n
-                                                          : l->o.workers;
+        sl->parts = sl->parts_left = batch_parts(l, sl->n);
     return 0;
 }
 
