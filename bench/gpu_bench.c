@@ -1,19 +1,23 @@
 /* gpu_bench.c - the GPU yardsticks of scripts/gpu_check.sh: the loader's
- * host-to-device rate against a plain pinned copy of the same batches, and
- * the cuBLAS SGEMM peak beside which training's FLOP/s is read.
+ * host-to-device rate against pinned copies of the same batches, and the
+ * cuBLAS SGEMM peak beside which training's FLOP/s is read.
  *
- *   gpu_bench --db DB [--batch 128] [--workers 4] [--epochs 2] [--gpu 0]
- *             [--gemm 8192]
+ *   gpu_bench --db DB [--batch 128] [--workers 1,2,4,8] [--epochs 2]
+ *             [--gpu 0] [--gemm 8192]
  *
- * Prints one JSON line (GB/s are 1e9 bytes per second, bytes counted once):
- *   copy_gbs       stk_copy_to_dev of one batch's bytes from a pinned buffer,
- *                  repeated (cudaMemcpyAsync + the wait the trainer pays):
- *                  the ceiling for uploading batches of this size
+ * Every upload runs as the trainer's do (trainer/upload.c): on the copy
+ * stream, two in flight, a buffer reused once its event completed. Prints
+ * one JSON line (GB/s are 1e9 bytes per second, bytes counted once):
+ *   copy_gbs       one batch's bytes copied again and again from one
+ *                  pinned buffer: the cudaMemcpyAsync peak for batches of
+ *                  this size, the ceiling for uploading them
  *   copy_big_gbs   the same with 64 MiB copies: the link's peak
- *   loader_gbs     the stoke loader over DB's train split into its pinned
- *                  ring, every batch uploaded from its slot before the slot
- *                  goes back: what the training loop can be fed at
- *   loader_share   loader_gbs / copy_gbs (issue 15's target: >= 0.8)
+ *   loader         {workers: GB/s} for each --workers count: the stoke
+ *                  loader over DB's train split into its pinned ring,
+ *                  every batch uploaded from its slot, the slot handed
+ *                  back once its copy is done
+ *   workers, loader_gbs, loader_share   the best count, its GB/s and
+ *                  loader_gbs / copy_gbs (issue 15's target: >= 0.8)
  *   sgemm_tflops   the best of 5 N x N x N stk_gemm calls on the GPU
  *                  (cuBLAS, its default math: no TF32), 2 N^3 flops each */
 #include "kernels/kernels.h"
@@ -25,10 +29,29 @@
 #include <string.h>
 #include <time.h>
 
+enum { MAX_COUNTS = 16 };
+
 typedef struct opts {
     const char *db;
-    int batch, workers, epochs, gpu, gemm_n;
+    int batch, epochs, gpu, gemm_n;
+    int workers[MAX_COUNTS], nworkers;
 } opts;
+
+/* "1,2,4": worker counts of 0..STK_LOADER_MAX_WORKERS. */
+static int parse_workers(const char *v, opts *o)
+{
+    o->nworkers = 0;
+    for (const char *p = v; *p;) {
+        char *end;
+        long w = strtol(p, &end, 10);
+        if (end == p || w < 0 || w > STK_LOADER_MAX_WORKERS ||
+            o->nworkers == MAX_COUNTS || (*end && *end != ','))
+            return -1;
+        o->workers[o->nworkers++] = (int)w;
+        p = *end ? end + 1 : end;
+    }
+    return o->nworkers ? 0 : -1;
+}
 
 static double now(void)
 {
@@ -45,25 +68,31 @@ static int die(const char *what, const stk_err *err)
 
 static int parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, 128, 4, 2, 0, 8192};
+    *o = (opts){NULL, 128, 2, 0, 8192, {1, 2, 4, 8}, 4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int *num = !strcmp(a, "--batch")     ? &o->batch
-                   : !strcmp(a, "--workers") ? &o->workers
-                   : !strcmp(a, "--epochs")  ? &o->epochs
-                   : !strcmp(a, "--gpu")     ? &o->gpu
-                   : !strcmp(a, "--gemm")    ? &o->gemm_n
-                                             : NULL;
-        if (!v || (!num && strcmp(a, "--db"))) {
+        int *num = !strcmp(a, "--batch")    ? &o->batch
+                   : !strcmp(a, "--epochs") ? &o->epochs
+                   : !strcmp(a, "--gpu")    ? &o->gpu
+                   : !strcmp(a, "--gemm")   ? &o->gemm_n
+                                            : NULL;
+        bool known = num || !strcmp(a, "--db") || !strcmp(a, "--workers");
+        if (!v || !known) {
             fprintf(stderr, "gpu_bench: unknown or incomplete option '%s' "
-                            "(expected --db DB, --batch, --workers, --epochs, "
-                            "--gpu, --gemm N)\n", a);
+                            "(expected --db DB, --batch, --workers N,N,..., "
+                            "--epochs, --gpu, --gemm N)\n", a);
             return 2;
         }
         if (num)
             *num = atoi(v);
-        else
+        else if (!strcmp(a, "--db"))
             o->db = v;
+        else if (parse_workers(v, o)) {
+            fprintf(stderr, "gpu_bench: --workers '%s': expected a list of "
+                            "counts 0..%d such as 1,2,4,8\n", v,
+                    STK_LOADER_MAX_WORKERS);
+            return 2;
+        }
         i++;
     }
     if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 1) {
@@ -73,26 +102,97 @@ static int parse(int argc, char **argv, opts *o)
     return 0;
 }
 
-/* GB/s of `reps` uploads of `bytes` from pinned memory. */
+/* Two uploads in flight, as the trainer keeps them (trainer/upload.c):
+ * each on the copy stream, an event behind it; a buffer is reused (and
+ * its batch's slot handed back) once its event completed. */
+typedef struct flight {
+    void *dev[2];
+    stk_event *ev[2];
+    stk_batch held[2];
+    bool busy[2];
+    int next;
+} flight;
+
+static int flight_open(stk_backend *be, flight *f, size_t bytes, stk_err *err)
+{
+    memset(f, 0, sizeof *f);
+    int rc = 0;
+    for (int i = 0; i < 2 && !rc; i++) {
+        f->dev[i] = stk_dev_alloc(be, bytes, err);
+        rc = f->dev[i] ? stk_event_create(be, &f->ev[i], err) : STK_ENOMEM;
+    }
+    return rc;
+}
+
+static void flight_close(stk_backend *be, flight *f)
+{
+    for (int i = 0; i < 2; i++) {
+        stk_event_destroy(be, f->ev[i]);
+        stk_dev_free(be, f->dev[i]);
+    }
+}
+
+/* Waits for buffer i's upload; its batch (if any) goes back to l. */
+static int flight_settle(stk_backend *be, flight *f, int i, stk_loader *l,
+                         stk_err *err)
+{
+    if (!f->busy[i])
+        return 0;
+    int rc = stk_event_wait(be, f->ev[i], err);
+    f->busy[i] = false;
+    if (!rc && l)
+        stk_loader_release(l, &f->held[i]);
+    return rc;
+}
+
+/* Queues n bytes from src (pinned) into the next buffer; b, if any, is
+ * held until the copy is done. */
+static int flight_put(stk_backend *be, flight *f, const void *src, size_t n,
+                      const stk_batch *b, stk_loader *l, stk_err *err)
+{
+    int i = f->next;
+    f->next ^= 1;
+    int rc = flight_settle(be, f, i, l, err);
+    if (!rc)
+        rc = stk_upload(be, f->dev[i], src, n, err);
+    if (!rc)
+        rc = stk_event_record(be, f->ev[i], STK_STREAM_COPY, err);
+    if (!rc && b)
+        f->held[i] = *b;
+    f->busy[i] = !rc;
+    return rc;
+}
+
+static int flight_drain(stk_backend *be, flight *f, stk_loader *l, stk_err *err)
+{
+    int rc = flight_settle(be, f, 0, l, err);
+    int rc1 = flight_settle(be, f, 1, l, err);
+    return rc ? rc : rc1;
+}
+
+/* GB/s of `reps` uploads of `bytes` from one pinned buffer, two in flight:
+ * the cudaMemcpyAsync peak for copies of this size. */
 static int copy_rate(stk_backend *be, size_t bytes, int reps, double *gbs,
                      stk_err *err)
 {
     void *host = stk_pinned_alloc(be, bytes);
-    void *dev = stk_dev_alloc(be, bytes, err);
-    int rc = host && dev ? 0 : STK_ENOMEM;
-    if (!host)
-        stk_fail(err, STK_ENOMEM, "pinned buffer of %zu bytes", bytes);
+    flight f;
+    int rc = flight_open(be, &f, bytes, err);
+    if (!host && !rc)
+        rc = stk_fail(err, STK_ENOMEM, "pinned buffer of %zu bytes", bytes);
     if (!rc) {
         memset(host, 1, bytes);
-        rc = stk_copy_to_dev(be, dev, host, bytes, err); /* warm-up */
+        rc = flight_put(be, &f, host, bytes, NULL, NULL, err); /* warm-up */
     }
+    if (!rc)
+        rc = flight_drain(be, &f, NULL, err);
     double t0 = now();
     for (int i = 0; i < reps && !rc; i++)
-        rc = stk_copy_to_dev(be, dev, host, bytes, err);
+        rc = flight_put(be, &f, host, bytes, NULL, NULL, err);
     if (!rc)
-        rc = stk_sync(be, err);
+        rc = flight_drain(be, &f, NULL, err);
     *gbs = (double)bytes * reps / (now() - t0) / 1e9;
-    stk_dev_free(be, dev);
+    flight_close(be, &f);
     stk_pinned_free(be, host);
     return rc;
 }
@@ -100,42 +200,40 @@ static int copy_rate(stk_backend *be, size_t bytes, int reps, double *gbs,
 static void *pin(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
 static void unpin(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 
-/* The loader into its pinned ring, each batch uploaded from its slot. */
-static int loader_rate(stk_backend *be, const opts *o, size_t *batch_bytes,
-                       double *gbs, stk_err *err)
+/* The loader with `workers` threads into its pinned ring, each batch
+ * uploaded from its slot, which goes back once the copy is done. */
+static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
+                       int workers, double *gbs, stk_err *err)
 {
-    stk_store *st = NULL;
     stk_loader *l = NULL;
-    int rc = stk_store_open(o->db, 0, &st, err);
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
-                          .workers = o->workers, .shuffle = true, .seed = 1,
+                          .workers = workers, .shuffle = true, .seed = 1,
                           .host = {pin, unpin, be}};
+    const stk_meta *meta = stk_store_meta(st);
+    size_t per = (size_t)meta->channels * meta->height * meta->width;
+    flight f;
+    int rc = flight_open(be, &f, per * (size_t)o->batch, err);
     if (!rc)
         rc = stk_loader_open(st, &lo, &l, err);
-    const stk_meta *meta = st ? stk_store_meta(st) : NULL;
-    size_t per = meta ? (size_t)meta->channels * meta->height * meta->width : 0;
-    *batch_bytes = per * (size_t)o->batch;
-    void *dev = rc ? NULL : stk_dev_alloc(be, *batch_bytes, err);
-    if (!rc && !dev)
-        rc = STK_ENOMEM;
     size_t bytes = 0;
     double t0 = now();
     for (int e = 0; e < o->epochs && !rc; e++) {
         stk_batch b;
         while (!rc && (rc = stk_loader_next(l, &b, err)) == 1) {
             size_t n = (size_t)b.n * b.sample_bytes;
-            rc = stk_copy_to_dev(be, dev, b.data, n, err);
-            stk_loader_release(l, &b);
+            rc = flight_put(be, &f, b.data, n, &b, l, err);
+            if (rc) /* the copy may still read it: the close frees it */
+                break;
             bytes += n;
         }
         rc = rc < 0 ? rc : 0; /* 0: the epoch ended */
     }
     if (!rc)
-        rc = stk_sync(be, err);
+        rc = flight_drain(be, &f, l, err);
     *gbs = (double)bytes / (now() - t0) / 1e9;
-    stk_dev_free(be, dev);
-    stk_loader_close(l);
-    stk_store_close(st);
+    stk_loader_close(l); /* after an error too: cudaFreeHost waits for the
+                            copies still reading its blocks */
+    flight_close(be, &f);
     return rc;
 }
 
@@ -167,6 +265,34 @@ static int gemm_peak(stk_backend *be, int n, double *tflops, stk_err *err)
     return rc;
 }
 
+/* The loader's rate at each worker count, as JSON pairs into json; the
+ * best count and rate. */
+static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
+                        char *json, size_t cap, int *best_w, double *best,
+                        stk_err *err)
+{
+    stk_store *st = NULL;
+    int rc = stk_store_open(o->db, 0, &st, err);
+    if (rc)
+        return rc;
+    const stk_meta *meta = stk_store_meta(st);
+    *batch_bytes = (size_t)meta->channels * meta->height * meta->width *
+                   (size_t)o->batch;
+    size_t at = 0;
+    *best = -1;
+    for (int i = 0; i < o->nworkers && !rc; i++) {
+        double gbs = 0;
+        rc = loader_rate(be, st, o, o->workers[i], &gbs, err);
+        if (!rc && gbs > *best)
+            *best = gbs, *best_w = o->workers[i];
+        if (!rc && at < cap)
+            at += (size_t)snprintf(json + at, cap - at, "%s\"%d\": %.3f",
+                                   i ? ", " : "", o->workers[i], gbs);
+    }
+    stk_store_close(st);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     opts o;
@@ -180,20 +306,24 @@ int main(int argc, char **argv)
                                       : die("cuda", &err);
     size_t batch_bytes = 0;
     double loader = 0, copy = 0, big = 0, tflops = 0;
-    if (loader_rate(be, &o, &batch_bytes, &loader, &err))
+    int best_w = 0;
+    char rates[512] = "";
+    if (loader_rates(be, &o, &batch_bytes, rates, sizeof rates, &best_w,
+                     &loader, &err))
         rc = die(o.db, &err);
-    else if (copy_rate(be, batch_bytes, 2000, &copy, &err) ||
-             copy_rate(be, (size_t)64 << 20, 20, &big, &err))
+    else if (copy_rate(be, batch_bytes, 4000, &copy, &err) ||
+             copy_rate(be, (size_t)64 << 20, 40, &big, &err))
         rc = die("pinned copy", &err);
     else if (gemm_peak(be, o.gemm_n, &tflops, &err))
         rc = die("sgemm", &err);
     if (!rc)
-        printf("{\"device\": \"%s\", \"batch_bytes\": %zu, \"workers\": %d, "
+        printf("{\"device\": \"%s\", \"batch_bytes\": %zu, "
+               "\"loader\": {%s}, \"workers\": %d, "
                "\"copy_gbs\": %.3f, \"copy_big_gbs\": %.3f, "
                "\"loader_gbs\": %.3f, \"loader_share\": %.3f, "
                "\"sgemm_n\": %d, \"sgemm_tflops\": %.2f}\n",
-               stk_backend_name(be), batch_bytes, o.workers, copy, big, loader,
-               loader / copy, o.gemm_n, tflops);
+               stk_backend_name(be), batch_bytes, rates, best_w, copy, big,
+               loader, loader / copy, o.gemm_n, tflops);
     stk_backend_destroy(be);
     return rc;
 }

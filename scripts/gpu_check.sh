@@ -102,7 +102,9 @@ fi
 
 # 4. benchmarks
 bench_json=$OUT/gpu_bench.json
-check "gpu_bench (uploads, SGEMM peak)" 300 sh -c "'$B/gpu_bench' --db '$W/db' --workers 4 > '$bench_json'"
+counts=$(for w in 1 2 4 8 12 16 24 32; do [ "$w" -le "$(nproc)" ] && echo "$w"; done | paste -sd,)
+check "gpu_bench (uploads, SGEMM peak)" 300 sh -c \
+  "'$B/gpu_bench' --db '$W/db' --epochs 20 --workers $counts > '$bench_json'"
 epoch_line() { grep '"type":"epoch"' "$1/metrics.jsonl" 2>/dev/null | tail -1; }
 rows=()
 for m in "cnn 128" "cnn 512" "resnet20 128" "resnet20 512" "resnet18 128"; do

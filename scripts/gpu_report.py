@@ -17,13 +17,15 @@ def main():
     bench = json.load(open(sys.argv[1]))
     peak = bench["sgemm_tflops"] * 1e12
     share = bench["loader_share"]
-    print("Uploads (%s, batches of %d bytes, %d loader workers): the loader into its "
-          "pinned ring, each batch uploaded from its slot, **%.2f GB/s**, against "
-          "%.2f GB/s for the same copies from one pinned buffer: **%.0f%%** "
-          "(target >= 80%%: %s); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM "
-          "%d^3: **%.1f TFLOP/s**." % (
-              bench["device"], bench["batch_bytes"], bench["workers"],
-              bench["loader_gbs"], bench["copy_gbs"], 100 * share,
+    rates = ", ".join("%s: %.2f" % kv for kv in bench.get("loader", {}).items())
+    print("Uploads (%s, batches of %d bytes): the loader into its pinned ring, "
+          "each batch uploaded from its slot on the copy stream, **%.2f GB/s** "
+          "at its best, %d workers (GB/s by workers: %s), against %.2f GB/s for "
+          "the same copies from one pinned buffer: **%.0f%%** (target >= 80%%: "
+          "%s); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM %d^3: **%.1f "
+          "TFLOP/s**." % (
+              bench["device"], bench["batch_bytes"], bench["loader_gbs"],
+              bench["workers"], rates, bench["copy_gbs"], 100 * share,
               "met" if share >= 0.8 else "**not met**", bench["copy_big_gbs"],
               bench["sgemm_n"], bench["sgemm_tflops"]))
     print()

@@ -398,7 +398,7 @@ static int walk_tree(walker *w, const char *name, size_t name_len,
 int stk_lmdb_check_file(const char *dir, int fd, off_t size,
                         stk_lmdb_facts *facts, stk_err *err)
 {
-    meta_page m;
+    meta_page m = {0}; /* read_metas fills it; -O3 cannot tell */
     int rc = read_metas(dir, fd, size, &m, err);
     if (rc)
         return rc;

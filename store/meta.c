@@ -342,7 +342,7 @@ static int parse_record_v2(const cJSON *rec, stk_meta *m, stk_err *err)
         return stk_fail(err, STK_EFORMAT,
                         "metadata: format_version 2 with fixed-size raw "
                         "records (those are format_version 1)");
-    uint64_t v;
+    uint64_t v = 0;
     if (m->encoding == STK_ENC_JPEG) {
         if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "quality"),
                             100, "record.quality", &v, err)))
@@ -383,7 +383,7 @@ static int parse_shape(const cJSON *root, int version, stk_meta *m,
     if (version == STK_FORMAT_VERSION_V2 &&
         (rc = parse_record_v2(rec, m, err)))
         return rc;
-    uint64_t hb, want_hb = stk_meta_header_bytes(m);
+    uint64_t hb = 0, want_hb = stk_meta_header_bytes(m);
     if ((rc = get_count(cJSON_GetObjectItemCaseSensitive(rec, "header_bytes"),
                         UINT32_MAX, "record.header_bytes", &hb, err)))
         return rc;

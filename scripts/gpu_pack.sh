@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# gpu_pack.sh - packs a CUDA build for a GPU machine that lacks the Debian
+# libraries (a cloud image with only the CUDA toolkit, a cluster node):
+#
+#   scripts/gpu_pack.sh [--build DIR] [--out FILE]     here (default build-gpu,
+#                                                      gpu-pack.tar.gz)
+#   tar xzf gpu-pack.tar.gz && . gpu-pack/env.sh       there, in the same
+#                                                      checkout (same commit)
+#   scripts/gpu_check.sh --build "$STK_PACK_BUILD"
+#
+# The pack holds the build's binaries, test files and CTest scripts (no
+# objects, no test scratch, debug info stripped), the shared libraries they need that are
+# not part of the C runtime or CUDA (LMDB, libuv, OpenBLAS, TurboJPEG,
+# spng, ...), and Fashion-MNIST's IDX files. CTest records absolute paths,
+# so env.sh links the build's old path to the unpacked one where that path
+# is free. The CUDA runtime, cuBLAS and NCCL come from the GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=build-gpu OUT=gpu-pack.tar.gz
+while [ $# -gt 0 ]; do
+  case $1 in
+  --build) BUILD=${2:?--build needs a directory}; shift 2 ;;
+  --out) OUT=${2:?--out needs a file}; shift 2 ;;
+  *) echo "gpu_pack.sh: unknown argument '$1' (expected --build DIR, --out FILE)" >&2; exit 2 ;;
+  esac
+done
+[ -x "$BUILD/bin/train" ] || { echo "gpu_pack.sh: $BUILD/bin/train not found: build first (scripts/build.sh or cmake -B $BUILD -DSTK_CUDA=ON)" >&2; exit 1; }
+grep -q '^CMAKE_CUDA_COMPILER:' "$BUILD/CMakeCache.txt" ||
+  { echo "gpu_pack.sh: $BUILD was configured without CUDA" >&2; exit 1; }
+FASHION=${STK_FASHION:-/usr/share/datasets/fashion-mnist}
+SRC=$PWD
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+P=$STAGE/gpu-pack
+mkdir -p "$P/lib" "$P/fashion-mnist"
+
+# the build without objects, then its ELF files stripped of debug info
+(cd "$BUILD" && find . \( -name CMakeFiles -o -path ./tests/tmp -o -path ./Testing \) -prune \
+  -o -name '*.o' -o -name '*.a' -o -type f -print | tar cf - -T -) | (mkdir -p "$P/build" && cd "$P/build" && tar xf -)
+find "$P/build" -type f \( -perm -u+x -o -name '*.so' \) -exec sh -c \
+  'head -c4 "$1" | grep -q ELF && strip --strip-debug "$1"; true' _ {} \;
+
+# the libraries outside the C runtime and CUDA
+for f in "$BUILD"/bin/*; do [ -x "$f" ] && ldd "$f" 2>/dev/null; done |
+  awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+  grep -v -E '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda[^/]*/|libcuda\.so|libnccl|libcublas|libcudart' |
+  while read -r lib; do cp -L "$lib" "$P/lib/"; done
+cp "$FASHION"/*-ubyte* "$P/fashion-mnist/"
+
+cat >"$P/env.sh" <<EOF
+# sourced where the pack was unpacked: the libraries, the data, the build
+here=\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)
+export LD_LIBRARY_PATH="\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export STK_FASHION="\$here/fashion-mnist"
+export STK_PACK_BUILD="\$here/build"
+# CTest's absolute paths: the build and the sources as they were packed
+for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$SRC/$BUILD:\$here/build"; do
+  old=\${pair%%:*} new=\${pair#*:}
+  [ "\$old" = "\$new" ] || [ -e "\$old" ] || { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
+    echo "gpu-pack: cannot link \$old to \$new (CTest's paths)" >&2
+done
+EOF
+tar czf "$OUT" -C "$STAGE" gpu-pack
+echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"
