@@ -153,7 +153,11 @@ static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, const char *what,
                  stk_err *err)
 {
     double start = stk_now(), checked = start;
-    struct timespec pause = {0, 50 * 1000}; /* 50 us */
+    /* the pause doubles from 1 us: an all-reduce about to finish is seen
+     * within microseconds, a long wait polls about every 64 us (device
+     * work, where the step waits on it) or 1 ms (a rendezvous, a
+     * finalize), at little CPU */
+    long pause_ns = 1000, cap_ns = on_device ? 64000 : 1000000;
     for (;;) {
         bool done = false;
         ncclResult_t state = ncclSuccess;
@@ -172,7 +176,8 @@ static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, const char *what,
             abort_comm(n);
             return rc;
         }
-        nanosleep(&pause, NULL);
+        nanosleep(&(struct timespec){0, pause_ns}, NULL);
+        pause_ns = pause_ns * 2 < cap_ns ? pause_ns * 2 : cap_ns;
     }
 }
 

@@ -1848,6 +1848,8 @@ static int cpu_sgd(stk_backend *be, float *w, const float *g, float *buf,
                    size_t n, const stk_sgd_cfg *cfg, stk_err *err)
 {
     (void)err;
+    if (stk_update_refused(cfg->guard))
+        return 0;
     optim_job j = {.w = w, .m = buf, .g = g, .sgd = cfg};
     stk_pool_for(pool(be), n, GRAIN, sgd_part, &j);
     return 0;
@@ -1868,6 +1870,8 @@ static int cpu_adamw(stk_backend *be, float *w, const float *g, float *m,
                      stk_err *err)
 {
     (void)err;
+    if (stk_update_refused(cfg->guard))
+        return 0;
     optim_job j = {.w = w, .m = m, .v = v, .g = g, .adamw = cfg};
     stk_pool_for(pool(be), n, GRAIN, adamw_part, &j);
     return 0;

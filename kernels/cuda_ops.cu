@@ -1539,6 +1539,8 @@ static int cuda_grad_norm(stk_backend *be, float *g, size_t n, float clip,
 static __global__ void sgd_kernel(float *w, const float *g, float *buf,
                                   size_t n, stk_sgd_cfg cfg)
 {
+    if (stk_update_refused(cfg.guard))
+        return;
     for (size_t i = first_index(); i < n; i += index_step())
         stk_sgd1(w, g, buf, i, &cfg);
 }
@@ -1552,6 +1554,8 @@ static int cuda_sgd(stk_backend *be, float *w, const float *g, float *buf,
 static __global__ void adamw_kernel(float *w, const float *g, float *m,
                                     float *v, size_t n, stk_adamw_cfg cfg)
 {
+    if (stk_update_refused(cfg.guard))
+        return;
     for (size_t i = first_index(); i < n; i += index_step())
         stk_adamw1(w, g, m, v, i, &cfg);
 }

@@ -849,10 +849,20 @@ STK_HD float stk_transform1(const uint8_t *x, const stk_transform *t,
 
 /* ---- optimizers (PyTorch's update rules, one parameter element) --------- */
 
+/* An update's guard: the run's metrics on the update's device (NULL: none).
+ * A step whose loss or gradient norm was non-finite, or whose labels were
+ * out of range, is not applied (checked on the device, so the host need
+ * not wait for the check); the run names that step at its next read. */
+STK_HD int stk_update_refused(const stk_metrics *guard)
+{
+    return guard && (guard->bad_step != 0 || guard->bad_row != 0);
+}
+
 typedef struct stk_sgd_cfg {
     float lr, momentum, weight_decay;
     int nesterov;
     int first;               /* first step: the buffer starts as the grad */
+    const stk_metrics *guard; /* stk_update_refused */
 } stk_sgd_cfg;
 
 STK_HD void stk_sgd1(float *w, const float *g, float *buf, size_t i,
@@ -874,6 +884,7 @@ typedef struct stk_adamw_cfg {
      * 1 - 0.999f is 0.0009999871, which no longer cancels against the
      * double bias correction (steps 6.7e-6 too large) */
     float one_minus_beta1, one_minus_beta2;
+    const stk_metrics *guard; /* stk_update_refused */
 } stk_adamw_cfg;
 
 STK_HD void stk_adamw1(float *w, const float *g, float *m, float *v, size_t i,

@@ -125,8 +125,9 @@ static int settle(run_state *r, int rc, stk_err *err)
 /* The device's metrics since the last read, zeroed there: the one wait of
  * a logging window (pinned memory and an event; nothing on the CPU). A
  * non-finite step or a label out of range recorded there is the run's
- * error, naming its step: the steps after it changed only weights that are
- * never saved. */
+ * error, naming its step; the device refused its update and every one
+ * after it (stk_update_refused), so the parameters are the last good
+ * step's. */
 static int read_metrics(run_state *r, stk_metrics *m, stk_err *err)
 {
     stk_backend *be = r->be;
@@ -161,13 +162,13 @@ static int update_range(run_state *r, float lr, float wd, size_t off, size_t n,
     const stk_train_opts *o = r->o;
     float *w = stk_model_weights(r->model) + off, *g = stk_model_grads(r->model) + off;
     if (o->optim == STK_OPT_SGD) {
-        stk_sgd_cfg c = {lr, o->momentum, wd, o->nesterov, r->step == 0};
+        stk_sgd_cfg c = {lr, o->momentum, wd, o->nesterov, r->step == 0, r->mdev};
         return stk_sgd_step(r->be, w, g, r->state1 + off, n, &c, err);
     }
     double t = (double)r->step + 1, b1 = 0.9, b2 = 0.999;
     stk_adamw_cfg c = {lr, (float)b1, (float)b2, 1e-8f, wd,
                        (float)(1.0 - pow(b1, t)), (float)sqrt(1.0 - pow(b2, t)),
-                       (float)(1.0 - b1), (float)(1.0 - b2)};
+                       (float)(1.0 - b1), (float)(1.0 - b2), r->mdev};
     return stk_adamw_step(r->be, w, g, r->state1 + off, r->state2 + off, n, &c, err);
 }
 
@@ -233,36 +234,60 @@ typedef struct step_out {
     double waited, busy; /* DDP: waited after backward, reductions took */
 } step_out;
 
-/* A data-parallel step's loss, hits and stop decision summed over the
- * ranks (the same on every rank, so all stop at the same step). */
-static int group_step(run_state *r, const stk_metrics *m, int n, uint64_t epoch,
-                      step_out *out, stk_err *err)
+/* A data-parallel read: the sums since the last read (loss, hits,
+ * samples) and the stop decision over the ranks, the same on every rank,
+ * so all stop at the same step. `mine` is this rank's failed read (a
+ * non-finite step, a label out of range): it still joins the sum, so that
+ * the others end at the same read naming it as a peer's. */
+static int group_read(run_state *r, int mine, const stk_metrics *m, step_out *out,
+                      stk_err *err)
 {
-    float v[4] = {out->stop ? 1.0f : 0.0f, (float)m->last_loss, (float)m->last_hits,
-                  (float)n};
-    int rc = group_sum(r, v, 4, err);
-    if (rc)
-        return rc;
+    float v[5] = {out->stop ? 1.0f : 0.0f, mine ? 0.0f : (float)m->loss,
+                  mine ? 0.0f : (float)m->hits, mine ? 0.0f : (float)m->n,
+                  mine ? 1.0f : 0.0f};
+    stk_err ignored;
+    int rc = group_sum(r, v, 5, mine ? &ignored : err);
+    if (mine || rc)
+        return mine ? mine : rc;
+    if (v[4] > 0)
+        return stk_fail(err, STK_EPEER,
+                        "%.0f other rank(s) stopped on a non-finite loss or gradient "
+                        "norm or a label out of range by step %llu (their messages "
+                        "name it); the last good checkpoint is kept",
+                        v[4], (unsigned long long)r->step + 1);
     out->stop = v[0] > 0;
-    double loss = v[1] / v[3];
+    out->loss_sum = v[1];
     out->hits = (uint64_t)v[2];
     out->n = (uint64_t)v[3];
-    out->loss_sum = loss * (double)out->n;
-    if (!isfinite(loss))
+    if (!isfinite(v[1])) /* finite steps whose float sum overflowed */
         return stk_fail(err, STK_ERANGE,
-                        "loss is %s at step %llu (epoch %llu); stopped, the last good "
+                        "loss sum is not finite by step %llu; stopped, the last good "
                         "checkpoint is kept (lower --lr or set --clip)",
-                        isnan(loss) ? "NaN" : "infinite",
-                        (unsigned long long)r->step + 1, (unsigned long long)epoch + 1);
+                        (unsigned long long)r->step + 1);
     return 0;
+}
+
+/* Under data parallelism on a device where reading the metrics waits, the
+ * ranks read (and agree whether to stop) every AGREE_STEPS steps and at
+ * every logged step; on the CPU every step, where reading costs nothing.
+ * STK_AGREE_STEPS sets another cadence (the CPU tests run the GPUs'). */
+enum { AGREE_STEPS = 16 };
+
+static int agree_steps(const stk_backend *be)
+{
+    const char *e = getenv("STK_AGREE_STEPS");
+    if (e && atoi(e) > 0)
+        return atoi(e);
+    return stk_backend_kind(be) == STK_DEV_CPU ? 1 : AGREE_STEPS;
 }
 
 /* Ends a step of n samples: the averaged gradients, the step's metrics
  * closed and the gradient norm checked (and clipped) on the device, the
  * update. The metrics come to the host only when `read` (a step line, the
  * epoch's end, a stop), on the CPU (no wait there) and under data
- * parallelism (the ranks agree on every step's stop); a non-finite loss or
- * gradient norm is found then and names its step. */
+ * parallelism every AGREE_STEPS steps (all ranks read at the same steps:
+ * the read is a collective); a non-finite loss or gradient norm is found
+ * then and names its step. */
 static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
                        step_out *out, stk_err *err)
 {
@@ -279,21 +304,19 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
         r->lr = stk_train_lr(r->o, r->step, r->total_steps, (int)epoch);
         rc = optimizer_step(r, r->lr, err);
     }
-    bool world = r->rank.world > 1;
-    out->read = read || out->stop || world || stk_backend_kind(be) == STK_DEV_CPU;
+    bool world = r->rank.world > 1, cpu = stk_backend_kind(be) == STK_DEV_CPU;
+    /* a rank's own stop request reads at once only when alone */
+    out->read = read || (world ? (r->step + 1) % (uint64_t)r->agree_steps == 0
+                               : cpu || out->stop);
+    if (!out->read)
+        out->stop = false; /* a data-parallel stop waits for the next read */
     if (rc || !out->read)
         return rc;
     stk_metrics m;
-    if (world) { /* the ranks' loss first: every rank names it alike */
-        rc = stk_copy_to_host(be, r->mhost, r->mdev, sizeof m, err);
-        if (!rc)
-            rc = stk_sync(be, err);
-        if (!rc)
-            rc = group_step(r, r->mhost, n, epoch, out, err);
-    }
-    if (!rc)
-        rc = read_metrics(r, &m, err);
-    if (!rc && !world) {
+    rc = read_metrics(r, &m, err);
+    if (world)
+        return group_read(r, rc, &m, out, err);
+    if (!rc) {
         out->loss_sum = m.loss;
         out->hits = (uint64_t)m.hits;
         out->n = (uint64_t)m.n;
@@ -754,6 +777,7 @@ static int setup_data(run_state *r, stk_err *err)
 static int setup_buffers(run_state *r, stk_err *err)
 {
     stk_backend *be = r->be;
+    r->agree_steps = agree_steps(be);
     size_t n = (size_t)r->o->batch, sb = (size_t)r->in_c * r->in_h * r->in_w;
     size_t np = stk_model_param_count(r->model);
     r->x_f = stk_dev_alloc(be, n * sb * sizeof(float), err);

@@ -106,6 +106,8 @@ typedef struct run_state {
     stk_comm *comm;
     stk_ddp *ddp;
     int ddp_rc;              /* the first error of a grads-ready call */
+    int agree_steps;         /* the ranks read their metrics and agree on
+                                stopping every this many steps */
     float *sync_dev;         /* device scratch for the small reductions */
     uint64_t shard;          /* training samples per rank per epoch */
     uint64_t batches;        /* and batches */

@@ -75,6 +75,47 @@ PY
 follow mlp 100
 [ "$M" != cnn ] || follow cnn 30
 
+# ---- the GPUs' cadence: ranks read and agree every 16 steps ------------------
+# On a GPU the ranks sum their metrics only every 16 steps and at logged
+# steps (a read waits for the GPU); STK_AGREE_STEPS runs that cadence here.
+# The logged losses and accuracies are the same sums, the weights the same
+# bytes; a stop asked of one rank alone ends both at the same step.
+cad=(--db db --model mlp --workers 1 --quiet --seed 3 --no-dropout --optim sgd --nproc 2
+     --batch 64 --epochs 1 --log-every 5)
+"$T" "${cad[@]}" --out agree1 > agree1.out 2>&1 || { cat agree1.out; fail "agree every step"; }
+STK_AGREE_STEPS=16 "$T" "${cad[@]}" --out agree16 > agree16.out 2>&1 ||
+  { cat agree16.out; fail "agree every 16 steps"; }
+$PY - <<'PY' || fail "the 16-step cadence changed the logged metrics"
+import json
+def lines(run):
+    return [d for d in map(json.loads, open(run + "/metrics.jsonl")) if d["type"] in ("step", "epoch")]
+a, b = lines("agree1"), lines("agree16")
+assert [d["type"] for d in a] == [d["type"] for d in b] and len(a) == 10, (len(a), len(b))
+worst = 0.0
+for x, y in zip(a, b):
+    for k in ("loss", "acc", "train_loss", "train_acc", "test_loss", "test_acc"):
+        if k in x:
+            worst = max(worst, abs(x[k] - y[k]) / max(abs(x[k]), 1e-12))
+assert worst < 1e-5, worst
+print(f"ok: 9 step lines and the epoch line alike at both cadences (largest relative difference {worst:.1e})")
+PY
+last=$(ls agree1/checkpoints | grep step- | tail -1)
+cmp agree1/checkpoints/$last/model.safetensors agree16/checkpoints/$last/model.safetensors ||
+  fail "the cadence changed the weights"
+# SIGINT to rank 1 alone (not the launcher): rank 0 learns of it at a read
+STK_AGREE_STEPS=16 "$T" "${cad[@]}" --epochs 50 --log-every 1000 --out onestop \
+  > onestop.out 2>&1 &
+L=$!
+for _ in $(seq 300); do [ -n "$(rank_pid $L 1)" ] && break; sleep 0.1; done
+sleep 2
+kill -INT "$(rank_pid $L 1)"
+rc=0
+wait $L || rc=$?
+[ "$rc" -eq 130 ] || { cat onestop.out; fail "a stop asked of rank 1: exit $rc, not 130"; }
+at=$(ls onestop/checkpoints | grep step- | tail -1)
+[ $(( 10#${at#step-} % 16 )) -eq 0 ] || fail "stopped at $at, not at a 16-step read"
+ok "every 16 steps: the same logged metrics and weights; rank 1's SIGINT stopped both ranks at $at"
+
 # ---- a rank that dies ---------------------------------------------------------
 "$T" "${common[@]}" --nproc 2 --batch 64 --epochs 20 --log-every 2 --out killed \
   > killed.out 2>&1 &

@@ -395,15 +395,25 @@ static void xent_transform_and_optimizers_agree(void **state)
     float *dw = dev_copy(w, sizeof w), *dg = dev_copy(g, sizeof g),
           *dbuf = dev_copy(buf, sizeof buf), *dm = dev_copy(m, sizeof m),
           *dv = dev_copy(v, sizeof v);
-    stk_sgd_cfg sc = {0.1f, 0.9f, 0.01f, 1, 1};
+    stk_sgd_cfg sc = {0.1f, 0.9f, 0.01f, 1, 1, NULL};
     stk_adamw_cfg ac = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f, 0.1f, sqrtf(0.001f),
-                        (float)(1 - 0.9), (float)(1 - 0.999)};
+                        (float)(1 - 0.9), (float)(1 - 0.999), NULL};
     assert_int_equal(stk_sgd_step(cpu, w, g, buf, 100, &sc, &err), 0);
     assert_int_equal(stk_sgd_step(gpu, dw, dg, dbuf, 100, &sc, &err), 0);
     assert_int_equal(stk_adamw_step(cpu, w, g, m, v, 100, &ac, &err), 0);
     assert_int_equal(stk_adamw_step(gpu, dw, dg, dm, dv, 100, &ac, &err), 0);
     got = host_copy(dw, sizeof w);
     assert_true(nerr(got, w, 100) < 1e-6); /* sqrtf and division may round differently */
+    /* a device guard holding a non-finite step: both updates refused there */
+    stk_metrics bad = {.bad_step = 3};
+    stk_metrics *dbad = (stk_metrics *)dev_copy(&bad, sizeof bad);
+    sc.guard = ac.guard = dbad;
+    assert_int_equal(stk_sgd_step(gpu, dw, dg, dbuf, 100, &sc, &err), 0);
+    assert_int_equal(stk_adamw_step(gpu, dw, dg, dm, dv, 100, &ac, &err), 0);
+    float *kept = host_copy(dw, sizeof w);
+    assert_memory_equal(kept, got, sizeof w);
+    free(kept);
+    stk_dev_free(gpu, dbad);
     free(got);
     double ss, gss;
     assert_int_equal(stk_sumsq(cpu, w, 100, &ss, &err), 0);

@@ -1476,7 +1476,7 @@ static void optimizers_follow_pytorch_rules(void **state)
     (void)state;
     /* two steps by hand, PyTorch's formulas */
     float w[2] = {1.0f, -2.0f}, g[2] = {0.5f, 0.25f}, buf[2];
-    stk_sgd_cfg s = {0.1f, 0.9f, 0.01f, 0, 1};
+    stk_sgd_cfg s = {0.1f, 0.9f, 0.01f, 0, 1, NULL};
     stk_err err;
     assert_int_equal(stk_sgd_step(be, w, g, buf, 2, &s, &err), 0);
     double d0 = 0.5 + 0.01 * 1.0, w0 = 1.0 - 0.1 * d0;
@@ -1487,18 +1487,48 @@ static void optimizers_follow_pytorch_rules(void **state)
     assert_true(fabs(w[0] - (w0 - 0.1 * b1)) < 1e-6);
     /* nesterov */
     float wn[1] = {1.0f}, bn[1];
-    stk_sgd_cfg sn = {0.1f, 0.9f, 0.0f, 1, 1};
+    stk_sgd_cfg sn = {0.1f, 0.9f, 0.0f, 1, 1, NULL};
     assert_int_equal(stk_sgd_step(be, wn, g, bn, 1, &sn, &err), 0);
     assert_true(fabs(wn[0] - (1.0 - 0.1 * (0.5 + 0.9 * 0.5))) < 1e-6);
     /* AdamW, step 1 at lr 1 (so an error in the step shows at full size):
      * w = w(1 - lr wd) - lr * m1/(1-b1) / (sqrt(v1/(1-b2)) + eps) */
     float wa[1] = {1.0f}, m[1] = {0}, v[1] = {0};
     stk_adamw_cfg a = {1.0f, 0.9f, 0.999f, 1e-8f, 0.1f, (float)(1 - 0.9),
-                       (float)sqrt(1 - 0.999), (float)(1 - 0.9), (float)(1 - 0.999)};
+                       (float)sqrt(1 - 0.999), (float)(1 - 0.9), (float)(1 - 0.999), NULL};
     assert_int_equal(stk_adamw_step(be, wa, g, m, v, 1, &a, &err), 0);
     double mm = 0.1 * 0.5, vv = 0.001 * 0.25;
     double want = 1.0 * (1 - 1.0 * 0.1) - 1.0 / 0.1 * mm / (sqrt(vv) / sqrt(0.001) + 1e-8);
     assert_true(fabs(wa[0] - want) < 2e-7 * fabs(want) + 1e-7);
+}
+
+/* A guard that recorded a non-finite step or a label out of range refuses
+ * the update: weights and optimizer state keep every bit; a clean guard
+ * updates as without one. */
+static void a_guard_refuses_a_bad_step(void **state)
+{
+    (void)state;
+    stk_err err;
+    const float w0[2] = {1.0f, -2.0f}, g[2] = {0.5f, 0.25f};
+    stk_metrics bad[3] = {{.bad_step = 7}, {.bad_row = 3}, {.bad_step = 0}};
+    for (int k = 0; k < 3; k++) {
+        float w[2], buf[2] = {0.5f, 0.5f}, m[2] = {0.1f, 0.1f}, v[2] = {0.2f, 0.2f};
+        float ws[2], bufs[2] = {0.5f, 0.5f};
+        memcpy(w, w0, sizeof w);
+        memcpy(ws, w0, sizeof ws);
+        stk_sgd_cfg s = {0.1f, 0.9f, 0.01f, 0, 0, &bad[k]}, plain = s;
+        plain.guard = NULL;
+        assert_int_equal(stk_sgd_step(be, w, g, buf, 2, &s, &err), 0);
+        assert_int_equal(stk_sgd_step(be, ws, g, bufs, 2, &plain, &err), 0);
+        bool refused = k < 2;
+        assert_true(refused ? !memcmp(w, w0, sizeof w) && buf[0] == 0.5f
+                            : !memcmp(w, ws, sizeof w) && !memcmp(buf, bufs, sizeof buf));
+        stk_adamw_cfg a = {0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, 0.5f, 0.5f, 0.1f, 0.001f,
+                           &bad[k]};
+        float wa[2];
+        memcpy(wa, w0, sizeof wa);
+        assert_int_equal(stk_adamw_step(be, wa, g, m, v, 2, &a, &err), 0);
+        assert_true(refused == (!memcmp(wa, w0, sizeof wa) && m[0] == 0.1f && v[0] == 0.2f));
+    }
 }
 
 /* Several steps from a non-zero state against the rules written in double:
@@ -1518,7 +1548,7 @@ static void optimizers_several_steps_from_a_state(void **state)
             rb[i] = buf[i] = 0.2f * (float)(i % 3) - 0.15f;
         }
         for (int t = 0; t < STEPS; t++) {
-            stk_sgd_cfg c = {0.05f * (float)(t + 1), 0.9f, 0.01f, nesterov, 0};
+            stk_sgd_cfg c = {0.05f * (float)(t + 1), 0.9f, 0.01f, nesterov, 0, NULL};
             for (int i = 0; i < P; i++)
                 g[i] = sinf((float)(i + 3 * t));
             assert_int_equal(stk_sgd_step(be, w, g, buf, P, &c, &err), 0);
@@ -1545,7 +1575,7 @@ static void optimizers_several_steps_from_a_state(void **state)
         double b1 = 0.9, b2 = 0.999, lr = 0.01 * t, wd = 0.1;
         stk_adamw_cfg c = {(float)lr, (float)b1, (float)b2, 1e-8f, (float)wd,
                            (float)(1 - pow(b1, t)), (float)sqrt(1 - pow(b2, t)),
-                           (float)(1 - b1), (float)(1 - b2)};
+                           (float)(1 - b1), (float)(1 - b2), NULL};
         for (int i = 0; i < P; i++)
             g[i] = cosf((float)(2 * i + t));
         assert_int_equal(stk_adamw_step(be, w, g, m, v, P, &c, &err), 0);
@@ -1627,6 +1657,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(dropout_rates_and_groups),
     cmocka_unit_test(transform_normalises_crops_and_flips),
     cmocka_unit_test(optimizers_follow_pytorch_rules),
+    cmocka_unit_test(a_guard_refuses_a_bad_step),
     cmocka_unit_test(optimizers_several_steps_from_a_state),
     cmocka_unit_test(reductions),
     cmocka_unit_test(cuda_without_gpu_fails_clearly),
