@@ -219,7 +219,10 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     double t0 = now();
     for (int e = 0; e < o->epochs && !rc; e++) {
         stk_batch b;
-        while (!rc && (rc = stk_loader_next(l, &b, err)) == 1) {
+        /* the buffer's last batch goes back before the next is asked for,
+         * so that a ring of 2 (one worker) can make progress */
+        while (!(rc = flight_settle(be, &f, f.next, l, err)) &&
+               (rc = stk_loader_next(l, &b, err)) == 1) {
             size_t n = (size_t)b.n * b.sample_bytes;
             rc = flight_put(be, &f, b.data, n, &b, l, err);
             if (rc) /* the copy may still read it: the close frees it */

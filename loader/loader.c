@@ -283,11 +283,13 @@ static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
 }
 
 /* How many parts a batch of n samples is cut into: one per worker, but
- * where samples are only copied, no part under PART_MIN_BYTES (a handoff
- * costs a lock round and a wake-up: 16 workers on a 100 KB batch spent
- * more on those than on copying). Decoded samples (JPEG records, a raw
- * source) cost far more than a handoff: one each is fine. */
-enum { PART_MIN_BYTES = 32 << 10 };
+ * where samples are only copied, no part under PART_MIN_BYTES: a handoff
+ * costs a lock round and a wake-up. On 16 cores (an H100's host), with
+ * uploads, 12 or 16 workers delivered 100 KB batches at 2.3-3.9 GB/s cut
+ * in 3 parts against 4.7-7.2 GB/s uncut (docs/benchmarks.md). Decoded
+ * samples (JPEG records, a raw source) cost far more than a handoff: one
+ * each is fine. */
+enum { PART_MIN_BYTES = 256 << 10 };
 static int batch_parts(const stk_loader *l, int n)
 {
     int parts = n < l->o.workers ? n : l->o.workers;
@@ -589,8 +591,12 @@ static slot *take_part(stk_loader *l, int *p, int *rc)
     l->open = sl;
     l->open_next = 1;
     *p = 0;
-    if (sl->parts > 1) /* idle workers take the other parts */
-        pthread_cond_broadcast(&l->work);
+    /* one idle worker for each other part: waking them all made 16
+     * workers queue on mu for every batch, the consumer among them (a
+     * woken worker finding nothing goes back to sleep; one never woken is
+     * busy and looks for work before it sleeps) */
+    for (int k = 1; k < sl->parts; k++)
+        pthread_cond_signal(&l->work);
     return sl;
 }
 
@@ -1027,7 +1033,7 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
      * its buffer went on to (workers may be filling it) */
     if (sl->state == SLOT_HELD && sl->data == b->data) {
         sl->state = SLOT_FREE;
-        pthread_cond_broadcast(&l->work);
+        pthread_cond_signal(&l->work); /* one slot: one worker claims it */
     }
     pthread_mutex_unlock(&l->mu);
     b->data = NULL;
@@ -1052,7 +1058,7 @@ int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
     slot *sl = &l->slots[b->slot];
     set_block(l, sl, fresh);
     sl->state = SLOT_FREE;
-    pthread_cond_broadcast(&l->work);
+    pthread_cond_signal(&l->work);
     pthread_mutex_unlock(&l->mu);
     b->slot = -1;
     return 0;

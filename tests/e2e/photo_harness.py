@@ -19,7 +19,7 @@ src = os.environ["STK_SRC"]
 prep = os.path.join(os.environ["STK_BIN"], "prep")
 shutil.rmtree(tmp, ignore_errors=True)
 os.makedirs(tmp)
-py = "/usr/bin/python3"
+py = os.environ.get("STK_PYTHON", "/usr/bin/python3")  # as lib.sh
 make = [py, os.path.join(src, "bench/make_photos.py")]
 peers = [py, os.path.join(src, "bench/photo_peers.py")]
 
