@@ -364,6 +364,7 @@ class Loader:
         self._epoch, self._batch = 0, 0  # the next batch an iteration takes
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._pending = None  # the pinned batch the loop holds now
+        self._live = None  # the running iteration's token (one at a time)
         self._ring = None
         self._open_ring()  # the store is opened (and checked) once, here
         self._np = _numpy()  # while the workers fill the first batches
@@ -439,6 +440,15 @@ class Loader:
         return self._convert(raw)
 
     def __iter__(self):
+        # One iteration at a time: one that starts while another is still
+        # running (an iterator kept suspended, a nested loop) ends that one
+        # as a `break` would, and runs the next epoch; the old iterator
+        # then raises instead of taking every other batch from the ring.
+        token = object()
+        if self._live is not None:
+            self._epoch, self._batch = self._live_epoch + 1, 0
+            self._ring_at = None  # the old loop may hold a batch: new ring
+        self._live, self._live_epoch = token, self._epoch
         # a forked child gets a ring of its own (the workers are the
         # parent's threads), as Database reopens LMDB there
         if (self._ring is None or self._ring_pid != os.getpid()
@@ -448,6 +458,12 @@ class Loader:
         done = False
         try:
             while True:
+                if self._live is not token:
+                    raise RuntimeError(
+                        "stoke.Loader: this iteration (epoch %d) was ended by "
+                        "a newer iteration, set_epoch() or load_state_dict() "
+                        "on the same loader; a loader runs one iteration at a "
+                        "time: make a second Loader for two at once" % epoch)
                 # no local keeps the batch: a generator left suspended (a
                 # peek with next(it)) must not hold a ring buffer
                 yield self._next(epoch)
@@ -457,21 +473,33 @@ class Loader:
             self._close_ring()  # stops the workers
             raise
         finally:
-            # the next iteration is the next epoch, whether this one ran to
-            # its end or the loop left it (break): DataLoader's behaviour
-            self._epoch, self._batch = epoch + 1, 0
-            # a loop left early may still hold its last batch (the loop
-            # variable), whose buffer this ring would need back: whatever
-            # comes next (load_state_dict to here too) gets a new ring
-            self._ring_at = (epoch + 1, 0) if done else None
+            if self._live is token:
+                self._live = None
+                # the next iteration is the next epoch, whether this one ran
+                # to its end or the loop left it (break): DataLoader's
+                # behaviour
+                self._epoch, self._batch = epoch + 1, 0
+                # a loop left early may still hold its last batch (the loop
+                # variable), whose buffer this ring would need back:
+                # whatever comes next (load_state_dict to here too) gets a
+                # new ring
+                self._ring_at = (epoch + 1, 0) if done else None
 
     def __len__(self):
         """Batches per epoch for this rank."""
         return self._len
 
+    def _end_live(self):
+        """Ends a running iteration (its iterator raises if used again)."""
+        if self._live is not None:
+            self._live, self._ring_at = None, None
+
     def set_epoch(self, epoch):
-        """Makes the next iteration epoch `epoch` (from its first batch)."""
-        self._epoch, self._batch = _u64("epoch", epoch), 0
+        """Makes the next iteration epoch `epoch` (from its first batch); an
+        iteration still running ends."""
+        epoch = _u64("epoch", epoch)
+        self._end_live()
+        self._epoch, self._batch = epoch, 0
 
     @property
     def epoch(self):
@@ -503,6 +531,7 @@ class Loader:
                              % (batch, self._len))
         if batch == self._len:
             epoch, batch = epoch + 1, 0
+        self._end_live()
         self._epoch, self._batch = epoch, batch
 
     @property

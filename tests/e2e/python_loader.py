@@ -168,14 +168,44 @@ def views(db, X, Y):
     del first, x
     same(s.batches_of(L)[0], X, Y, s.shard(len(X), 1, 1), "the next epoch")
     print("ok: a batch kept over a whole epoch is intact; the epoch goes on")
-    # a peek (next(iter(L))) whose generator stays alive holds no buffer:
-    # a loop over the loader meanwhile goes on past the ring's size
+    # one iteration at a time: a loop that starts while a peek's generator
+    # is alive ends that iteration (as a break would) and runs the next
+    # epoch in full, past the ring's size; the peek then raises instead of
+    # taking every other batch (they shared the ring before)
     L = stoke.Loader(db, split="test", batch_size=500, seed=1, workers=2, prefetch=2)
     peek = iter(L)
     next(peek)
-    n = sum(len(y) for _, y in L)
-    check(n == len(X) - 500, "a loop beside a live peek: %d samples" % n)
-    del peek
+    seen = s.batches_of(L)[0]
+    same(seen, X, Y, s.shard(len(X), 1, 1), "a loop beside a live peek (epoch 1)")
+    try:
+        next(peek)
+        check(False, "the ended peek went on")
+    except RuntimeError as e:
+        check("one iteration at a time" in str(e), "message: %s" % e)
+    nested = [len(y) for _, y in L]  # epoch 2 runs, untouched by the peek
+    check(sum(nested) == len(X), "after the ended peek: %d samples" % sum(nested))
+    # a nested loop over the same loader: the inner one ends the outer
+    outer = 0
+    try:
+        for _ in L:
+            outer += 1
+            for _ in L:
+                pass
+    except RuntimeError:
+        pass
+    check(outer == 1 and L.epoch == 5, "nested loops: outer ran %d batches, "
+          "next epoch %d" % (outer, L.epoch))
+    # set_epoch during an iteration ends it too
+    it = iter(L)
+    next(it)
+    L.set_epoch(0)
+    try:
+        next(it)
+        check(False, "set_epoch left the iteration running")
+    except RuntimeError:
+        pass
+    same(s.batches_of(L)[0], X, Y, order, "set_epoch(0) after an ended iteration")
+    del peek, it
     # copy=True: keep them all
     L = stoke.Loader(db, split="test", batch_size=500, seed=1, workers=2,
                      prefetch=2, copy=True)
