@@ -37,20 +37,24 @@ typedef struct opts {
     int workers[MAX_COUNTS], nworkers;
 } opts;
 
-/* "1,2,4": worker counts of 0..STK_LOADER_MAX_WORKERS. */
+/* "1,2,4": distinct worker counts of 0..STK_LOADER_MAX_WORKERS. */
 static int parse_workers(const char *v, opts *o)
 {
     o->nworkers = 0;
-    for (const char *p = v; *p;) {
+    for (const char *p = v;; p++) {
         char *end;
         long w = strtol(p, &end, 10);
         if (end == p || w < 0 || w > STK_LOADER_MAX_WORKERS ||
             o->nworkers == MAX_COUNTS || (*end && *end != ','))
             return -1;
+        for (int i = 0; i < o->nworkers; i++)
+            if (o->workers[i] == w)
+                return -1;
         o->workers[o->nworkers++] = (int)w;
-        p = *end ? end + 1 : end;
+        if (!*end)
+            return 0;
+        p = end; /* at the comma: a count must follow */
     }
-    return o->nworkers ? 0 : -1;
 }
 
 static double now(void)
@@ -89,7 +93,7 @@ static int parse(int argc, char **argv, opts *o)
             o->db = v;
         else if (parse_workers(v, o)) {
             fprintf(stderr, "gpu_bench: --workers '%s': expected a list of "
-                            "counts 0..%d such as 1,2,4,8\n", v,
+                            "distinct counts 0..%d such as 1,2,4,8\n", v,
                     STK_LOADER_MAX_WORKERS);
             return 2;
         }

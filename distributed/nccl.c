@@ -26,6 +26,7 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,16 +150,19 @@ static int async_state(nccl_comm *n, ncclResult_t *state, const char *what,
  * device query, so an error that came with the completion is seen too;
  * the peers, the timeout and the abort flag are checked between polls.
  * Any failure aborts the communicator. */
-static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, const char *what,
-                 stk_err *err)
+enum { SPIN_POLLS = 256 }; /* polls before the first sleep: about 0.5 ms */
+
+static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, bool patient,
+                 const char *what, stk_err *err)
 {
     double start = stk_now(), checked = start;
-    /* the pause doubles from 1 us: an all-reduce about to finish is seen
-     * within microseconds, a long wait polls about every 64 us (device
-     * work, where the step waits on it) or 1 ms (a rendezvous, a
-     * finalize), at little CPU */
-    long pause_ns = 1000, cap_ns = on_device ? 64000 : 1000000;
-    for (;;) {
+    /* the first polls only yield: an all-reduce about to finish is seen
+     * within microseconds (a sleep, however short, lasts the timer slack,
+     * 50 us or more); then a sleep between polls, 50 us where a step
+     * waits, 1 ms where the wait is long anyway (a rendezvous, a
+     * finalize) */
+    struct timespec pause = {0, patient ? 1000000 : 50000};
+    for (unsigned polls = 0;; polls++) {
         bool done = false;
         ncclResult_t state = ncclSuccess;
         int rc = on_device ? device_done(n, ev, &done, what, err) : 0;
@@ -176,8 +180,10 @@ static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, const char *what,
             abort_comm(n);
             return rc;
         }
-        nanosleep(&(struct timespec){0, pause_ns}, NULL);
-        pause_ns = pause_ns * 2 < cap_ns ? pause_ns * 2 : cap_ns;
+        if (polls < SPIN_POLLS)
+            sched_yield();
+        else
+            nanosleep(&pause, NULL);
     }
 }
 
@@ -318,7 +324,7 @@ static int setup(nccl_comm *n, stk_backend *be, stk_kv *kv, stk_err *err)
                                                              n->rank, &config),
                                    "ncclCommInitRankConfig", err));
     if (!rc)
-        rc = await(n, false, NULL, "the other ranks to create the communicator", err);
+        rc = await(n, false, NULL, true, "the other ranks to create the communicator", err);
     return rc;
 }
 
@@ -354,7 +360,7 @@ void nccl_destroy(nccl_comm *n)
     if (n->comm && !n->broken && !atomic_load(&n->abort_requested) &&
         cudaSetDevice(n->device) == cudaSuccess &&
         nccl_ok(n, ncclCommFinalize(n->comm), "ncclCommFinalize", &e) == 0 &&
-        await(n, false, NULL, "the communicator to finish", &e) == 0)
+        await(n, false, NULL, true, "the communicator to finish", &e) == 0)
         ncclCommDestroy(n->comm); /* flushed and quiescent */
     else
         abort_comm(n); /* never blocks on a peer that may be gone */
@@ -380,7 +386,7 @@ static int enqueue(nccl_comm *n, ncclResult_t queued, const char *call,
                    const char *what, stk_err *err)
 {
     int rc = aborted_on(n, nccl_ok(n, queued, call, err));
-    return rc ? rc : await(n, false, NULL, what, err);
+    return rc ? rc : await(n, false, NULL, false, what, err);
 }
 
 int nccl_queue_allreduce(nccl_comm *n, int slot, float *buf, size_t count,
@@ -412,7 +418,7 @@ int nccl_wait(nccl_comm *n, int slot, stk_err *err)
     if (slot < 0 || slot >= MARKS || !n->done[slot])
         return aborted_on(n, stk_fail(err, STK_EINVAL,
                                       "nccl: bucket %d was never queued", slot));
-    return await(n, true, n->done[slot], "a bucket's all-reduce", err);
+    return await(n, true, n->done[slot], false, "a bucket's all-reduce", err);
 }
 
 /* Queues a collective behind the compute work so far and waits for it. */
@@ -420,7 +426,7 @@ static int run(nccl_comm *n, ncclResult_t queued, const char *call,
                const char *what, stk_err *err)
 {
     int rc = enqueue(n, queued, call, what, err);
-    return rc ? rc : await(n, true, NULL, what, err);
+    return rc ? rc : await(n, true, NULL, false, what, err);
 }
 
 int nccl_allreduce(nccl_comm *n, float *buf, size_t count, stk_reduce op,

@@ -158,10 +158,19 @@ static int check_peers(shm_comm *s, double started, uint32_t g, stk_err *err)
 }
 
 /* A barrier that the group was aborted around fails: a rank resumed
- * after the others gave up on it must not count their stale arrivals. */
+ * after the others gave up on it must not count their stale arrivals.
+ * But one that every rank passed (the generation moved on) before a rank
+ * aborted for its own error, blaming none, stands: that rank gave its
+ * values (an evaluation's failure flag among them) and its peers read
+ * them; their next collective fails. */
 static int passed(shm_comm *s, uint32_t g, stk_err *err)
 {
-    return atomic_load(&s->h->abort) ? check_peers(s, stk_now(), g, err) : 0;
+    shm_header *h = s->h;
+    if (!atomic_load(&h->abort))
+        return 0;
+    if (atomic_load(&h->gen) != g && atomic_load(&h->failure) < 0)
+        return 0;
+    return check_peers(s, stk_now(), g, err);
 }
 
 static int barrier(shm_comm *s, stk_err *err)

@@ -287,20 +287,20 @@ static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
  * costs a lock round and a wake-up. On 16 cores (an H100's host), with
  * uploads, 12 or 16 workers delivered 100 KB batches at 2.3-3.9 GB/s cut
  * in 3 parts against 4.7-7.2 GB/s uncut (docs/benchmarks.md). Decoded
- * samples (JPEG records, a raw source) cost far more than a handoff: one
- * each is fine. */
+ * or resampled samples (JPEG records, a raw source, a crop or resize
+ * transform) cost far more than a handoff: one each is fine. */
 enum { PART_MIN_BYTES = 256 << 10 };
 static int batch_parts(const stk_loader *l, int n)
 {
     int parts = n < l->o.workers ? n : l->o.workers;
-    if (l->jpeg || l->src)
+    if (l->jpeg || l->src || l->o.xform.kind)
         return parts;
     size_t fit = (size_t)n * l->sample_bytes / PART_MIN_BYTES;
     return fit < 1 ? 1 : fit < (size_t)parts ? (int)fit : parts;
 }
 
-/* Claims seq into its slot and copies its indices (mu held): one part
- * per worker, or one part when that fails (the error is the batch's). */
+/* Claims seq into its slot and copies its indices (mu held): its parts
+ * (batch_parts), or one part when that fails (the error is the batch's). */
 static int claim(stk_loader *l, uint64_t seq, slot *sl)
 {
     uint64_t epoch, batch;

@@ -15,8 +15,8 @@
 # so env.sh links the build's old path to the unpacked one where that path
 # is free. The CUDA runtime, cuBLAS and NCCL come from the GPU machine.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-BUILD=build-gpu OUT=gpu-pack.tar.gz
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=$SRC/build-gpu OUT=gpu-pack.tar.gz
 while [ $# -gt 0 ]; do
   case $1 in
   --build) BUILD=${2:?--build needs a directory}; shift 2 ;;
@@ -24,11 +24,16 @@ while [ $# -gt 0 ]; do
   *) echo "gpu_pack.sh: unknown argument '$1' (expected --build DIR, --out FILE)" >&2; exit 2 ;;
   esac
 done
+FASHION=${STK_FASHION:-/usr/share/datasets/fashion-mnist}
 [ -x "$BUILD/bin/train" ] || { echo "gpu_pack.sh: $BUILD/bin/train not found: build first (scripts/build.sh or cmake -B $BUILD -DSTK_CUDA=ON)" >&2; exit 1; }
 grep -q '^CMAKE_CUDA_COMPILER:' "$BUILD/CMakeCache.txt" ||
   { echo "gpu_pack.sh: $BUILD was configured without CUDA" >&2; exit 1; }
-FASHION=${STK_FASHION:-/usr/share/datasets/fashion-mnist}
-SRC=$PWD
+ls "$FASHION"/*-ubyte* >/dev/null 2>&1 ||
+  { echo "gpu_pack.sh: no Fashion-MNIST IDX files in $FASHION (install dataset-fashion-mnist or set STK_FASHION)" >&2; exit 1; }
+# paths as given, from where the script was run; then the checkout's root
+BUILD=$(cd "$BUILD" && pwd) FASHION=$(cd "$FASHION" && pwd)
+OUT=$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT")
+cd "$SRC"
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 P=$STAGE/gpu-pack
@@ -41,9 +46,11 @@ find "$P/build" -type f \( -perm -u+x -o -name '*.so' \) -exec sh -c \
   'head -c4 "$1" | grep -q ELF && strip --strip-debug "$1"; true' _ {} \;
 
 # the libraries outside the C runtime and CUDA
-for f in "$BUILD"/bin/*; do [ -x "$f" ] && ldd "$f" 2>/dev/null; done |
-  awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
-  grep -v -E '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda[^/]*/|libcuda\.so|libnccl|libcublas|libcudart' |
+for f in "$BUILD"/bin/* "$BUILD"/python/stoke/*.so; do
+  [ -x "$f" ] || [ "${f%.so}" != "$f" ] || continue
+  ldd "$f" 2>/dev/null || true
+done | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+  { grep -v -E '/(libc|libm|libmvec|libdl|librt|libpthread|libresolv|libutil|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda[^/]*/|libcuda\.so|libnccl|libcublas|libcudart' || true; } |
   while read -r lib; do cp -L "$lib" "$P/lib/"; done
 cp "$FASHION"/*-ubyte* "$P/fashion-mnist/"
 
@@ -54,11 +61,12 @@ export LD_LIBRARY_PATH="\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export STK_FASHION="\$here/fashion-mnist"
 export STK_PACK_BUILD="\$here/build"
 # CTest's absolute paths: the build and the sources as they were packed
-for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$SRC/$BUILD:\$here/build"; do
+for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$BUILD:\$here/build"; do
   old=\${pair%%:*} new=\${pair#*:}
   [ "\$old" = "\$new" ] || [ -e "\$old" ] || { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
     echo "gpu-pack: cannot link \$old to \$new (CTest's paths)" >&2
 done
+unset here pair old new
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
 echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"

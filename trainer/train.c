@@ -251,9 +251,10 @@ static int group_read(run_state *r, int mine, const stk_metrics *m, step_out *ou
         return mine ? mine : rc;
     if (v[4] > 0)
         return stk_fail(err, STK_EPEER,
-                        "%.0f other rank(s) stopped on a non-finite loss or gradient "
-                        "norm or a label out of range by step %llu (their messages "
-                        "name it); the last good checkpoint is kept",
+                        "%.0f other rank(s) could not read their metrics by step %llu "
+                        "(a non-finite loss or gradient norm, a label out of range or "
+                        "a device error: their messages say which); the last good "
+                        "checkpoint is kept",
                         v[4], (unsigned long long)r->step + 1);
     out->stop = v[0] > 0;
     out->loss_sum = v[1];
@@ -275,6 +276,8 @@ enum { AGREE_STEPS = 16 };
 
 static int agree_steps(const stk_backend *be)
 {
+    /* every rank must read the same value (the reads are collectives):
+     * the launcher passes its environment to all of them */
     const char *e = getenv("STK_AGREE_STEPS");
     if (e && atoi(e) > 0)
         return atoi(e);
@@ -359,19 +362,24 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     }
     rc = settle(r, rc, err);
     stk_loader_close(l);
-    stk_metrics m; /* the sums of the open step: one read for the split */
+    stk_metrics m = {0}; /* the sums of the open step: one read for the split */
     if (rc >= 0)
         rc = read_metrics(r, &m, err);
-    if (rc < 0)
-        return rc;
-    double sum = m.step_loss;
-    uint64_t hits = (uint64_t)m.step_hits;
-    /* each rank read its own shard exactly once: the sums are the split's */
-    float v[3] = {(float)sum, (float)hits, (float)seen};
-    if ((rc = group_sum(r, v, 3, err)))
-        return rc;
-    sum = v[0];
-    hits = (uint64_t)v[1];
+    /* each rank read its own shard exactly once: the sums are the split's;
+     * a rank that failed joins the sum too, so that the others end here
+     * naming it instead of waiting for it until --timeout */
+    bool failed = rc < 0;
+    float v[4] = {failed ? 0.0f : (float)m.step_loss, failed ? 0.0f : (float)m.step_hits,
+                  (float)seen, failed ? 1.0f : 0.0f};
+    stk_err ignored;
+    int sum_rc = group_sum(r, v, 4, failed ? &ignored : err);
+    if (failed || sum_rc)
+        return failed ? rc : sum_rc;
+    if (v[3] > 0)
+        return stk_fail(err, STK_EPEER, "%.0f other rank(s) failed in evaluation (their "
+                        "messages say why)", v[3]);
+    double sum = v[0];
+    uint64_t hits = (uint64_t)v[1];
     seen = (uint64_t)v[2];
     r->eval_seen = seen;
     *loss = seen ? sum / seen : 0;
@@ -592,7 +600,7 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
             res->stopped = true;
             break;
         }
-        double tl, ta;
+        double tl = 0, ta = 0;
         if ((rc = group_share_buffers(r, err)) || /* rank 0's statistics */
             (rc = evaluate(r, &tl, &ta, err)))
             break;

@@ -58,6 +58,37 @@ hand STOP 0 hs0 'rank 0 \(pid [0-9]+, stopped\) did not reach a collective withi
 hand KILL 1 hk1 'rank 1 \(pid [0-9]+\) exited during a collective'
 hand KILL 0 hk0 'rank 0 \(pid [0-9]+\) exited during a collective|rendezvous store'
 
+# ---- a rank that fails in evaluation, by hand: the other names it -----------------
+# test key 999 (rank 1's share of the evaluation) gets a label beyond the
+# classes; rank 1 refuses it, and still joins the evaluation's sum, so rank 0
+# ends at once with a message about a peer instead of one about a lost rank
+cp -r db badeval && $PY - <<'PY'
+import lmdb, struct
+env = lmdb.open("badeval", max_dbs=8)
+with env.begin(write=True, db=env.open_db(b"test")) as txn:
+    key = struct.pack(">Q", 999)
+    v = bytearray(txn.get(key)); v[0:4] = struct.pack("<i", 99)
+    txn.put(key, bytes(v))
+PY
+port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+eval_by_hand() { # RANK
+  env -u RANK -u WORLD_SIZE SLURM_PROCID=$1 SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 \
+    SLURM_STEP_NUM_NODES=1 SLURM_LOCALID=$1 SLURM_JOB_ID=8 SLURM_STEP_ID=$port \
+    MASTER_PORT=$port "$T" --db badeval --model mlp --workers 1 --seed 3 --batch 32 \
+    --epochs 1 --timeout 60 --quiet --out badrun > badrun.$1.out 2>&1
+}
+start=$(now)
+eval_by_hand 0 & E0=$!
+eval_by_hand 1 & E1=$!
+rc0=0 rc1=0
+wait $E0 || rc0=$?
+wait $E1 || rc1=$?
+within "$start" 30 "a failed evaluation by hand" > /dev/null
+[ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] || { cat badrun.*.out; fail "failed evaluation: exits $rc0, $rc1"; }
+grep -q 'key 999: label 99 is not one of' badrun.1.out || { cat badrun.1.out; fail "rank 1 did not name key 999"; }
+grep -q '1 other rank(s) failed in evaluation' badrun.0.out || { cat badrun.0.out; fail "rank 0 did not name a peer's failed evaluation"; }
+ok "a rank failing in evaluation (key 999) ends both ranks at once, the other naming it"
+
 # ---- --gpus beyond the visible GPUs, refused before any rank starts -------------
 rc=0
 smoke=$("$STK_BIN/test_cuda_smoke" 2>&1) || rc=$?
