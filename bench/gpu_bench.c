@@ -204,19 +204,19 @@ static int copy_rate(stk_backend *be, size_t bytes, int reps, double *gbs,
 static void *pin(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
 static void unpin(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 
-/* The loader with `workers` threads into its pinned ring, each batch
- * uploaded from its slot, which goes back once the copy is done. */
+/* The loader with `workers` threads into its pinned ring, each batch (of
+ * at most batch_bytes) uploaded from its slot, which goes back once the
+ * copy is done. */
 static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
-                       int workers, double *gbs, stk_err *err)
+                       size_t batch_bytes, int workers, double *gbs,
+                       stk_err *err)
 {
     stk_loader *l = NULL;
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
                           .workers = workers, .shuffle = true, .seed = 1,
                           .host = {pin, unpin, be}};
-    const stk_meta *meta = stk_store_meta(st);
-    size_t per = (size_t)meta->channels * meta->height * meta->width;
     flight f;
-    int rc = flight_open(be, &f, per * (size_t)o->batch, err);
+    int rc = flight_open(be, &f, batch_bytes, err);
     if (!rc)
         rc = stk_loader_open(st, &lo, &l, err);
     size_t bytes = 0;
@@ -289,7 +289,7 @@ static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
     *best = -1;
     for (int i = 0; i < o->nworkers && !rc; i++) {
         double gbs = 0;
-        rc = loader_rate(be, st, o, o->workers[i], &gbs, err);
+        rc = loader_rate(be, st, o, *batch_bytes, o->workers[i], &gbs, err);
         if (!rc && gbs > *best)
             *best = gbs, *best_w = o->workers[i];
         if (!rc && at < cap)

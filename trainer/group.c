@@ -103,24 +103,39 @@ int group_sum(run_state *r, float *v, int n, stk_err *err)
     return rc ? rc : stk_sync(r->be, err);
 }
 
+int group_sum_failed(run_state *r, int mine, float *v, int n, int *failed,
+                     stk_err *err)
+{
+    float all[SYNC_MAX];
+    if (n + 1 > SYNC_MAX)
+        return stk_fail(err, STK_EINVAL, "group: %d values to reduce, at most %d",
+                        n + 1, SYNC_MAX);
+    memcpy(all, v, (size_t)n * sizeof *v);
+    all[n] = mine ? 1.0f : 0.0f;
+    stk_err ignored; /* a rank that failed keeps its own error */
+    int rc = group_sum(r, all, n + 1, mine ? &ignored : err);
+    if (mine || rc)
+        return mine ? mine : rc;
+    memcpy(v, all, (size_t)n * sizeof *v);
+    *failed = (int)all[n];
+    return 0;
+}
+
 int group_agree(run_state *r, int rc, stk_err *err)
 {
-    if (r->rank.world == 1)
+    /* whether rank 0 is one of the ranks that failed */
+    float v[1] = {rc && r->rank.rank == 0 ? 1.0f : 0.0f};
+    int failed = 0;
+    if ((rc = group_sum_failed(r, rc, v, 1, &failed, err)))
         return rc;
-    /* how many ranks failed, and whether rank 0 is one of them */
-    float v[2] = {rc ? 1.0f : 0.0f, rc && r->rank.rank == 0 ? 1.0f : 0.0f};
-    stk_err mine;
-    int sum = group_sum(r, v, 2, rc ? &mine : err);
-    if (rc || sum)
-        return rc ? rc : sum;
-    if (v[1] > 0)
-        return stk_fail(err, STK_EPEER,
-                        "rank 0 could not start (its message says why)");
     if (v[0] > 0)
         return stk_fail(err, STK_EPEER,
-                        "%.0f other rank(s) could not start (their "
+                        "rank 0 could not start (its message says why)");
+    if (failed > 0)
+        return stk_fail(err, STK_EPEER,
+                        "%d other rank(s) could not start (their "
                         "messages say why)",
-                        v[0]);
+                        failed);
     return 0;
 }
 

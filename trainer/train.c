@@ -242,20 +242,17 @@ typedef struct step_out {
 static int group_read(run_state *r, int mine, const stk_metrics *m, step_out *out,
                       stk_err *err)
 {
-    float v[5] = {out->stop ? 1.0f : 0.0f, mine ? 0.0f : (float)m->loss,
-                  mine ? 0.0f : (float)m->hits, mine ? 0.0f : (float)m->n,
-                  mine ? 1.0f : 0.0f};
-    stk_err ignored;
-    int rc = group_sum(r, v, 5, mine ? &ignored : err);
-    if (mine || rc)
-        return mine ? mine : rc;
-    if (v[4] > 0)
+    float v[4] = {out->stop ? 1.0f : 0.0f, (float)m->loss, (float)m->hits, (float)m->n};
+    int failed = 0, rc = group_sum_failed(r, mine, v, 4, &failed, err);
+    if (rc)
+        return rc;
+    if (failed > 0)
         return stk_fail(err, STK_EPEER,
-                        "%.0f other rank(s) could not read their metrics by step %llu "
+                        "%d other rank(s) could not read their metrics by step %llu "
                         "(a non-finite loss or gradient norm, a label out of range or "
                         "a device error: their messages say which); the last good "
                         "checkpoint is kept",
-                        v[4], (unsigned long long)r->step + 1);
+                        failed, (unsigned long long)r->step + 1);
     out->stop = v[0] > 0;
     out->loss_sum = v[1];
     out->hits = (uint64_t)v[2];
@@ -315,7 +312,7 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
         out->stop = false; /* a data-parallel stop waits for the next read */
     if (rc || !out->read)
         return rc;
-    stk_metrics m;
+    stk_metrics m = {0}; /* a failed read leaves it unset */
     rc = read_metrics(r, &m, err);
     if (world)
         return group_read(r, rc, &m, out, err);
@@ -368,16 +365,13 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     /* each rank read its own shard exactly once: the sums are the split's;
      * a rank that failed joins the sum too, so that the others end here
      * naming it instead of waiting for it until --timeout */
-    bool failed = rc < 0;
-    float v[4] = {failed ? 0.0f : (float)m.step_loss, failed ? 0.0f : (float)m.step_hits,
-                  (float)seen, failed ? 1.0f : 0.0f};
-    stk_err ignored;
-    int sum_rc = group_sum(r, v, 4, failed ? &ignored : err);
-    if (failed || sum_rc)
-        return failed ? rc : sum_rc;
-    if (v[3] > 0)
-        return stk_fail(err, STK_EPEER, "%.0f other rank(s) failed in evaluation (their "
-                        "messages say why)", v[3]);
+    float v[3] = {(float)m.step_loss, (float)m.step_hits, (float)seen};
+    int failed = 0;
+    if ((rc = group_sum_failed(r, rc < 0 ? rc : 0, v, 3, &failed, err)))
+        return rc;
+    if (failed > 0)
+        return stk_fail(err, STK_EPEER, "%d other rank(s) failed in evaluation (their "
+                        "messages say why)", failed);
     double sum = v[0];
     uint64_t hits = (uint64_t)v[1];
     seen = (uint64_t)v[2];

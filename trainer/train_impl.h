@@ -149,6 +149,13 @@ void group_grads_ready(int param, void *arg);
 int group_compare_weights(run_state *r, uint64_t *differ, stk_err *err);
 /* Sums n host floats over the ranks, in place. */
 int group_sum(run_state *r, float *v, int n, stk_err *err);
+/* group_sum of v[0, n) beside this rank's failure (mine, its error
+ * already in err): a rank that failed still joins the sum, so that every
+ * rank learns of it at the same point (no one waits out --timeout for it).
+ * Returns mine or the sum's error; else 0, v summed and *failed the count
+ * of ranks that failed (their values in v are to be ignored then). */
+int group_sum_failed(run_state *r, int mine, float *v, int n, int *failed,
+                     stk_err *err);
 /* Every rank passes its setup's rc: each returns its own error, or an
  * error naming the ranks that failed when it did not, so that no rank
  * waits out --timeout for one that has already given up. */

@@ -365,7 +365,7 @@ class Loader:
         self._inflight = collections.deque()  # (batch, CUDA event)
         self._pending = None  # the pinned batch the loop holds now
         self._live = None  # the running iteration's token (one at a time)
-        self._live_epoch = self._live_pid = None
+        self._live_pid = None  # (its epoch is self._epoch until it ends)
         self._ring = None
         self._open_ring()  # the store is opened (and checked) once, here
         self._np = _numpy()  # while the workers fill the first batches
@@ -448,7 +448,7 @@ class Loader:
         # (A forked child's copy of the parent's iteration is not its own.)
         token = object()
         if self._live is not None and self._live_pid == os.getpid():
-            self._epoch, self._batch = self._live_epoch + 1, 0
+            self._epoch, self._batch = self._epoch + 1, 0
             self._ring_at = None  # the old loop may hold a batch: new ring
         self._live = None  # ended, even if the ring below fails to open
         # a forked child gets a ring of its own (the workers are the
@@ -456,7 +456,7 @@ class Loader:
         if (self._ring is None or self._ring_pid != os.getpid()
                 or self._ring_at != (self._epoch, self._batch)):
             self._open_ring()
-        self._live, self._live_epoch, self._live_pid = token, self._epoch, os.getpid()
+        self._live, self._live_pid = token, os.getpid()
         epoch = self._epoch
         done = False
         try:
