@@ -143,6 +143,8 @@ static int async_state(nccl_comm *n, ncclResult_t *state, const char *what,
     return 0;
 }
 
+enum { SPIN_POLLS = 256 }; /* polls before the first sleep: about 0.5 ms */
+
 /* Polls until the communicator's state is ncclSuccess (a non-blocking call
  * such as init, finalize or queueing a collective is complete) or, with
  * on_device, until the device work is done (event ev, or the stream where
@@ -150,8 +152,6 @@ static int async_state(nccl_comm *n, ncclResult_t *state, const char *what,
  * device query, so an error that came with the completion is seen too;
  * the peers, the timeout and the abort flag are checked between polls.
  * Any failure aborts the communicator. */
-enum { SPIN_POLLS = 256 }; /* polls before the first sleep: about 0.5 ms */
-
 static int await(nccl_comm *n, bool on_device, cudaEvent_t ev, bool patient,
                  const char *what, stk_err *err)
 {
