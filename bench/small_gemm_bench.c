@@ -2,9 +2,11 @@
  * OpenBLAS, one thread, on resnet20's convolution shapes on 28x28 inputs:
  * each shape as a batch of `count` GEMMs on distinct operands (16 for a
  * Winograd layer's point GEMMs, a piece's samples for im2col), checked
- * against a double-precision reference first, then timed A/B interleaved.
+ * against a double-precision reference first, then timed interleaved:
+ * OpenBLAS, the 8-lane (AVX2) path and, on a CPU with AVX-512F, the
+ * 16-lane one (0 where there is none).
  * With an argument (cold), 8 MiB are written between batches. Prints ns
- * per batch of each and OpenBLAS's time over ours. */
+ * per batch of each and OpenBLAS's time over the path stk_small_gemm takes. */
 #include "kernels/cpu_gemm.h"
 
 #include <cblas.h>
@@ -62,16 +64,18 @@ static double now(void)
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-static void run(const shape *s, bool small, const float *a, const float *b,
+/* which: 0 OpenBLAS, else stk_small_gemm in `which` lanes (8 or 16) */
+static void run(const shape *s, int which, const float *a, const float *b,
                 float *c)
 {
     int lda = s->ta ? s->m : s->k, ldb = s->tb ? s->k : s->n, ldc = s->n;
     size_t sa = (size_t)s->m * s->k, sb = (size_t)s->k * s->n,
            sc = (size_t)s->m * s->n;
     for (int i = 0; i < s->count; i++) {
-        if (small)
-            stk_small_gemm(s->ta, s->tb, s->m, s->n, s->k, 1.0f, a + i * sa,
-                           lda, b + i * sb, ldb, s->beta, c + i * sc, ldc);
+        if (which)
+            stk_small_gemm_at(which, s->ta, s->tb, s->m, s->n, s->k, 1.0f,
+                              a + i * sa, lda, b + i * sb, ldb, s->beta,
+                              c + i * sc, ldc);
         else
             cblas_sgemm(CblasRowMajor, s->ta ? CblasTrans : CblasNoTrans,
                         s->tb ? CblasTrans : CblasNoTrans, s->m, s->n, s->k,
@@ -80,13 +84,14 @@ static void run(const shape *s, bool small, const float *a, const float *b,
     }
 }
 
-/* the first GEMM of the batch against a double loop (beta 0) */
-static int check(const shape *s, const float *a, const float *b, float *c)
+/* the first GEMM of the batch against a double loop (beta 0), in `lanes` */
+static int check(const shape *s, int lanes, const float *a, const float *b,
+                 float *c)
 {
     shape one = *s;
     one.count = 1;
     one.beta = 0;
-    run(&one, true, a, b, c);
+    run(&one, lanes, a, b, c);
     int lda = s->ta ? s->m : s->k, ldb = s->tb ? s->k : s->n;
     for (int i = 0; i < s->m; i++)
         for (int j = 0; j < s->n; j++) {
@@ -113,8 +118,9 @@ int main(int argc, char **argv)
     openblas_set_num_threads(1);
     if (!stk_small_gemm_wins(false, false, 16, 16, 16))
         printf("(this CPU lacks AVX2+FMA: the small path is off)\n");
-    printf("%-22s %4s %4s %4s %5s %10s %10s %7s %s\n", "shape", "m", "n", "k",
-           "count", "blas ns", "small ns", "blas/sm", "wins");
+    int wide = stk_small_gemm_lanes(); /* 16 with AVX-512F */
+    printf("%-22s %4s %4s %4s %5s %10s %10s %10s %7s %s\n", "shape", "m", "n",
+           "k", "count", "blas ns", "8 lanes", "16 lanes", "blas/sm", "wins");
     for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
         const shape *s = &shapes[t];
         size_t sa = (size_t)s->m * s->k * s->count,
@@ -127,25 +133,27 @@ int main(int argc, char **argv)
             b[i] = (float)rand() / RAND_MAX - 0.5f;
         for (size_t i = 0; i < sc; i++)
             c[i] = 0;
-        if (check(s, a, b, c))
+        if (check(s, 8, a, b, c) || (wide == 16 && check(s, 16, a, b, c)))
             return 1;
-        double best[2] = {1e9, 1e9};
+        int which[3] = {0, 8, wide};
+        double best[3] = {1e9, 1e9, 1e9};
         int reps = cold ? 1
                         : (int)(2e8 / (2.0 * s->m * s->n * s->k * s->count)) + 1;
         for (int round = 0; round < (cold ? 40 : 10); round++)
-            for (int small = 0; small < 2; small++) {
+            for (int w = 0; w < (wide == 16 ? 3 : 2); w++) {
                 if (cold) /* the operands out of L1/L2, as after a transform */
                     for (size_t i = 0; i < FLUSH; i++)
                         flush[i] += 1.0f;
                 double t0 = now();
                 for (int r = 0; r < reps; r++)
-                    run(s, small, a, b, c);
+                    run(s, which[w], a, b, c);
                 double dt = (now() - t0) / reps;
-                best[small] = dt < best[small] ? dt : best[small];
+                best[w] = dt < best[w] ? dt : best[w];
             }
-        printf("%-22s %4d %4d %4d %5d %10.0f %10.0f %7.2f %s\n", s->what, s->m,
-               s->n, s->k, s->count, best[0] * 1e9, best[1] * 1e9,
-               best[0] / best[1],
+        double small = wide == 16 ? best[2] : best[1];
+        printf("%-22s %4d %4d %4d %5d %10.0f %10.0f %10.0f %7.2f %s\n",
+               s->what, s->m, s->n, s->k, s->count, best[0] * 1e9,
+               best[1] * 1e9, wide == 16 ? best[2] * 1e9 : 0.0, best[0] / small,
                stk_small_gemm_wins(s->ta, s->tb, s->m, s->n, s->k) ? "small"
                                                                    : "blas");
         free(a);

@@ -148,46 +148,66 @@ static double *small_want(const small_case *t, const float *a, const float *b,
     return want;
 }
 
-/* One case straight through stk_small_gemm: C prefilled with NaN when
- * beta is 0 (C must not be read), columns past n (the padding) untouched. */
-static void small_case_check(const small_case *t)
+/* One case straight through stk_small_gemm_at in `lanes`: C prefilled
+ * with NaN when beta is 0 (C must not be read), columns past n (the
+ * padding) untouched. Returns C. */
+static float *small_case_at(const small_case *t, int lanes, const float *a,
+                            const float *b, const float *c0,
+                            const double *want)
 {
-    size_t na = (size_t)(t->ta ? t->k : t->m) * t->lda,
-           nb = (size_t)(t->tb ? t->n : t->k) * t->ldb,
-           nc = (size_t)t->m * t->ldc;
-    float *a = malloc(na * 4), *b = malloc(nb * 4), *c = malloc(nc * 4),
-          *c0 = malloc(nc * 4);
-    assert_true(a && b && c && c0);
-    fill(a, na, 71 + t->k);
-    fill(b, nb, 72 + t->n);
-    fill(c0, nc, 73);
+    size_t nc = (size_t)t->m * t->ldc;
+    float *c = malloc(nc * 4);
+    assert_non_null(c);
     for (size_t i = 0; i < nc; i++)
         c[i] = t->beta != 0.0f || (int)(i % t->ldc) >= t->n ? c0[i] : NAN;
-    double *want = small_want(t, a, b, c0);
-    stk_small_gemm(t->ta, t->tb, t->m, t->n, t->k, t->alpha, a, t->lda, b,
-                   t->ldb, t->beta, c, t->ldc);
+    stk_small_gemm_at(lanes, t->ta, t->tb, t->m, t->n, t->k, t->alpha, a,
+                      t->lda, b, t->ldb, t->beta, c, t->ldc);
     for (int i = 0; i < t->m; i++) {
         near(c + (size_t)i * t->ldc, want + (size_t)i * t->ldc, (size_t)t->n,
              t->k > 9 ? 1e-4 : 1e-5, "small gemm");
         for (int j = t->n; j < t->ldc; j++)
             assert_memory_equal(&c[i * t->ldc + j], &c0[i * t->ldc + j], 4);
     }
-    free(a), free(b), free(c), free(c0), free(want);
+    return c;
 }
 
-/* Ragged edges of the 4 x 24 row tiles and 4 x 3 dot tiles and of K's
- * vectors, every transpose the path serves, beta 0 and 1, alpha 1.5,
- * padded leading dimensions. */
+/* The case in 8 lanes and, on a CPU with AVX-512F, in 16: both near the
+ * double reference, and the same bytes. */
+static void small_case_check(const small_case *t)
+{
+    size_t na = (size_t)(t->ta ? t->k : t->m) * t->lda,
+           nb = (size_t)(t->tb ? t->n : t->k) * t->ldb,
+           nc = (size_t)t->m * t->ldc;
+    float *a = malloc(na * 4), *b = malloc(nb * 4), *c0 = malloc(nc * 4);
+    assert_true(a && b && c0);
+    fill(a, na, 71 + t->k);
+    fill(b, nb, 72 + t->n);
+    fill(c0, nc, 73);
+    double *want = small_want(t, a, b, c0);
+    float *c8 = small_case_at(t, 8, a, b, c0, want);
+    if (stk_small_gemm_lanes() == 16) {
+        float *c16 = small_case_at(t, 16, a, b, c0, want);
+        if (memcmp(c8, c16, nc * 4) != 0)
+            fail_msg("small gemm %c%c %dx%dx%d: 16 lanes differ from 8",
+                     t->ta ? 'T' : 'N', t->tb ? 'T' : 'N', t->m, t->n, t->k);
+        free(c16);
+    }
+    free(a), free(b), free(c0), free(c8), free(want);
+}
+
+/* Ragged edges of the row tiles (4 x 24 in 8 lanes, 8 x 48 in 16) and
+ * of the dot tiles and of K's vectors, every transpose the path serves,
+ * beta 0 and 1, alpha 1.5, padded leading dimensions. */
 static void small_gemm_matches_double(void **state)
 {
     (void)state;
     if (!stk_small_gemm_available())
         skip(); /* no AVX2 + FMA: OpenBLAS serves every GEMM */
-    static const int ms[] = {1, 5, 18}, ns[] = {1, 7, 1000},
+    static const int ms[] = {1, 5, 18}, ns[] = {1, 7, 33, 1000},
                      ks[] = {1, 3, 16, 64};
     for (int tr = 0; tr < 3; tr++)
         for (int im = 0; im < 3; im++)
-            for (int in = 0; in < 3; in++)
+            for (int in = 0; in < 4; in++)
                 for (int ik = 0; ik < 4; ik++)
                     for (int beta = 0; beta < 2; beta++) {
                         small_case t = {tr == 1, tr == 2, ms[im], ns[in],
