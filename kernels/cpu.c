@@ -57,6 +57,21 @@ static stk_pool *pool(stk_backend *be) { return be->impl; }
 #define CPU_HOT
 #endif
 
+/* Hand-vectorised AVX-512 copies of the Winograd transforms, chosen at run
+ * time where the CPU has AVX-512F: each computes the same expressions
+ * (STK_WINO_MAP) in the same order as the portable loops, 16 tiles to a
+ * vector, so the same bits. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CPU_AVX512 1
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX512_INLINE                                                          \
+    static inline __attribute__((always_inline, target("avx512f")))
+static bool cpu_avx512(void) { return __builtin_cpu_supports("avx512f"); }
+#else
+static bool cpu_avx512(void) { return false; }
+#endif
+
 
 static void cpu_destroy(stk_backend *be)
 {
@@ -805,6 +820,86 @@ static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
                         col + k * STK_WINO_A * cs + tt, cs);
 }
 
+#ifdef CPU_AVX512
+/* 16 floats of row r of an h x w plane from column x, 0 outside it. */
+AVX512_INLINE __m512 row16(const float *plane, int h, int w, int r, int x)
+{
+    int lo = x < 0 ? -x : 0, hi = w - x < 16 ? w - x : 16;
+    if (r < 0 || r >= h || hi <= lo)
+        return _mm512_setzero_ps();
+    __mmask16 m = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    return _mm512_maskz_loadu_ps(m, plane + (size_t)r * w + x);
+}
+
+/* Even and odd elements of the 32 floats lo, hi. */
+AVX512_INLINE __m512 evens(__m512 lo, __m512 hi)
+{
+    const __m512i e = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12,
+                                       10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_ps(lo, e, hi);
+}
+
+AVX512_INLINE __m512 odds(__m512 lo, __m512 hi)
+{
+    const __m512i o = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13,
+                                       11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_ps(lo, o, hi);
+}
+
+/* Elements 2 .. 17 of the 32 floats lo, hi. */
+AVX512_INLINE __m512 from2(__m512 lo, __m512 hi)
+{
+    return _mm512_castsi512_ps(
+        _mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 2));
+}
+
+/* wino_row_of_tiles in 16 lanes (nt <= 16 tiles of a map with 4 outputs):
+ * the first pass on three vectors of columns, 0 where wino_first_pass
+ * reads 0, then the second with the tiles' columns 2t .. 2t + 3 taken
+ * out of it in vectors. */
+AVX512 static void wino_row_of_tiles16(const float *plane, int h, int w,
+                                       int y0, int x0, int nt,
+                                       stk_wino_map map, int in, float *col,
+                                       size_t cs)
+{
+    __m512 t[STK_WINO_A][3], z = _mm512_setzero_ps();
+    int width = (nt - 1) * STK_WINO_M + in;
+    for (int v = 0; v < 3; v++) {
+        __m512 x[STK_WINO_A] = {z, z, z, z};
+        for (int k = 0; k < in && 16 * v < width; k++)
+            x[k] = row16(plane, h, w, y0 + k, x0 + 16 * v);
+        STK_WINO_MAP(map, x[0], x[1], x[2], x[3], t[0][v], t[1][v], t[2][v],
+                     t[3][v]);
+    }
+    __mmask16 out = (__mmask16)((1u << nt) - 1u);
+    for (int k = 0; k < STK_WINO_A; k++) {
+        __m512 s0 = from2(t[k][0], t[k][1]), s1 = from2(t[k][1], t[k][2]);
+        __m512 a = evens(t[k][0], t[k][1]), b = odds(t[k][0], t[k][1]),
+               c = evens(s0, s1), d = odds(s0, s1), y[STK_WINO_A] = {z, z, z, z};
+        STK_WINO_MAP(map, a, b, c, d, y[0], y[1], y[2], y[3]);
+        for (int i = 0; i < STK_WINO_A; i++)
+            _mm512_mask_storeu_ps(col + (size_t)(k * STK_WINO_A + i) * cs, out,
+                                  y[i]);
+    }
+}
+#endif
+
+/* A row of tiles through wino_row_of_tiles16 where `wide` (the CPU has
+ * AVX-512F) and the map writes 4 outputs, else wino_row_of_tiles. */
+static void wino_tile_row(bool wide, const float *plane, int h, int w, int y0,
+                          int x0, int nt, stk_wino_map map, int in, float *col,
+                          size_t cs)
+{
+#ifdef CPU_AVX512
+    if (wide && stk_wino_outs(map) == STK_WINO_A) {
+        wino_row_of_tiles16(plane, h, w, y0, x0, nt, map, in, col, cs);
+        return;
+    }
+#endif
+    (void)wide;
+    wino_row_of_tiles(plane, h, w, y0, x0, nt, map, in, col, cs);
+}
+
 /* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
  * into the columns of a [points, ch, n * tiles] array. */
 static void wino_image_part(const wino_job *j, size_t b, size_t e,
@@ -814,6 +909,7 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
     int th, tw;
     stk_wino_tiles(j->s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
+    bool wide = cpu_avx512();
     for (size_t q = b; q < e; q++) {
         const float *plane = j->src + q * h * w;
         float *out = j->dst + q % j->ch * nt + q / j->ch * j->tiles;
@@ -826,9 +922,9 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
         for (int ty = 0; ty < th; ty++)
             for (int tx0 = 0; tx0 < tw; tx0 += ROW_TILES) {
                 int cnt = tw - tx0 < ROW_TILES ? tw - tx0 : ROW_TILES;
-                wino_row_of_tiles(plane, h, w, ty * STK_WINO_M - pad_y,
-                                  tx0 * STK_WINO_M - pad_x, cnt, map, in,
-                                  out + ty * tw + tx0, vs);
+                wino_tile_row(wide, plane, h, w, ty * STK_WINO_M - pad_y,
+                              tx0 * STK_WINO_M - pad_x, cnt, map, in,
+                              out + ty * tw + tx0, vs);
             }
     }
 }

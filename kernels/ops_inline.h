@@ -198,50 +198,64 @@ typedef enum stk_wino_map {
     STK_WINO_BT, STK_WINO_B, STK_WINO_G, STK_WINO_GT, STK_WINO_AT, STK_WINO_A1
 } stk_wino_map;
 
+/* The maps' expressions: y0..y3 (as many as the map has outputs) from
+ * a..d (as many as it reads), for float and, in the CPU's AVX-512
+ * transforms (cpu.c), for 16-float vectors alike: one definition of the
+ * arithmetic for every backend. */
+#define STK_WINO_MAP(map, a, b, c, d, y0, y1, y2, y3)                          \
+    do {                                                                       \
+        switch (map) {                                                         \
+        case STK_WINO_BT:                                                      \
+            y0 = (a) - (c), y1 = (b) + (c), y2 = (c) - (b), y3 = (b) - (d);    \
+            break;                                                             \
+        case STK_WINO_B:                                                       \
+            y0 = (a), y1 = ((b) - (c)) + (d), y2 = ((b) + (c)) - (a);          \
+            y3 = -(d);                                                         \
+            break;                                                             \
+        case STK_WINO_G:                                                       \
+            y0 = (a), y1 = ((a) + (b) + (c)) * 0.5f;                           \
+            y2 = ((a) - (b) + (c)) * 0.5f, y3 = (c);                           \
+            break;                                                             \
+        case STK_WINO_GT:                                                      \
+            y0 = (a) + ((b) + (c)) * 0.5f, y1 = ((b) - (c)) * 0.5f;            \
+            y2 = ((b) + (c)) * 0.5f + (d);                                     \
+            break;                                                             \
+        case STK_WINO_AT:                                                      \
+            y0 = (a) + (b) + (c), y1 = ((b) - (c)) - (d);                      \
+            break;                                                             \
+        case STK_WINO_A1:                                                      \
+            y0 = (a), y1 = (a) + (b), y2 = (a) - (b), y3 = -(b);               \
+            break;                                                             \
+        }                                                                      \
+    } while (0)
+
+/* Inputs a map reads (A 2, G 3, the others 4) and outputs it writes (A^T
+ * 2, G^T 3, the others 4). */
+STK_HD int stk_wino_ins(stk_wino_map map)
+{
+    return map == STK_WINO_A1 ? 2 : map == STK_WINO_G ? 3 : 4;
+}
+
+STK_HD int stk_wino_outs(stk_wino_map map)
+{
+    return map == STK_WINO_AT ? 2 : map == STK_WINO_GT ? 3 : 4;
+}
+
 /* y (stride ys) = map applied to x (stride xs). */
 STK_HD void stk_wino_1d(stk_wino_map map, const float *x, size_t xs, float *y,
                         size_t ys)
 {
-    float a = x[0], b = x[xs], c = 0.0f, d = 0.0f;
-    if (map != STK_WINO_A1) /* A reads 2 values, G 3, the others 4 */
-        c = x[2 * xs];
-    if (map != STK_WINO_A1 && map != STK_WINO_G)
-        d = x[3 * xs];
-    switch (map) {
-    case STK_WINO_BT:
-        y[0] = a - c;
-        y[ys] = b + c;
-        y[2 * ys] = c - b;
-        y[3 * ys] = b - d;
-        break;
-    case STK_WINO_B:
-        y[0] = a;
-        y[ys] = (b - c) + d;
-        y[2 * ys] = (b + c) - a;
-        y[3 * ys] = -d;
-        break;
-    case STK_WINO_G:
-        y[0] = a;
-        y[ys] = (a + b + c) * 0.5f;
-        y[2 * ys] = (a - b + c) * 0.5f;
-        y[3 * ys] = c;
-        break;
-    case STK_WINO_GT:
-        y[0] = a + (b + c) * 0.5f;
-        y[ys] = (b - c) * 0.5f;
-        y[2 * ys] = (b + c) * 0.5f + d;
-        break;
-    case STK_WINO_AT:
-        y[0] = a + b + c;
-        y[ys] = (b - c) - d;
-        break;
-    case STK_WINO_A1:
-        y[0] = a;
-        y[ys] = a + b;
-        y[2 * ys] = a - b;
-        y[3 * ys] = -b;
-        break;
-    }
+    int ins = stk_wino_ins(map), outs = stk_wino_outs(map);
+    float a = x[0], b = x[xs], c = ins > 2 ? x[2 * xs] : 0.0f,
+          d = ins > 3 ? x[3 * xs] : 0.0f, y0 = 0.0f, y1 = 0.0f, y2 = 0.0f,
+          y3 = 0.0f;
+    STK_WINO_MAP(map, a, b, c, d, y0, y1, y2, y3);
+    y[0] = y0;
+    y[ys] = y1;
+    if (outs > 2)
+        y[2 * ys] = y2;
+    if (outs > 3)
+        y[3 * ys] = y3;
 }
 
 /* Tiles per body call: the CPU transforms 8 tiles side by side, which its

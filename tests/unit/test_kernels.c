@@ -620,6 +620,10 @@ static void winograd_rows_equal_per_tile_bodies(void **state)
     /* 3 x 131 tiles: calls that start and end inside a row; an odd width
      * and a cut last tile with pw = 2 */
     winograd_rows_equal_bodies_on((stk_conv_shape){1, 5, 259, 3, 3, 1, 1, 1, 2, 5, 261});
+    /* resnet20's planes: 14 x 14 tiles of 28 x 28, 4 x 4 of 7 x 7 (the
+     * AVX-512 transforms' rows of 16 lanes, part used) */
+    winograd_rows_equal_bodies_on((stk_conv_shape){3, 28, 28, 3, 3, 1, 1, 1, 1, 28, 28});
+    winograd_rows_equal_bodies_on((stk_conv_shape){5, 7, 7, 3, 3, 1, 1, 1, 1, 7, 7});
 }
 
 /* A batch of GEMMs equals the GEMMs one by one (within float rounding: the
