@@ -853,6 +853,58 @@ AVX512_INLINE __m512 from2(__m512 lo, __m512 hi)
         _mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 2));
 }
 
+/* The 16 points of nt <= 16 tiles side by side: p[q] = src[q * stride +
+ * tile], 0 past nt. */
+AVX512_INLINE void points16(const float *src, size_t stride, int nt,
+                            __m512 p[STK_WINO_P])
+{
+    __mmask16 m = (__mmask16)((1u << nt) - 1u);
+    for (int q = 0; q < STK_WINO_P; q++)
+        p[q] = _mm512_maskz_loadu_ps(m, src + (size_t)q * stride);
+}
+
+/* out = P in P^T on 16 tiles, as stk_wino_2d: in (i x i) as p[r * i + c],
+ * out (o x o) as out[r * o + c], the columns first, then the rows. */
+AVX512_INLINE void map2d16(stk_wino_map map, const __m512 *in, __m512 *out)
+{
+    int i = stk_wino_ins(map), o = stk_wino_outs(map);
+    __m512 z = _mm512_setzero_ps(), t[STK_WINO_P];
+    for (int c = 0; c < i; c++) {
+        __m512 y[STK_WINO_A] = {z, z, z, z};
+        STK_WINO_MAP(map, in[c], in[i + c], i > 2 ? in[2 * i + c] : z,
+                     i > 3 ? in[3 * i + c] : z, y[0], y[1], y[2], y[3]);
+        for (int r = 0; r < o; r++)
+            t[r * i + c] = y[r];
+    }
+    for (int r = 0; r < o; r++) {
+        __m512 y[STK_WINO_A] = {z, z, z, z};
+        STK_WINO_MAP(map, t[r * i], t[r * i + 1], i > 2 ? t[r * i + 2] : z,
+                     i > 3 ? t[r * i + 3] : z, y[0], y[1], y[2], y[3]);
+        for (int c = 0; c < o; c++)
+            out[r * o + c] = y[c];
+    }
+}
+
+/* Lanes [lo, hi) of 16 (clamped to 0..16) as a mask. */
+AVX512_INLINE __mmask16 lanes16(int lo, int hi)
+{
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < lo ? lo : hi > 16 ? 16 : hi;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* x[0..31] = a[0], b[0], a[1], b[1], ...: two tiles' columns side by side
+ * as the 32 pixels they cover, in two vectors. */
+AVX512_INLINE void interleave(__m512 a, __m512 b, __m512 x[2])
+{
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18,
+                                        2, 17, 1, 16, 0),
+                  hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11,
+                                        26, 10, 25, 9, 24, 8);
+    x[0] = _mm512_permutex2var_ps(a, lo, b);
+    x[1] = _mm512_permutex2var_ps(a, hi, b);
+}
+
 /* wino_row_of_tiles in 16 lanes (nt <= 16 tiles of a map with 4 outputs):
  * the first pass on three vectors of columns, 0 where wino_first_pass
  * reads 0, then the second with the tiles' columns 2t .. 2t + 3 taken
@@ -1014,6 +1066,98 @@ static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
     }
 }
 
+#ifdef CPU_AVX512
+/* wino_output_part in 16 lanes: a row of up to 16 tiles' outputs A^T M A
+ * (+ bias, stk_wino_out1), the tiles' columns interleaved into pixels. */
+AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
+{
+    const stk_conv_shape *s = j->s;
+    int th, tw;
+    stk_wino_tiles(s, &th, &tw);
+    size_t nt = (size_t)j->n * j->tiles, ms = stk_wino_stride(j->ch * nt);
+    for (size_t q = b; q < e; q++) {
+        float *plane = j->dst + q * s->oh * s->ow;
+        __m512 bias = _mm512_set1_ps(j->bias ? j->bias[q % j->ch] : 0.0f);
+        const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
+        for (int ty = 0; ty < th; ty++)
+            for (int tx0 = 0; tx0 < tw; tx0 += 16) {
+                int cnt = tw - tx0 < 16 ? tw - tx0 : 16;
+                __m512 p[STK_WINO_P], o[STK_WINO_M * STK_WINO_M], px[2];
+                points16(m + ty * tw + tx0, ms, cnt, p);
+                map2d16(STK_WINO_AT, p, o);
+                for (int r = 0; r < STK_WINO_M; r++) {
+                    int y = ty * STK_WINO_M + r, x0 = tx0 * STK_WINO_M;
+                    if (y >= s->oh)
+                        break;
+                    interleave(o[r * STK_WINO_M], o[r * STK_WINO_M + 1], px);
+                    float *row = plane + (size_t)y * s->ow + x0;
+                    for (int v = 0; v < 2; v++)
+                        _mm512_mask_storeu_ps(
+                            row + 16 * v,
+                            lanes16(0, s->ow - x0 - 16 * v),
+                            STK_WINO_OUT(px[v], bias));
+                }
+            }
+    }
+}
+
+/* wino_input_grad_part in 16 lanes: a row of up to 16 tiles' pixel
+ * gradients B dV B^T, added into the plane as wino_scatter_row does: pixel
+ * column 2k + e takes tile k - 1's column e + 2, then tile k's column e
+ * (a tile that is not there adds +0, which leaves the sum, never -0, as
+ * it is). */
+AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
+{
+    const stk_conv_shape *s = j->s;
+    int th, tw;
+    stk_wino_tiles(s, &th, &tw);
+    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
+    __m512 z = _mm512_setzero_ps();
+    for (size_t q = b; q < e; q++) {
+        float *plane = j->dst + q * s->h * s->w;
+        const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
+        memset(plane, 0, (size_t)s->h * s->w * sizeof *plane);
+        for (int ty = 0; ty < th; ty++)
+            for (int tx0 = 0; tx0 < tw; tx0 += 16) {
+                int cnt = tw - tx0 < 16 ? tw - tx0 : 16;
+                __m512 p[STK_WINO_P], o[STK_WINO_P];
+                points16(dv + ty * tw + tx0, vs, cnt, p);
+                map2d16(STK_WINO_B, p, o);
+                for (int r = 0; r < STK_WINO_A; r++) {
+                    int y = ty * STK_WINO_M - s->ph + r;
+                    if (y < 0 || y >= s->h)
+                        continue;
+                    __m512 right[3], left[2], l[3];
+                    interleave(o[r * STK_WINO_A], o[r * STK_WINO_A + 1], right);
+                    right[2] = z;
+                    interleave(o[r * STK_WINO_A + 2], o[r * STK_WINO_A + 3],
+                               left);
+                    l[0] = _mm512_castsi512_ps(_mm512_alignr_epi32(
+                        _mm512_castps_si512(left[0]), _mm512_castps_si512(z),
+                        14));
+                    l[1] = _mm512_castsi512_ps(_mm512_alignr_epi32(
+                        _mm512_castps_si512(left[1]),
+                        _mm512_castps_si512(left[0]), 14));
+                    l[2] = _mm512_castsi512_ps(_mm512_alignr_epi32(
+                        _mm512_castps_si512(z), _mm512_castps_si512(left[1]),
+                        14));
+                    int x0 = tx0 * STK_WINO_M - s->pw; /* pixel of lane 0 */
+                    float *row = plane + (size_t)y * s->w;
+                    for (int v = 0; v < 3; v++) {
+                        int x = x0 + 16 * v;
+                        __mmask16 in = lanes16(-x, s->w - x);
+                        if (!in)
+                            continue;
+                        __m512 old = _mm512_maskz_loadu_ps(in, row + x);
+                        _mm512_mask_storeu_ps(row + x, in,
+                                              (old + l[v]) + right[v]);
+                    }
+                }
+            }
+    }
+}
+#endif
+
 /* Planes [b, e) of dx (sample * c + ci): the plane's tiles' pixel
  * gradients (B dV B^T, up to LANES_MAX tiles side by side), added into the
  * plane a row of tiles at a time in stk_wino_gather1's order (the same
@@ -1022,6 +1166,12 @@ static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
 CPU_HOT static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
+#ifdef CPU_AVX512
+    if (cpu_avx512()) {
+        wino_input_grad16(j, b, e);
+        return;
+    }
+#endif
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
@@ -1080,6 +1230,12 @@ static void wino_output_row(float *plane, const stk_conv_shape *s, int ty,
 CPU_HOT static void wino_output_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
+#ifdef CPU_AVX512
+    if (cpu_avx512()) {
+        wino_output16(j, b, e);
+        return;
+    }
+#endif
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);

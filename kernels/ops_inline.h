@@ -395,8 +395,13 @@ STK_HD float stk_wino_gather1(const float *dd, size_t ds,
     return sum;
 }
 
-/* One output value: point q of a tile's A^T M A plus the bias. */
-STK_HD float stk_wino_out1(float v, float bias) { return v + bias; }
+/* One output value: point q of a tile's A^T M A plus the bias (the
+ * macro for the CPU's vectors too). */
+#define STK_WINO_OUT(v, bias) ((v) + (bias))
+STK_HD float stk_wino_out1(float v, float bias)
+{
+    return STK_WINO_OUT(v, bias);
+}
 
 /* Column j of output channel co: the tile's outputs (A^T M A) + bias from
  * m[p * ms], into y [n, cout, oh, ow] where they fall inside the image. */
