@@ -909,7 +909,7 @@ AVX512_INLINE void interleave(__m512 a, __m512 b, __m512 x[2])
  * the first pass on three vectors of columns, 0 where wino_first_pass
  * reads 0, then the second with the tiles' columns 2t .. 2t + 3 taken
  * out of it in vectors. */
-AVX512 static void wino_row_of_tiles16(const float *plane, int h, int w,
+AVX512_INLINE void wino_row_of_tiles16(const float *plane, int h, int w,
                                        int y0, int x0, int nt,
                                        stk_wino_map map, int in, float *col,
                                        size_t cs)
@@ -936,32 +936,61 @@ AVX512 static void wino_row_of_tiles16(const float *plane, int h, int w,
 }
 #endif
 
-/* A row of tiles through wino_row_of_tiles16 where `wide` (the CPU has
- * AVX-512F) and the map writes 4 outputs, else wino_row_of_tiles. */
-static void wino_tile_row(bool wide, const float *plane, int h, int w, int y0,
-                          int x0, int nt, stk_wino_map map, int in, float *col,
-                          size_t cs)
+/* One row of tiles of one map, each map's row functions specialised on
+ * it (the 16-lane ones where the CPU has AVX-512F). */
+typedef void (*tile_row_fn)(const float *plane, int h, int w, int y0, int x0,
+                            int nt, float *col, size_t cs);
+
+static void rows_input(const float *plane, int h, int w, int y0, int x0,
+                       int nt, float *col, size_t cs)
 {
+    wino_row_of_tiles(plane, h, w, y0, x0, nt, STK_WINO_BT, STK_WINO_A, col,
+                      cs);
+}
+
+static void rows_output_grad(const float *plane, int h, int w, int y0,
+                             int x0, int nt, float *col, size_t cs)
+{
+    wino_row_of_tiles(plane, h, w, y0, x0, nt, STK_WINO_A1, STK_WINO_M, col,
+                      cs);
+}
+
 #ifdef CPU_AVX512
-    if (wide && stk_wino_outs(map) == STK_WINO_A) {
-        wino_row_of_tiles16(plane, h, w, y0, x0, nt, map, in, col, cs);
-        return;
-    }
+AVX512 static void rows16_input(const float *plane, int h, int w, int y0,
+                                int x0, int nt, float *col, size_t cs)
+{
+    wino_row_of_tiles16(plane, h, w, y0, x0, nt, STK_WINO_BT, STK_WINO_A, col,
+                        cs);
+}
+
+AVX512 static void rows16_output_grad(const float *plane, int h, int w,
+                                      int y0, int x0, int nt, float *col,
+                                      size_t cs)
+{
+    wino_row_of_tiles16(plane, h, w, y0, x0, nt, STK_WINO_A1, STK_WINO_M, col,
+                        cs);
+}
+
+#else /* no AVX-512 copies: the portable ones stand in */
+#define rows16_input rows_input
+#define rows16_output_grad rows_output_grad
 #endif
-    (void)wide;
-    wino_row_of_tiles(plane, h, w, y0, x0, nt, map, in, col, cs);
+
+/* The 16-lane row function where the CPU has AVX-512F, else `narrow`. */
+static tile_row_fn pick_rows(tile_row_fn narrow, tile_row_fn wide)
+{
+    return cpu_avx512() ? wide : narrow;
 }
 
 /* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
  * into the columns of a [points, ch, n * tiles] array. */
 static void wino_image_part(const wino_job *j, size_t b, size_t e,
-                            stk_wino_map map, int in, int h, int w, int pad_y,
+                            tile_row_fn row, int h, int w, int pad_y,
                             int pad_x)
 {
     int th, tw;
     stk_wino_tiles(j->s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
-    bool wide = cpu_avx512();
     for (size_t q = b; q < e; q++) {
         const float *plane = j->src + q * h * w;
         float *out = j->dst + q % j->ch * nt + q / j->ch * j->tiles;
@@ -974,9 +1003,8 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
         for (int ty = 0; ty < th; ty++)
             for (int tx0 = 0; tx0 < tw; tx0 += ROW_TILES) {
                 int cnt = tw - tx0 < ROW_TILES ? tw - tx0 : ROW_TILES;
-                wino_tile_row(wide, plane, h, w, ty * STK_WINO_M - pad_y,
-                              tx0 * STK_WINO_M - pad_x, cnt, map, in,
-                              out + ty * tw + tx0, vs);
+                row(plane, h, w, ty * STK_WINO_M - pad_y,
+                    tx0 * STK_WINO_M - pad_x, cnt, out + ty * tw + tx0, vs);
             }
     }
 }
@@ -988,7 +1016,8 @@ static void wino_input_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, STK_WINO_BT, STK_WINO_A, s->h, s->w, s->ph, s->pw);
+    wino_image_part(j, b, e, pick_rows(rows_input, rows16_input), s->h, s->w,
+                    s->ph, s->pw);
 }
 
 /* Runs part over the n * ch planes of j. */
@@ -1272,7 +1301,8 @@ static void wino_output_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, STK_WINO_A1, STK_WINO_M, s->oh, s->ow, 0, 0);
+    wino_image_part(j, b, e, pick_rows(rows_output_grad, rows16_output_grad),
+                    s->oh, s->ow, 0, 0);
 }
 
 static int cpu_wino_output_grad(stk_backend *be, const float *dy,
