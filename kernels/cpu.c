@@ -51,10 +51,13 @@ static stk_pool *pool(stk_backend *be) { return be->impl; }
     !defined(STK_NO_CLONES)
 #if __has_attribute(target_clones) && __has_attribute(flatten)
 #define CPU_HOT __attribute__((target_clones("avx2", "default"), flatten))
+#define CPU_HOT3                                                               \
+    __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #endif
 #endif
 #ifndef CPU_HOT
 #define CPU_HOT
+#define CPU_HOT3
 #endif
 
 /* Hand-vectorised AVX-512 copies of the Winograd transforms, chosen at run
@@ -382,7 +385,7 @@ static int cpu_relu_fwd(stk_backend *be, const float *x, float *y, size_t n,
     return 0;
 }
 
-CPU_HOT static void relu_bwd_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void relu_bwd_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     for (size_t i = b; i < e; i++)
@@ -595,7 +598,7 @@ static void im2col_row(const conv_job *j, int c, int ky, int kx, float *col)
     }
 }
 
-CPU_HOT static void im2col_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void im2col_part(void *v, size_t b, size_t e)
 {
     const conv_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -618,7 +621,7 @@ static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
 /* Channels [b, e) of dx: the transpose of im2col as a scatter, row by row,
  * so each pixel receives its terms in the same (ky, kx) order as
  * stk_col2im1's gather and the two give the same floats. */
-CPU_HOT static void col2im_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void col2im_part(void *v, size_t b, size_t e)
 {
     const conv_job *j = v;
     const stk_conv_shape *s = j->s;
@@ -1494,7 +1497,7 @@ static int cpu_avgpool_bwd(stk_backend *be, const float *dy, int planes, int h,
 /* ---- residual add and device copies --------------------------------------
  */
 
-CPU_HOT static void add_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void add_part(void *v, size_t b, size_t e)
 {
     const ew_job *j = v;
     const float *x = j->x, *y = j->y;
@@ -1588,7 +1591,7 @@ static void bn_sums_rows(const bn_job *j, size_t b, size_t e)
 }
 
 /* Channels [b, e). */
-CPU_HOT static void bn_sums_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void bn_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1644,7 +1647,7 @@ static stk_bn_fwd_coef bn_fwd_coef(const bn_job *j, size_t ch)
 }
 
 /* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
-CPU_HOT static void bn_apply_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void bn_apply_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1766,7 +1769,7 @@ static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
 }
 
 /* Channels [b, e): sum g and sum g (x - mean) in lanes, as bn_sums_part. */
-CPU_HOT static void bn_grad_sums_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void bn_grad_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
@@ -1811,7 +1814,7 @@ static stk_bn_bwd_coef bn_bwd_coef(const bn_job *j, size_t ch)
 }
 
 /* Planes [b, e) (hw > 1), or rows [b, e) a block of channels at a time. */
-CPU_HOT static void bn_input_grad_part(void *v, size_t b, size_t e)
+CPU_HOT3 static void bn_input_grad_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
     if (j->hw == 1) {
