@@ -346,7 +346,9 @@ AVX512_INLINE void dot_step16(const float *const *ar, const float *const *bc,
         bv[q] = pair8(bc[2 * q] + p, bc[2 * q + 1] + p, masked, mask);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++) {
-        __m512 x = pair8(ar[r] + p, ar[r] + p, masked, mask);
+        __m256 h = masked ? _mm256_maskload_ps(ar[r] + p, mask)
+                          : _mm256_loadu_ps(ar[r] + p);
+        __m512 x = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(h)));
 #pragma GCC unroll 3
         for (int q = 0; q < DR16 / 2; q++)
             acc[r][q] = _mm512_fmadd_ps(x, bv[q], acc[r][q]);
