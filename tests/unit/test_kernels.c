@@ -1081,6 +1081,95 @@ static void batchnorm_training_matches_fd(void **state)
     }
 }
 
+/* A channel's sum as the CPU forms it: 16 double lanes (element i of a
+ * plane in lane i % 16, the planes in sample order) added by the halving
+ * tree (kernels/cpu.c, lanes_total). term(k, x) is element x's term. */
+typedef double (*bn_term)(const float *const *src, size_t i, float at);
+
+static double bn_lane_sum(const float *const *src, int n, int c, int hw,
+                          int ch, bn_term term, float at)
+{
+    double lane[16] = {0.0};
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < hw; i++)
+            lane[i % 16] += term(src, ((size_t)r * c + ch) * hw + i, at);
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            lane[l] += lane[l + w];
+    return lane[0];
+}
+
+static double term_x(const float *const *src, size_t i, float at)
+{
+    (void)at;
+    return src[0][i];
+}
+
+static double term_sq(const float *const *src, size_t i, float at)
+{
+    return stk_bn_sq1(src[0][i], at);
+}
+
+/* src: x, dy, relu_y (NULL: none) */
+static double term_g(const float *const *src, size_t i, float at)
+{
+    (void)at;
+    return src[2] ? stk_relu_grad1(src[2][i], src[1][i]) : src[1][i];
+}
+
+static double term_gx(const float *const *src, size_t i, float at)
+{
+    return stk_bn_gx1((float)term_g(src, i, at), src[0][i], at);
+}
+
+/* The sums exactly as that order gives them, planes with tails of 5, 1 and
+ * 4 past the lanes, values off 0 (a lane past a plane's end that added
+ * anything shows), with and without the ReLU's mask; on a CPU with
+ * AVX-512F its vector path. */
+static void bn_sums_follow_the_lanes(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {{3, 5, 37}, {2, 4, 49}, {2, 3, 196}};
+    for (int t = 0; t < 3; t++) {
+        int n = shapes[t][0], c = shapes[t][1], hw = shapes[t][2];
+        size_t total = (size_t)n * c * hw;
+        float *x = malloc(total * 4), *g = malloc(total * 4),
+              *ry = malloc(total * 4), mean[8], var[8], sums[16];
+        fill(x, total, 111);
+        fill(g, total, 112);
+        fill(ry, total, 113);
+        for (size_t i = 0; i < total; i++)
+            x[i] += 3.0f;
+        double inv = 1.0 / ((double)n * hw);
+        stk_err err;
+        assert_int_equal(stk_bn_sums(be, x, n, c, hw, NULL, inv, mean, &err), 0);
+        assert_int_equal(stk_bn_sums(be, x, n, c, hw, mean, inv, var, &err), 0);
+        const float *src[3] = {x, g, NULL};
+        for (int ch = 0; ch < c; ch++) {
+            assert_true(mean[ch] ==
+                        (float)(bn_lane_sum(src, n, c, hw, ch, term_x, 0) * inv));
+            assert_true(var[ch] == (float)(bn_lane_sum(src, n, c, hw, ch,
+                                                        term_sq, mean[ch]) *
+                                            inv));
+        }
+        for (int relu = 0; relu < 2; relu++) {
+            src[2] = relu ? ry : NULL;
+            assert_int_equal(stk_bn_grad_sums(be, g, src[2], x, n, c, hw, mean,
+                                              var, 1e-5f, sums, &err),
+                             0);
+            for (int ch = 0; ch < c; ch++) {
+                assert_true(sums[ch] ==
+                            (float)bn_lane_sum(src, n, c, hw, ch, term_g, 0));
+                assert_true(sums[c + ch] ==
+                            (float)(bn_lane_sum(src, n, c, hw, ch, term_gx,
+                                                mean[ch]) *
+                                    stk_bn_invstd(var[ch], 1e-5f)));
+            }
+        }
+        free(x), free(g), free(ry);
+    }
+}
+
 /* PyTorch's update in double, rounded once: momentum * stat + (1 -
  * momentum) * running, the variance unbiased; momentum 0 and 1 exactly. */
 static void bn_running_follows_pytorch(void **state)
@@ -1674,6 +1763,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(avgpool_matches_naive_and_fd),
     cmocka_unit_test(add_and_device_copy),
     cmocka_unit_test(batchnorm_training_matches_fd),
+    cmocka_unit_test(bn_sums_follow_the_lanes),
     cmocka_unit_test(bn_running_follows_pytorch),
     cmocka_unit_test(bn_same_on_1_2_3_threads),
     cmocka_unit_test(pool_runs_every_range_once),
