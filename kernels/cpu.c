@@ -920,8 +920,13 @@ AVX512_INLINE void wino_row_of_tiles16(const float *plane, int h, int w,
     __m512 t[STK_WINO_A][3], z = _mm512_setzero_ps();
     int width = (nt - 1) * STK_WINO_M + in;
     for (int v = 0; v < 3; v++) {
+        if (16 * v >= width) { /* columns no tile of the row reads */
+            for (int k = 0; k < STK_WINO_A; k++)
+                t[k][v] = z;
+            continue;
+        }
         __m512 x[STK_WINO_A] = {z, z, z, z};
-        for (int k = 0; k < in && 16 * v < width; k++)
+        for (int k = 0; k < in; k++)
             x[k] = row16(plane, h, w, y0 + k, x0 + 16 * v);
         STK_WINO_MAP(map, x[0], x[1], x[2], x[3], t[0][v], t[1][v], t[2][v],
                      t[3][v]);
