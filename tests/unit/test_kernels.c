@@ -37,6 +37,15 @@ static void fill(float *x, size_t n, uint64_t seed)
         x[i] = (float)frand(&seed);
 }
 
+/* n floats from fill(seed), malloc'd */
+static float *filled(size_t n, uint64_t seed)
+{
+    float *x = malloc(n * sizeof *x);
+    assert_non_null(x);
+    fill(x, n, seed);
+    return x;
+}
+
 /* |a - b| <= tol * max(1, |b|) for every element, else a failure naming i */
 static void near(const float *a, const double *b, size_t n, double tol,
                  const char *what)
@@ -1133,11 +1142,8 @@ static void bn_sums_follow_the_lanes(void **state)
     for (int t = 0; t < 3; t++) {
         int n = shapes[t][0], c = shapes[t][1], hw = shapes[t][2];
         size_t total = (size_t)n * c * hw;
-        float *x = malloc(total * 4), *g = malloc(total * 4),
-              *ry = malloc(total * 4), mean[8], var[8], sums[16];
-        fill(x, total, 111);
-        fill(g, total, 112);
-        fill(ry, total, 113);
+        float *x = filled(total, 111), *g = filled(total, 112),
+              *ry = filled(total, 113), mean[8], var[8], sums[16];
         for (size_t i = 0; i < total; i++)
             x[i] += 3.0f;
         double inv = 1.0 / ((double)n * hw);
@@ -1309,11 +1315,8 @@ static void bn_same_on_1_2_3_threads(void **state)
     for (int s = 0; s < 2; s++) {
         int n = shapes[s][0], c = shapes[s][1], hw = shapes[s][2];
         size_t total = (size_t)n * c * hw;
-        float *x = malloc(total * 4), *g = malloc(total * 4),
-              *p = malloc(2 * c * 4);
-        fill(x, total, 101);
-        fill(g, total, 102);
-        fill(p, 2 * c, 103);
+        float *x = filled(total, 101), *g = filled(total, 102),
+              *p = filled(2 * (size_t)c, 103);
         bn_outs o[3];
         for (int t = 0; t < 3; t++) {
             stk_backend *b;
