@@ -58,7 +58,7 @@ const char *stk_backend_name(const stk_backend *be) { return be->name; }
 
 int stk_backend_threads(const stk_backend *be)
 {
-    return be->kind == STK_DEV_CPU ? stk_pool_threads(be->impl) : 1;
+    return be->kind == STK_DEV_CPU ? stk_cpu_threads(be) : 1;
 }
 
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err)

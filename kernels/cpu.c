@@ -32,7 +32,7 @@ enum {
     BIAS_LANES = 16        /* partial sums per channel in bias_grad */
 };
 
-static stk_pool *pool(stk_backend *be) { return be->impl; }
+
 
 /* The loops of each op's part function twice, for AVX2 (8 floats a
  * vector) and for baseline x86-64 (SSE2, 4), the copy chosen once at load
@@ -75,10 +75,36 @@ static bool cpu_avx512(void) { return __builtin_cpu_supports("avx512f"); }
 static bool cpu_avx512(void) { return false; }
 #endif
 
+/* The CPU backend's state: its thread pool, and whether its GEMMs and
+ * Winograd transforms take the 16-lane paths (the CPU has AVX-512F and
+ * STK_CPU_NO_AVX512 was not set when the backend was made: the tests run
+ * both paths on one machine). */
+typedef struct cpu_state {
+    stk_pool *pool;
+    bool wide;
+} cpu_state;
+
+
+static stk_pool *pool(stk_backend *be)
+{
+    return ((cpu_state *)be->impl)->pool;
+}
+static bool wide(const stk_backend *be)
+{
+    return ((const cpu_state *)be->impl)->wide;
+}
+
+int stk_cpu_threads(const stk_backend *be)
+{
+    return stk_pool_threads(((const cpu_state *)be->impl)->pool);
+}
 
 static void cpu_destroy(stk_backend *be)
 {
-    stk_pool_destroy(be->impl);
+    cpu_state *st = be->impl;
+    if (st)
+        stk_pool_destroy(st->pool);
+    free(st);
     be->impl = NULL;
 }
 
@@ -96,8 +122,17 @@ int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
 {
     be->ops = &stk_cpu_ops;
     openblas_set_num_threads(1);
-    be->impl = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
-    return be->impl ? 0 : STK_ENOMEM;
+    cpu_state *st = calloc(1, sizeof *st);
+    if (!st)
+        return stk_fail(err, STK_ENOMEM, "cpu: cannot allocate the backend");
+    st->wide = cpu_avx512() && !getenv("STK_CPU_NO_AVX512");
+    st->pool = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
+    if (!st->pool) {
+        free(st);
+        return STK_ENOMEM;
+    }
+    be->impl = st;
+    return 0;
 }
 
 static void *cpu_alloc(stk_backend *be, size_t bytes, stk_err *err)
@@ -221,6 +256,7 @@ static int cpu_upload(stk_backend *be, void *dst, const void *src, size_t n,
 
 typedef struct gemm_job {
     bool ta, tb, split_n, whole, small; /* small: stk_small_gemm's shape */
+    int lanes;                          /* its vector width (cpu_state) */
     int m, n, k, lda, ldb, ldc, panel;
     float alpha, beta;
     const float *a, *b;
@@ -243,8 +279,8 @@ static void gemm_panel(const gemm_job *g, int from, int to)
         m = to - from;
     }
     if (g->small) {
-        stk_small_gemm(g->ta, g->tb, m, n, g->k, g->alpha, a, g->lda, b,
-                       g->ldb, g->beta, c, g->ldc);
+        stk_small_gemm_at(g->lanes, g->ta, g->tb, m, n, g->k, g->alpha, a,
+                          g->lda, b, g->ldb, g->beta, c, g->ldc);
         return;
     }
     /* A small C over a long K (a convolution's weight gradient on large
@@ -291,13 +327,17 @@ static void gemm_part(void *v, size_t lo, size_t hi)
  * the longer side of C, a multiple of 16 wide (48 on the small-GEMM path:
  * whole tiles of its 24 columns); whole under about a megaflop, where a
  * split costs more than it saves. */
-static gemm_job gemm_plan(bool ta, bool tb, int m, int n, int k, float alpha,
-                          const float *a, int lda, const float *b, int ldb,
-                          float beta, float *c, int ldc, size_t *panels)
+static gemm_job gemm_plan(stk_backend *be, bool ta, bool tb, int m, int n,
+                          int k, float alpha, const float *a, int lda,
+                          const float *b, int ldb, float beta, float *c,
+                          int ldc, size_t *panels)
 {
-    gemm_job g = {ta,  tb, n >= m, 2.0 * m * n * k < 1e6,
-                  stk_small_gemm_wins(ta, tb, m, n, k),
-                  m,   n,  k,      lda, ldb, ldc, 0, alpha, beta, a, b, c};
+    gemm_job g = {.ta = ta, .tb = tb, .split_n = n >= m,
+                  .whole = 2.0 * m * n * k < 1e6,
+                  .small = stk_small_gemm_wins(ta, tb, m, n, k),
+                  .lanes = wide(be) ? 16 : 8,
+                  .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc,
+                  .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c};
     int len = g.split_n ? n : m, unit = g.small ? 48 : 16;
     int want = (len + GEMM_PANELS - 1) / GEMM_PANELS;
     want = want < GEMM_PANEL_MIN   ? GEMM_PANEL_MIN
@@ -314,8 +354,8 @@ static int cpu_gemm(stk_backend *be, bool ta, bool tb, int m, int n, int k,
 {
     (void)err;
     size_t panels;
-    gemm_job g = gemm_plan(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                           ldc, &panels);
+    gemm_job g = gemm_plan(be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta,
+                           c, ldc, &panels);
     stk_pool_for(pool(be), panels, 1, gemm_part, &g);
     return 0;
 }
@@ -350,8 +390,8 @@ static int cpu_gemm_batched(stk_backend *be, bool ta, bool tb, int m, int n,
 {
     (void)err;
     size_t panels;
-    gemm_job g = gemm_plan(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                           ldc, &panels);
+    gemm_job g = gemm_plan(be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta,
+                           c, ldc, &panels);
     if (count >= GEMM_PANELS) {
         g.whole = true;
         panels = 1;
@@ -694,6 +734,7 @@ typedef struct wino_job {
     const stk_conv_shape *s; /* NULL for the filter transforms */
     int n, ch, tiles;        /* samples (filters: their input channels);
                                 channels of the transformed side */
+    bool wide;               /* the 16-lane transforms (cpu_state) */
 } wino_job;
 
 enum { LANES = STK_WINO_LANES };
@@ -758,11 +799,13 @@ static int cpu_wino_filter_grad(stk_backend *be, const float *du, int cout,
 }
 
 /* The job over the n * ch planes of an image and their tile columns. */
-static wino_job wino_columns(const float *src, const float *bias, float *dst,
+static wino_job wino_columns(stk_backend *be, const float *src,
+                             const float *bias, float *dst,
                              const stk_conv_shape *s, int n, int ch)
 {
     int th, tw;
-    return (wino_job){src, bias, dst, s, n, ch, stk_wino_tiles(s, &th, &tw)};
+    return (wino_job){src, bias, dst, s, n, ch, stk_wino_tiles(s, &th, &tw),
+                      wide(be)};
 }
 
 /* The CPU's transforms of images (input, output gradient) work a row of
@@ -824,6 +867,28 @@ static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
 }
 
 #ifdef CPU_AVX512
+/* The address of column x of a row, x < 0 included (the lanes there are
+ * masked off, never read or written), computed in integers: pointer
+ * arithmetic before an array is undefined in C. (Expand loads and
+ * compress stores, which would need no such address, made the transforms
+ * 20-60% slower.) */
+AVX512_INLINE uintptr_t column_at(const float *row, int x)
+{
+    return (uintptr_t)row + (uintptr_t)((intptr_t)x * (intptr_t)sizeof(float));
+}
+
+/* Lanes m of the 16 floats from column x of a row, the rest 0. */
+AVX512_INLINE __m512 load_at(const float *row, int x, __mmask16 m)
+{
+    return _mm512_maskz_loadu_ps(m, (const void *)column_at(row, x));
+}
+
+/* Lanes m of v into the row from column x. */
+AVX512_INLINE void store_at(float *row, int x, __mmask16 m, __m512 v)
+{
+    _mm512_mask_storeu_ps((void *)column_at(row, x), m, v);
+}
+
 /* 16 floats of row r of an h x w plane from column x, 0 outside it. */
 AVX512_INLINE __m512 row16(const float *plane, int h, int w, int r, int x)
 {
@@ -831,7 +896,7 @@ AVX512_INLINE __m512 row16(const float *plane, int h, int w, int r, int x)
     if (r < 0 || r >= h || hi <= lo)
         return _mm512_setzero_ps();
     __mmask16 m = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-    return _mm512_maskz_loadu_ps(m, plane + (size_t)r * w + x);
+    return load_at(plane + (size_t)r * w, x, m);
 }
 
 /* Even and odd elements of the 32 floats lo, hi. */
@@ -907,6 +972,10 @@ AVX512_INLINE void interleave(__m512 a, __m512 b, __m512 x[2])
     x[0] = _mm512_permutex2var_ps(a, lo, b);
     x[1] = _mm512_permutex2var_ps(a, hi, b);
 }
+
+/* A row of tiles is one vector: its tiles' mask, 1u << nt, and the three
+ * column vectors read below need nt <= 16. */
+_Static_assert(ROW_TILES <= 16, "a row of tiles fits 16 lanes");
 
 /* wino_row_of_tiles in 16 lanes (nt <= 16 tiles of a map with 4 outputs):
  * the first pass on three vectors of columns, 0 where wino_first_pass
@@ -984,10 +1053,11 @@ AVX512 static void rows16_output_grad(const float *plane, int h, int w,
 #define rows16_output_grad rows_output_grad
 #endif
 
-/* The 16-lane row function where the CPU has AVX-512F, else `narrow`. */
-static tile_row_fn pick_rows(tile_row_fn narrow, tile_row_fn wide)
+/* The 16-lane row function for a wide job, else `narrow`. */
+static tile_row_fn pick_rows(const wino_job *j, tile_row_fn narrow,
+                             tile_row_fn wide16)
 {
-    return cpu_avx512() ? wide : narrow;
+    return j->wide ? wide16 : narrow;
 }
 
 /* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
@@ -1024,7 +1094,7 @@ static void wino_input_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, pick_rows(rows_input, rows16_input), s->h, s->w,
+    wino_image_part(j, b, e, pick_rows(j, rows_input, rows16_input), s->h, s->w,
                     s->ph, s->pw);
 }
 
@@ -1042,7 +1112,7 @@ static int cpu_wino_input(stk_backend *be, const float *x,
                           stk_err *err)
 {
     (void)err;
-    wino_job j = wino_columns(x, NULL, v, s, n, s->c);
+    wino_job j = wino_columns(be, x, NULL, v, s, n, s->c);
     return wino_planes(be, &j, wino_input_part);
 }
 
@@ -1128,7 +1198,7 @@ AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
                         break;
                     interleave(o[r * STK_WINO_M], o[r * STK_WINO_M + 1], px);
                     float *row = plane + (size_t)y * s->ow + x0;
-                    for (int v = 0; v < 2; v++)
+                    for (int v = 0; v < 2 && x0 + 16 * v < s->ow; v++)
                         _mm512_mask_storeu_ps(
                             row + 16 * v,
                             lanes16(0, s->ow - x0 - 16 * v),
@@ -1185,9 +1255,8 @@ AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
                         __mmask16 in = lanes16(-x, s->w - x);
                         if (!in)
                             continue;
-                        __m512 old = _mm512_maskz_loadu_ps(in, row + x);
-                        _mm512_mask_storeu_ps(row + x, in,
-                                              (old + l[v]) + right[v]);
+                        __m512 old = load_at(row, x, in);
+                        store_at(row, x, in, (old + l[v]) + right[v]);
                     }
                 }
             }
@@ -1204,7 +1273,7 @@ CPU_HOT static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
 #ifdef CPU_AVX512
-    if (cpu_avx512()) {
+    if (j->wide) {
         wino_input_grad16(j, b, e);
         return;
     }
@@ -1237,7 +1306,7 @@ static int cpu_wino_input_grad(stk_backend *be, float *dv,
                                stk_err *err)
 {
     (void)err;
-    wino_job j = wino_columns(dv, NULL, dx, s, n, s->c);
+    wino_job j = wino_columns(be, dv, NULL, dx, s, n, s->c);
     return wino_planes(be, &j, wino_input_grad_part);
 }
 
@@ -1268,7 +1337,7 @@ CPU_HOT static void wino_output_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
 #ifdef CPU_AVX512
-    if (cpu_avx512()) {
+    if (j->wide) {
         wino_output16(j, b, e);
         return;
     }
@@ -1301,7 +1370,7 @@ static int cpu_wino_output(stk_backend *be, const float *m, const float *bias,
                            stk_err *err)
 {
     (void)err;
-    wino_job j = wino_columns(m, bias, y, s, n, cout);
+    wino_job j = wino_columns(be, m, bias, y, s, n, cout);
     return wino_planes(be, &j, wino_output_part);
 }
 
@@ -1309,7 +1378,7 @@ static void wino_output_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, pick_rows(rows_output_grad, rows16_output_grad),
+    wino_image_part(j, b, e, pick_rows(j, rows_output_grad, rows16_output_grad),
                     s->oh, s->ow, 0, 0);
 }
 
@@ -1318,7 +1387,7 @@ static int cpu_wino_output_grad(stk_backend *be, const float *dy,
                                 float *dm, stk_err *err)
 {
     (void)err;
-    wino_job j = wino_columns(dy, NULL, dm, s, n, cout);
+    wino_job j = wino_columns(be, dy, NULL, dm, s, n, cout);
     return wino_planes(be, &j, wino_output_grad_part);
 }
 

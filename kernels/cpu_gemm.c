@@ -43,7 +43,7 @@ enum {
     DR16 = 6,  /* columns of an AVX-512 NT tile: 3 vectors of 2 x 8 */
     NR16 = 48, /* its columns: 3 vectors of 16 */
     NR_MAX = NR16,
-    ROW_K_MAX = 320 /* K on the row path at most (stk_small_gemm_wins) */
+    ROW_K_MAX = 256 /* K on the row path at most (stk_small_gemm_wins) */
 };
 
 /* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */
@@ -235,7 +235,7 @@ static void gemm_rows_in(tile_fn tile, int mr, int nr, bool ta, int m, int n,
                          int ldc)
 {
     size_t rs = ta ? 1 : (size_t)lda, ps = ta ? (size_t)lda : 1;
-    bool copy = k > 8 && ldb % 64 == 0 && m > mr;
+    bool copy = k > 8 && k <= ROW_K_MAX && ldb % 64 == 0 && m > mr;
     _Alignas(64) float buf[ROW_K_MAX * NR_MAX];
     for (int j = 0; j < n; j += nr) {
         int cols = n - j < nr ? n - j : nr;
@@ -460,27 +460,29 @@ static void gemm_dots(int lanes, int m, int n, int k, float alpha,
  * cost as much as the tile) and over a K of 288 on the row path, where
  * both run near the core's peak; the K and A bounds keep a row tile's
  * operands in L1/L2 and a dot tile's rows in L2 (nothing here blocks for
- * cache). In 16 lanes (Zen 5, whose OpenBLAS 0.3.21 runs its Haswell
- * kernels) the row path is 1.5-2.2x OpenBLAS up to K = 288 as well, and
- * the dot products 1.2-1.5x up to C of 64 x 72. Those stay with OpenBLAS
- * over 2048 elements of C all the same: routing a linear layer's forward
- * (batch x 64 over K = 1568) here took tests/e2e/sync_bn.py's 1 x 128 and
- * 2 x 64 runs apart (a chaotic 9e-5 in the loss at step 20, against 6e-7
- * with OpenBLAS; the results themselves are as exact). */
+ * cache). The choice depends on the shape alone, not on the vector
+ * width, so that CPUs with and without AVX-512 compute the same floats.
+ * In 16 lanes (Zen 5, whose OpenBLAS 0.3.21 runs its Haswell kernels) the
+ * row path is 1.5-2.2x OpenBLAS, also at K = 288, and the dot products
+ * 1.2-1.5x up to C of 64 x 72, but those keep OpenBLAS as in 8 lanes. (A
+ * linear layer's forward, batch x 64 over K = 1568, routed to the dot
+ * tiles took tests/e2e/sync_bn.py's 1 x 128 and 2 x 64 runs apart: a
+ * chaotic 9e-5 in the loss at step 20, against 6e-7 with OpenBLAS, the
+ * results themselves as exact.) */
 bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
 {
     if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
         return false;
     if (tb) /* dot products: C small, K long */
         return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
-    int k_max = stk_small_gemm_lanes() == 16 ? 320 : 256; /* <= ROW_K_MAX */
-    return k <= k_max && (size_t)m * k <= 64 * 1024;
+    return k <= 256 && (size_t)m * k <= 64 * 1024; /* ROW_K_MAX */
 }
 
 void stk_small_gemm_at(int lanes, bool ta, bool tb, int m, int n, int k,
                        float alpha, const float *a, int lda, const float *b,
                        int ldb, float beta, float *c, int ldc)
 {
+    lanes = lanes == 16 && stk_small_gemm_lanes() == 16 ? 16 : 8;
     if (tb)
         gemm_dots(lanes, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else

@@ -28,10 +28,11 @@ void stk_small_gemm(bool ta, bool tb, int m, int n, int k, float alpha,
  * AVX-512F, else 8. */
 int stk_small_gemm_lanes(void);
 
-/* stk_small_gemm in `lanes`-wide vectors: 8, or 16 where
- * stk_small_gemm_lanes is 16 (for the tests and bench/small_gemm_bench).
- * The row path (B not transposed) gives the same floats at both widths;
- * the dot products are summed in 8 lanes at both. */
+/* stk_small_gemm in `lanes`-wide vectors: 16 where stk_small_gemm_lanes
+ * is 16, else 8 (the CPU backend without AVX-512 paths, the tests,
+ * bench/small_gemm_bench). Both widths give the same floats: each element
+ * of C the same FMAs in the same order, the dot products summed in 8
+ * lanes at both. */
 void stk_small_gemm_at(int lanes, bool ta, bool tb, int m, int n, int k,
                        float alpha, const float *a, int lda, const float *b,
                        int ldb, float beta, float *c, int ldc);

@@ -213,17 +213,21 @@ static void small_gemm_matches_double(void **state)
     if (!stk_small_gemm_available())
         skip(); /* no AVX2 + FMA: OpenBLAS serves every GEMM */
     static const int ms[] = {1, 5, 18}, ns[] = {1, 7, 33, 1000},
-                     ks[] = {1, 3, 16, 64};
+                     ks[] = {1, 3, 16, 64, 200};
     for (int tr = 0; tr < 3; tr++)
         for (int im = 0; im < 3; im++)
             for (int in = 0; in < 4; in++)
-                for (int ik = 0; ik < 4; ik++)
+                for (int ik = 0; ik < 5; ik++)
                     for (int beta = 0; beta < 2; beta++) {
                         small_case t = {tr == 1, tr == 2, ms[im], ns[in],
                                         ks[ik], 0, 0, 0, 1.5f, (float)beta};
                         t.lda = (t.ta ? t.m : t.k) + 3;
                         t.ldb = (t.tb ? t.k : t.n) + 5;
                         t.ldc = t.n + 2;
+                        small_case_check(&t);
+                        /* B's rows 256 bytes apart: the row path copies
+                         * its panels (K > 8, more than a tile of rows) */
+                        t.ldb = ((t.tb ? t.k : t.n) + 63) / 64 * 64;
                         small_case_check(&t);
                     }
 }
@@ -564,7 +568,7 @@ static void winograd_matches_fd(void **state)
 /* The CPU transforms images a row of tiles at a time and scatters the
  * input gradient; CUDA runs the per-tile bodies and gathers. Both must give
  * the same floats: the bodies are run here on the CPU, tile by tile. */
-static void winograd_rows_equal_bodies_on(stk_conv_shape s)
+static void winograd_rows_equal_bodies_on(stk_backend *bk, stk_conv_shape s)
 {
     enum { N = 3, COUT = 5 };
     int th, tw, T = stk_wino_tiles(&s, &th, &tw), nt = N * T;
@@ -579,25 +583,25 @@ static void winograd_rows_equal_bodies_on(stk_conv_shape s)
     fill(dy, ny, 52);
     fill(b, COUT, 53);
     stk_err err;
-    assert_int_equal(stk_wino_input(be, x, &s, N, v, &err), 0);
+    assert_int_equal(stk_wino_input(bk, x, &s, N, v, &err), 0);
     for (int ci = 0; ci < s.c; ci++)
         for (int j = 0; j < nt; j++)
             stk_wino_input1(x, &s, ci, (size_t)j, v1 + (size_t)ci * nt + j, sv);
     assert_memory_equal(v, v1, STK_WINO_P * sv * 4);
-    assert_int_equal(stk_wino_output_grad(be, dy, &s, COUT, N, m, &err), 0);
+    assert_int_equal(stk_wino_output_grad(bk, dy, &s, COUT, N, m, &err), 0);
     for (int co = 0; co < COUT; co++)
         for (int j = 0; j < nt; j++)
             stk_wino_output_grad1(dy, &s, co, COUT, (size_t)j,
                                   m1 + (size_t)co * nt + j, sm);
     assert_memory_equal(m, m1, STK_WINO_P * sm * 4);
-    assert_int_equal(stk_wino_output(be, m, b, &s, COUT, N, y, &err), 0);
+    assert_int_equal(stk_wino_output(bk, m, b, &s, COUT, N, y, &err), 0);
     for (int co = 0; co < COUT; co++)
         for (int j = 0; j < nt; j++)
             stk_wino_output1(m + (size_t)co * nt + j, sm, b[co], &s, co, COUT,
                              (size_t)j, y1);
     assert_memory_equal(y, y1, ny * 4);
     /* no bias (a convolution before a batchnorm): the outputs plus 0 */
-    assert_int_equal(stk_wino_output(be, m, NULL, &s, COUT, N, y, &err), 0);
+    assert_int_equal(stk_wino_output(bk, m, NULL, &s, COUT, N, y, &err), 0);
     for (int co = 0; co < COUT; co++)
         for (int j = 0; j < nt; j++)
             stk_wino_output1(m + (size_t)co * nt + j, sm, 0.0f, &s, co, COUT,
@@ -605,7 +609,7 @@ static void winograd_rows_equal_bodies_on(stk_conv_shape s)
     assert_memory_equal(y, y1, ny * 4);
     /* the input gradient from v as dV: CPU scatter against body + gather */
     memcpy(v1, v, STK_WINO_P * sv * 4);
-    assert_int_equal(stk_wino_input_grad(be, v, &s, N, dx, &err), 0);
+    assert_int_equal(stk_wino_input_grad(bk, v, &s, N, dx, &err), 0);
     for (int ci = 0; ci < s.c; ci++)
         for (int j = 0; j < nt; j++)
             stk_wino_input_grad_n(v1 + (size_t)ci * nt + j, sv, 1);
@@ -619,20 +623,34 @@ static void winograd_rows_equal_bodies_on(stk_conv_shape s)
     free(dx), free(dx1);
 }
 
+/* On the backend as made here (its 16-lane transforms where the CPU has
+ * AVX-512F) and on one made with STK_CPU_NO_AVX512 (the portable loops),
+ * whatever the CPU. */
 static void winograd_rows_equal_per_tile_bodies(void **state)
 {
     (void)state;
-    /* 7 x 5 tiles; 10 x 11 tiles, more than the CPU's 64 per transform
-     * call, so a call ends inside a row of tiles */
-    winograd_rows_equal_bodies_on((stk_conv_shape){4, 13, 11, 3, 3, 1, 1, 1, 0, 13, 9});
-    winograd_rows_equal_bodies_on((stk_conv_shape){2, 20, 22, 3, 3, 1, 1, 1, 1, 20, 22});
-    /* 3 x 131 tiles: calls that start and end inside a row; an odd width
-     * and a cut last tile with pw = 2 */
-    winograd_rows_equal_bodies_on((stk_conv_shape){1, 5, 259, 3, 3, 1, 1, 1, 2, 5, 261});
-    /* resnet20's planes: 14 x 14 tiles of 28 x 28, 4 x 4 of 7 x 7 (the
-     * AVX-512 transforms' rows of 16 lanes, part used) */
-    winograd_rows_equal_bodies_on((stk_conv_shape){3, 28, 28, 3, 3, 1, 1, 1, 1, 28, 28});
-    winograd_rows_equal_bodies_on((stk_conv_shape){5, 7, 7, 3, 3, 1, 1, 1, 1, 7, 7});
+    stk_backend *narrow;
+    stk_err err;
+    setenv("STK_CPU_NO_AVX512", "1", 1);
+    assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, 1, &narrow, &err), 0);
+    unsetenv("STK_CPU_NO_AVX512");
+    for (int pass = 0; pass < 2; pass++) {
+        stk_backend *bk = pass ? narrow : be;
+        /* 7 x 5 tiles; 10 x 11 tiles, more than the CPU's 64 per transform
+         * call, so a call ends inside a row of tiles */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){4, 13, 11, 3, 3, 1, 1, 1, 0, 13, 9});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 20, 22, 3, 3, 1, 1, 1, 1, 20, 22});
+        /* 3 x 131 tiles: calls that start and end inside a row; an odd
+         * width and a cut last tile with pw = 2 */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 5, 259, 3, 3, 1, 1, 1, 2, 5, 261});
+        /* ph = 2, pw = 0: rows of tiles above the image */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 9, 12, 3, 3, 1, 1, 2, 0, 11, 10});
+        /* resnet20's planes: 14 x 14 tiles of 28 x 28, 4 x 4 of 7 x 7 (the
+         * AVX-512 transforms' rows of 16 lanes, part used) */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){3, 28, 28, 3, 3, 1, 1, 1, 1, 28, 28});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){5, 7, 7, 3, 3, 1, 1, 1, 1, 7, 7});
+    }
+    stk_backend_destroy(narrow);
 }
 
 /* A batch of GEMMs equals the GEMMs one by one (within float rounding: the
