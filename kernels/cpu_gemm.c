@@ -8,9 +8,11 @@
  *   each row of the tile one broadcast of A's element times NR contiguous
  *   floats of B's row, over all of K (the K x NR panel of B stays in L1
  *   across the rows of C).
- * - NT: each element of C is a dot product of a row of A and a row of B,
- *   both contiguous; MR x DR of them at once, in 8 lanes each, the lanes
- *   added at the end in a fixed order.
+ * - NT over a K of at most ROW_K_MAX: B^T's K x NR panels copied, then the
+ *   row tiles as for NN.
+ * - NT over a longer K: each element of C is a dot product of a row of A
+ *   and a row of B, both contiguous; MR x DR of them at once, in 8 lanes
+ *   each, the lanes added at the end in a fixed order.
  *
  * Where the CPU has AVX-512F both paths run in 16-lane vectors (the row
  * tiles 16 lanes of columns, the dot tiles two columns' 8 lanes to a
@@ -214,35 +216,42 @@ AVX512 static void tile_avx512(int k, const float *a, size_t rs, size_t ps,
         row_tile16(k, a, rs, ps, b, ldb, c, ldc, rows, cols, alpha, beta, 1);
 }
 
-/* B's K x nr panel from column j into buf (rows of nr floats). */
-static void copy_panel(const float *b, int ldb, int k, int cols, int nr,
-                       float *buf)
+/* op(B)'s K x nr panel from column j into buf (rows of nr floats): B's
+ * rows, or with tb its columns (B^T's rows). */
+static void copy_panel(const float *b, int ldb, bool tb, int k, int cols,
+                       int nr, float *buf)
 {
+    if (tb) {
+        for (int x = 0; x < cols; x++)
+            for (int p = 0; p < k; p++)
+                buf[p * nr + x] = b[(size_t)x * ldb + p];
+        return;
+    }
     for (int p = 0; p < k; p++)
         for (int x = 0; x < cols; x++)
             buf[p * nr + x] = b[(size_t)p * ldb + x];
 }
 
-/* C = alpha op(A) B + beta C in tiles of mr x nr: columns of nr
- * outermost, so that B's K x nr panel is reused by every row tile. A row
- * stride of B that is a multiple of 256 bytes (nt = 256 tiles, layer3's
- * pieces) puts the panel's rows in a few of L1's sets, which evict each
- * other: then the panel is copied (K x nr floats, used by m / mr row
- * tiles). */
-static void gemm_rows_in(tile_fn tile, int mr, int nr, bool ta, int m, int n,
-                         int k, float alpha, const float *a, int lda,
-                         const float *b, int ldb, float beta, float *c,
-                         int ldc)
+/* C = alpha op(A) op(B) + beta C in tiles of mr x nr: columns of nr
+ * outermost, so that op(B)'s K x nr panel is reused by every row tile. A
+ * row stride of B that is a multiple of 256 bytes (nt = 256 tiles,
+ * layer3's pieces) puts the panel's rows in a few of L1's sets, which
+ * evict each other: then the panel is copied (K x nr floats, used by m /
+ * mr row tiles); B^T's panel (tb, K <= ROW_K_MAX) is always copied. */
+static void gemm_rows_in(tile_fn tile, int mr, int nr, bool ta, bool tb,
+                         int m, int n, int k, float alpha, const float *a,
+                         int lda, const float *b, int ldb, float beta,
+                         float *c, int ldc)
 {
     size_t rs = ta ? 1 : (size_t)lda, ps = ta ? (size_t)lda : 1;
-    bool copy = k > 8 && k <= ROW_K_MAX && ldb % 64 == 0 && m > mr;
+    bool copy = tb || (k > 8 && k <= ROW_K_MAX && ldb % 64 == 0 && m > mr);
     _Alignas(64) float buf[ROW_K_MAX * NR_MAX];
     for (int j = 0; j < n; j += nr) {
         int cols = n - j < nr ? n - j : nr;
-        const float *bj = b + j;
+        const float *bj = tb ? b + (size_t)j * ldb : b + j;
         int ldbj = ldb;
         if (copy) {
-            copy_panel(bj, ldb, k, cols, nr, buf);
+            copy_panel(bj, ldb, tb, k, cols, nr, buf);
             bj = buf;
             ldbj = nr;
         }
@@ -422,34 +431,35 @@ int stk_small_gemm_lanes(void)
     return __builtin_cpu_supports("avx512f") ? 16 : 8;
 }
 
-static void gemm_rows(int lanes, bool ta, int m, int n, int k, float alpha,
-                      const float *a, int lda, const float *b, int ldb,
-                      float beta, float *c, int ldc)
+static void gemm_rows(int lanes, bool ta, bool tb, int m, int n, int k,
+                      float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc)
 {
     if (lanes == 16)
-        gemm_rows_in(tile_avx512, MR16, NR16, ta, m, n, k, alpha, a, lda, b,
-                     ldb, beta, c, ldc);
+        gemm_rows_in(tile_avx512, MR16, NR16, ta, tb, m, n, k, alpha, a, lda,
+                     b, ldb, beta, c, ldc);
     else
-        gemm_rows_in(tile_avx2, MR, NR, ta, m, n, k, alpha, a, lda, b, ldb,
-                     beta, c, ldc);
+        gemm_rows_in(tile_avx2, MR, NR, ta, tb, m, n, k, alpha, a, lda, b,
+                     ldb, beta, c, ldc);
 }
 
 #else /* no x86-64: OpenBLAS serves every GEMM */
 
 bool stk_small_gemm_available(void) { return false; }
 int stk_small_gemm_lanes(void) { return 8; }
-static void gemm_rows(int lanes, bool ta, int m, int n, int k, float alpha,
-                      const float *a, int lda, const float *b, int ldb,
-                      float beta, float *c, int ldc)
+static void gemm_rows(int lanes, bool ta, bool tb, int m, int n, int k,
+                      float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc)
 {
-    (void)lanes, (void)ta, (void)m, (void)n, (void)k, (void)alpha, (void)a;
-    (void)lda, (void)b, (void)ldb, (void)beta, (void)c, (void)ldc;
+    (void)lanes, (void)ta, (void)tb, (void)m, (void)n, (void)k, (void)alpha;
+    (void)a, (void)lda, (void)b, (void)ldb, (void)beta, (void)c, (void)ldc;
 }
 static void gemm_dots(int lanes, int m, int n, int k, float alpha,
                       const float *a, int lda, const float *b, int ldb,
                       float beta, float *c, int ldc)
 {
-    gemm_rows(lanes, false, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    gemm_rows(lanes, false, true, m, n, k, alpha, a, lda, b, ldb, beta, c,
+              ldc);
 }
 
 #endif
@@ -464,7 +474,11 @@ static void gemm_dots(int lanes, int m, int n, int k, float alpha,
  * width, so that CPUs with and without AVX-512 compute the same floats.
  * In 16 lanes (Zen 5, whose OpenBLAS 0.3.21 runs its Haswell kernels) the
  * row path is 1.5-2.2x OpenBLAS, also at K = 288, and the dot products
- * 1.2-1.5x up to C of 64 x 72, but those keep OpenBLAS as in 8 lanes. (A
+ * 1.2-1.5x up to C of 64 x 72, but those keep OpenBLAS as in 8 lanes.
+ * NT products over K <= 256 on the row path with B^T's panels copied: in
+ * 16 lanes 1.3-1.6x OpenBLAS (64 x 64 x 256, Winograd's dU of resnet20's
+ * last stage, 7% of a step on OpenBLAS), in 8 lanes 0.92-0.97x on Zen 5;
+ * up to C of 4096 elements. (A
  * linear layer's forward, batch x 64 over K = 1568, routed to the dot
  * tiles took tests/e2e/sync_bn.py's 1 x 128 and 2 x 64 runs apart: a
  * chaotic 9e-5 in the loss at step 20, against 6e-7 with OpenBLAS, the
@@ -473,6 +487,8 @@ bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
 {
     if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
         return false;
+    if (tb && k <= 256) /* ROW_K_MAX: B^T's panels on the row path */
+        return (size_t)m * n <= 4096;
     if (tb) /* dot products: C small, K long */
         return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
     return k <= 256 && (size_t)m * k <= 64 * 1024; /* ROW_K_MAX */
@@ -483,10 +499,11 @@ void stk_small_gemm_at(int lanes, bool ta, bool tb, int m, int n, int k,
                        int ldb, float beta, float *c, int ldc)
 {
     lanes = lanes == 16 && stk_small_gemm_lanes() == 16 ? 16 : 8;
-    if (tb)
+    if (tb && k > 256) /* ROW_K_MAX: over it, dot products */
         gemm_dots(lanes, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else
-        gemm_rows(lanes, ta, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        gemm_rows(lanes, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                  ldc);
 }
 
 void stk_small_gemm(bool ta, bool tb, int m, int n, int k, float alpha,
