@@ -69,7 +69,9 @@ int main(int argc, char **argv)
         int c = shapes[i].c, hw = shapes[i].hw, th, tw;
         stk_conv_shape s = {c, hw, hw, 3, 3, 1, 1, 1, 1, hw, hw};
         int tiles = stk_wino_tiles(&s, &th, &tw);
-        int n = (1 << 20) / (STK_WINO_P * c * tiles * 4); /* model.c's piece */
+        /* the piece trainer/model.c sizes for M, of a batch of 128 */
+        int n = stk_conv_chunk(be, (size_t)STK_WINO_P * c * tiles * sizeof(float),
+                               128);
         size_t nt = (size_t)n * tiles,
                vs = STK_WINO_P * stk_wino_stride((size_t)c * nt);
         float *x = filled((size_t)n * c * hw * hw), *v = filled(vs),

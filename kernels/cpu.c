@@ -32,8 +32,6 @@ enum {
     BIAS_LANES = 16        /* partial sums per channel in bias_grad */
 };
 
-
-
 /* The loops of each op's part function twice, for AVX2 (8 floats a
  * vector) and for baseline x86-64 (SSE2, 4), the copy chosen once at load
  * time (an ifunc). AVX2 without FMA, and no contraction anyway: the same
@@ -83,7 +81,6 @@ typedef struct cpu_state {
     stk_pool *pool;
     bool wide;
 } cpu_state;
-
 
 static stk_pool *pool(stk_backend *be)
 {
@@ -889,13 +886,20 @@ AVX512_INLINE void store_at(float *row, int x, __mmask16 m, __m512 v)
     _mm512_mask_storeu_ps((void *)column_at(row, x), m, v);
 }
 
+/* Lanes [lo, hi) of 16 (clamped to 0..16) as a mask. */
+AVX512_INLINE __mmask16 lanes16(int lo, int hi)
+{
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < lo ? lo : hi > 16 ? 16 : hi;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
 /* 16 floats of row r of an h x w plane from column x, 0 outside it. */
 AVX512_INLINE __m512 row16(const float *plane, int h, int w, int r, int x)
 {
-    int lo = x < 0 ? -x : 0, hi = w - x < 16 ? w - x : 16;
-    if (r < 0 || r >= h || hi <= lo)
+    __mmask16 m = lanes16(-x, w - x);
+    if (r < 0 || r >= h || !m)
         return _mm512_setzero_ps();
-    __mmask16 m = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
     return load_at(plane + (size_t)r * w, x, m);
 }
 
@@ -921,12 +925,20 @@ AVX512_INLINE __m512 from2(__m512 lo, __m512 hi)
         _mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 2));
 }
 
+/* Elements 14 .. 29 of the 32 floats lo, hi: hi moved two lanes right,
+ * lo's last two in front. */
+AVX512_INLINE __m512 from14(__m512 lo, __m512 hi)
+{
+    return _mm512_castsi512_ps(_mm512_alignr_epi32(
+        _mm512_castps_si512(hi), _mm512_castps_si512(lo), 14));
+}
+
 /* The 16 points of nt <= 16 tiles side by side: p[q] = src[q * stride +
  * tile], 0 past nt. */
 AVX512_INLINE void points16(const float *src, size_t stride, int nt,
                             __m512 p[STK_WINO_P])
 {
-    __mmask16 m = (__mmask16)((1u << nt) - 1u);
+    __mmask16 m = lanes16(0, nt);
     for (int q = 0; q < STK_WINO_P; q++)
         p[q] = _mm512_maskz_loadu_ps(m, src + (size_t)q * stride);
 }
@@ -951,14 +963,6 @@ AVX512_INLINE void map2d16(stk_wino_map map, const __m512 *in, __m512 *out)
         for (int c = 0; c < o; c++)
             out[r * o + c] = y[c];
     }
-}
-
-/* Lanes [lo, hi) of 16 (clamped to 0..16) as a mask. */
-AVX512_INLINE __mmask16 lanes16(int lo, int hi)
-{
-    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
-    hi = hi < lo ? lo : hi > 16 ? 16 : hi;
-    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
 /* x[0..31] = a[0], b[0], a[1], b[1], ...: two tiles' columns side by side
@@ -1000,7 +1004,7 @@ AVX512_INLINE void wino_row_of_tiles16(const float *plane, int h, int w,
         STK_WINO_MAP(map, x[0], x[1], x[2], x[3], t[0][v], t[1][v], t[2][v],
                      t[3][v]);
     }
-    __mmask16 out = (__mmask16)((1u << nt) - 1u);
+    __mmask16 out = lanes16(0, nt);
     for (int k = 0; k < STK_WINO_A; k++) {
         __m512 s0 = from2(t[k][0], t[k][1]), s1 = from2(t[k][1], t[k][2]);
         __m512 a = evens(t[k][0], t[k][1]), b = odds(t[k][0], t[k][1]),
@@ -1239,15 +1243,10 @@ AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
                     right[2] = z;
                     interleave(o[r * STK_WINO_A + 2], o[r * STK_WINO_A + 3],
                                left);
-                    l[0] = _mm512_castsi512_ps(_mm512_alignr_epi32(
-                        _mm512_castps_si512(left[0]), _mm512_castps_si512(z),
-                        14));
-                    l[1] = _mm512_castsi512_ps(_mm512_alignr_epi32(
-                        _mm512_castps_si512(left[1]),
-                        _mm512_castps_si512(left[0]), 14));
-                    l[2] = _mm512_castsi512_ps(_mm512_alignr_epi32(
-                        _mm512_castps_si512(z), _mm512_castps_si512(left[1]),
-                        14));
+                    /* pixel 2k + e takes tile k - 1's column e + 2 */
+                    l[0] = from14(z, left[0]);
+                    l[1] = from14(left[0], left[1]);
+                    l[2] = from14(left[1], z);
                     int x0 = tx0 * STK_WINO_M - s->pw; /* pixel of lane 0 */
                     float *row = plane + (size_t)y * s->w;
                     for (int v = 0; v < 3; v++) {

@@ -28,6 +28,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* K on the row path at most (stk_small_gemm_wins): its panel copies */
+enum { ROW_K_MAX = 256 };
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
@@ -44,8 +47,7 @@ enum {
     MR16 = 8,  /* rows of an AVX-512 row tile */
     DR16 = 6,  /* columns of an AVX-512 NT tile: 3 vectors of 2 x 8 */
     NR16 = 48, /* its columns: 3 vectors of 16 */
-    NR_MAX = NR16,
-    ROW_K_MAX = 256 /* K on the row path at most (stk_small_gemm_wins) */
+    NR_MAX = NR16
 };
 
 /* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */
@@ -475,23 +477,22 @@ static void gemm_dots(int lanes, int m, int n, int k, float alpha,
  * In 16 lanes (Zen 5, whose OpenBLAS 0.3.21 runs its Haswell kernels) the
  * row path is 1.5-2.2x OpenBLAS, also at K = 288, and the dot products
  * 1.2-1.5x up to C of 64 x 72, but those keep OpenBLAS as in 8 lanes.
- * NT products over K <= 256 on the row path with B^T's panels copied: in
- * 16 lanes 1.3-1.6x OpenBLAS (64 x 64 x 256, Winograd's dU of resnet20's
- * last stage, 7% of a step on OpenBLAS), in 8 lanes 0.92-0.97x on Zen 5;
- * up to C of 4096 elements. (A
- * linear layer's forward, batch x 64 over K = 1568, routed to the dot
- * tiles took tests/e2e/sync_bn.py's 1 x 128 and 2 x 64 runs apart: a
- * chaotic 9e-5 in the loss at step 20, against 6e-7 with OpenBLAS, the
- * results themselves as exact.) */
+ * NT products over K <= ROW_K_MAX on the row path with B^T's panels
+ * copied: in 16 lanes 1.3-1.6x OpenBLAS (64 x 64 x 256, Winograd's dU of
+ * resnet20's last stage, 7% of a step on OpenBLAS), in 8 lanes 0.92-0.97x
+ * on Zen 5; up to C of 4096 elements. (A linear layer's forward, batch x
+ * 64 over K = 1568, routed to the dot tiles took tests/e2e/sync_bn.py's
+ * 1 x 128 and 2 x 64 runs apart: a chaotic 9e-5 in the loss at step 20,
+ * against 6e-7 with OpenBLAS, the results themselves as exact.) */
 bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
 {
     if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
         return false;
-    if (tb && k <= 256) /* ROW_K_MAX: B^T's panels on the row path */
+    if (tb && k <= ROW_K_MAX) /* B^T's panels on the row path */
         return (size_t)m * n <= 4096;
     if (tb) /* dot products: C small, K long */
         return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
-    return k <= 256 && (size_t)m * k <= 64 * 1024; /* ROW_K_MAX */
+    return k <= ROW_K_MAX && (size_t)m * k <= 64 * 1024;
 }
 
 void stk_small_gemm_at(int lanes, bool ta, bool tb, int m, int n, int k,
@@ -499,7 +500,7 @@ void stk_small_gemm_at(int lanes, bool ta, bool tb, int m, int n, int k,
                        int ldb, float beta, float *c, int ldc)
 {
     lanes = lanes == 16 && stk_small_gemm_lanes() == 16 ? 16 : 8;
-    if (tb && k > 256) /* ROW_K_MAX: over it, dot products */
+    if (tb && k > ROW_K_MAX) /* too long to copy B^T's panels */
         gemm_dots(lanes, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else
         gemm_rows(lanes, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,

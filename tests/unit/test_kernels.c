@@ -187,11 +187,8 @@ static void small_case_check(const small_case *t)
     size_t na = (size_t)(t->ta ? t->k : t->m) * t->lda,
            nb = (size_t)(t->tb ? t->n : t->k) * t->ldb,
            nc = (size_t)t->m * t->ldc;
-    float *a = malloc(na * 4), *b = malloc(nb * 4), *c0 = malloc(nc * 4);
-    assert_true(a && b && c0);
-    fill(a, na, 71 + t->k);
-    fill(b, nb, 72 + t->n);
-    fill(c0, nc, 73);
+    float *a = filled(na, 71 + t->k), *b = filled(nb, 72 + t->n),
+          *c0 = filled(nc, 73);
     double *want = small_want(t, a, b, c0);
     float *c8 = small_case_at(t, 8, a, b, c0, want);
     if (stk_small_gemm_lanes() == 16) {
@@ -1110,7 +1107,8 @@ static void batchnorm_training_matches_fd(void **state)
 
 /* A channel's sum as the CPU forms it: 16 double lanes (element i of a
  * plane in lane i % 16, the planes in sample order) added by the halving
- * tree (kernels/cpu.c, lanes_total). term(k, x) is element x's term. */
+ * tree (kernels/cpu.c, lanes_total). term(src, i, at) is element i's
+ * term, `at` the shift or mean it uses. */
 typedef double (*bn_term)(const float *const *src, size_t i, float at);
 
 static double bn_lane_sum(const float *const *src, int n, int c, int hw,
@@ -1152,7 +1150,7 @@ static double term_gx(const float *const *src, size_t i, float at)
 /* The sums exactly as that order gives them, planes with tails of 5, 1 and
  * 4 past the lanes, values off 0 (a lane past a plane's end that added
  * anything shows), with and without the ReLU's mask; on a CPU with
- * AVX-512F its vector path. */
+ * AVX-512F the loops' AVX-512 clones. */
 static void bn_sums_follow_the_lanes(void **state)
 {
     (void)state;
