@@ -1212,53 +1212,88 @@ AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
     }
 }
 
-/* wino_input_grad_part in 16 lanes: a row of up to 16 tiles' pixel
- * gradients B dV B^T, added into the plane as wino_scatter_row does: pixel
- * column 2k + e takes tile k - 1's column e + 2, then tile k's column e
- * (a tile that is not there adds +0, which leaves the sum, never -0, as
- * it is). */
+/* The 16-lane input gradient's pixel rows, in vectors from pixel -pw:
+ * up to GRAD_STRIPS strips of 16 tiles (wider planes take the portable
+ * path, the same floats). */
+enum { GRAD_STRIPS = 16, GRAD_VECS = 2 * GRAD_STRIPS + 1 };
+
+/* Tile row ty's strip of up to 16 tiles from tile tx0, B dV B^T, added
+ * into the four pixel rows it covers, acc[r][2 * strip ..], as
+ * wino_scatter_row does: pixel column 2k + e takes tile k - 1's column
+ * e + 2, then tile k's column e (a tile that is not there adds +0, which
+ * leaves the sum, never -0, as it is). */
+AVX512_INLINE void grad_strip16(const float *dv, size_t vs, int cnt,
+                                __m512 *acc[STK_WINO_A], int strip)
+{
+    __m512 z = _mm512_setzero_ps(), p[STK_WINO_P], o[STK_WINO_P];
+    points16(dv, vs, cnt, p);
+    map2d16(STK_WINO_B, p, o);
+    for (int r = 0; r < STK_WINO_A; r++) {
+        __m512 right[3], left[2], l[3];
+        interleave(o[r * STK_WINO_A], o[r * STK_WINO_A + 1], right);
+        right[2] = z;
+        interleave(o[r * STK_WINO_A + 2], o[r * STK_WINO_A + 3], left);
+        l[0] = from14(z, left[0]);
+        l[1] = from14(left[0], left[1]);
+        l[2] = from14(left[1], z);
+        __m512 *row = acc[r] + 2 * strip;
+        for (int v = 0; v < 3; v++)
+            row[v] = (row[v] + l[v]) + right[v];
+    }
+}
+
+/* Pixel row y of the plane from its vectors (pixel -pw on), if y is in. */
+AVX512_INLINE void grad_row_out16(float *plane, const stk_conv_shape *s, int y,
+                                  const __m512 *row, int vecs)
+{
+    if (y < 0 || y >= s->h)
+        return;
+    for (int v = 0; v < vecs; v++) {
+        int x = 16 * v - s->pw;
+        __mmask16 in = lanes16(-x, s->w - x);
+        if (in)
+            store_at(plane + (size_t)y * s->w, x, in, row[v]);
+    }
+}
+
+/* wino_input_grad_part in 16 lanes. The pixel rows two rows of tiles
+ * share stay in registers (on the stack) between them, not stored and
+ * loaded back: masked stores do not forward to loads, and the loads
+ * waited for them (2.5x the input transform's time per tile). Every
+ * pixel row is written once, when its last tile row is in; the tiles
+ * cover every pixel of a 3x3 convolution's input. */
 AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
 {
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
+    int strips = (tw + 15) / 16, vecs = 2 * strips + 1;
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
-    __m512 z = _mm512_setzero_ps();
+    __m512 rows[STK_WINO_A][GRAD_VECS];
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->h * s->w;
         const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
-        memset(plane, 0, (size_t)s->h * s->w * sizeof *plane);
-        for (int ty = 0; ty < th; ty++)
-            for (int tx0 = 0; tx0 < tw; tx0 += 16) {
-                int cnt = tw - tx0 < 16 ? tw - tx0 : 16;
-                __m512 p[STK_WINO_P], o[STK_WINO_P];
-                points16(dv + ty * tw + tx0, vs, cnt, p);
-                map2d16(STK_WINO_B, p, o);
-                for (int r = 0; r < STK_WINO_A; r++) {
-                    int y = ty * STK_WINO_M - s->ph + r;
-                    if (y < 0 || y >= s->h)
-                        continue;
-                    __m512 right[3], left[2], l[3];
-                    interleave(o[r * STK_WINO_A], o[r * STK_WINO_A + 1], right);
-                    right[2] = z;
-                    interleave(o[r * STK_WINO_A + 2], o[r * STK_WINO_A + 3],
-                               left);
-                    /* pixel 2k + e takes tile k - 1's column e + 2 */
-                    l[0] = from14(z, left[0]);
-                    l[1] = from14(left[0], left[1]);
-                    l[2] = from14(left[1], z);
-                    int x0 = tx0 * STK_WINO_M - s->pw; /* pixel of lane 0 */
-                    float *row = plane + (size_t)y * s->w;
-                    for (int v = 0; v < 3; v++) {
-                        int x = x0 + 16 * v;
-                        __mmask16 in = lanes16(-x, s->w - x);
-                        if (!in)
-                            continue;
-                        __m512 old = load_at(row, x, in);
-                        store_at(row, x, in, (old + l[v]) + right[v]);
-                    }
-                }
+        __m512 *acc[STK_WINO_A] = {rows[0], rows[1], rows[2], rows[3]};
+        for (int r = 0; r < STK_WINO_A; r++)
+            for (int v = 0; v < vecs; v++)
+                acc[r][v] = _mm512_setzero_ps();
+        for (int ty = 0; ty < th; ty++) {
+            for (int k = 0; k < strips; k++)
+                grad_strip16(dv + ty * tw + 16 * k, vs,
+                             tw - 16 * k < 16 ? tw - 16 * k : 16, acc, k);
+            /* rows 0 and 1 are whole; 2 and 3 are the next row's 0 and 1 */
+            int y = ty * STK_WINO_M - s->ph;
+            for (int r = 0; r < STK_WINO_M; r++) {
+                grad_row_out16(plane, s, y + r, acc[r], vecs);
+                __m512 *done = acc[r];
+                acc[r] = acc[r + STK_WINO_M];
+                acc[r + STK_WINO_M] = done;
+                for (int v = 0; v < vecs; v++)
+                    done[v] = _mm512_setzero_ps();
             }
+        }
+        for (int r = 0; r < STK_WINO_M; r++)
+            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, acc[r], vecs);
     }
 }
 #endif
@@ -1271,15 +1306,15 @@ AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
 CPU_HOT static void wino_input_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
+    const stk_conv_shape *s = j->s;
+    int th, tw;
+    stk_wino_tiles(s, &th, &tw);
 #ifdef CPU_AVX512
-    if (j->wide) {
+    if (j->wide && tw <= 16 * GRAD_STRIPS) {
         wino_input_grad16(j, b, e);
         return;
     }
 #endif
-    const stk_conv_shape *s = j->s;
-    int th, tw;
-    stk_wino_tiles(s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
     float t[STK_WINO_P * LANES_MAX], o[STK_WINO_P * LANES_MAX];
     for (size_t q = b; q < e; q++) {
@@ -1604,7 +1639,7 @@ static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
  * bias_grad) added up by a fixed tree; with hw = 1 (BatchNorm1d) the rows
  * in order, BN_BLOCK channels side by side along memory. The element-wise
  * passes (apply, input gradient) split planes, or rows when hw = 1. */
-enum { BN_LANES = 16, BN_BLOCK = 256, BN_PIECE = 256 };
+enum { BN_LANES = 16, BN_BLOCK = 256 };
 
 typedef struct bn_job {
     const float *x, *dy, *relu_y, *shift, *mean, *var, *gamma, *beta, *sums;
@@ -1796,48 +1831,54 @@ static void bn_grad_sums_rows(const bn_job *j, size_t b, size_t e)
     }
 }
 
-/* g and x (len floats) into the lanes of sum g and sum g (x - mean), kept
- * in locals meanwhile (the two arrays could alias, for all the compiler
- * knows, which stops it vectorising). */
-static void grad_lanes(double *sg, double *sgx, const float *g, const float *x,
-                       int len, float mean)
+/* Eight of the BN_LANES double lanes, and eight floats, as vectors of the
+ * compiler's (each clone makes them its widest registers; the lanes keep
+ * their order, so every clone adds the same doubles in the same order). */
+typedef double bn_d8 __attribute__((vector_size(64)));
+typedef float bn_f8 __attribute__((vector_size(32)));
+typedef int32_t bn_i8 __attribute__((vector_size(32)));
+
+/* stk_bn_g1 on elements [0, 8) into *g: dy where relu_y > 0, else +0 (the
+ * same bits as stk_relu_grad1, NaN in relu_y included). Vectors pass by
+ * pointer: a vector argument's ABI would depend on the clone's target. */
+static void g8_at(bn_f8 *g, const float *dy, const float *relu_y)
 {
-    double a[BN_LANES], b[BN_LANES];
-    memcpy(a, sg, sizeof a);
-    memcpy(b, sgx, sizeof b);
-    int i = 0;
-    for (; i + BN_LANES <= len; i += BN_LANES)
-        for (int l = 0; l < BN_LANES; l++) {
-            a[l] += g[i + l];
-            b[l] += stk_bn_gx1(g[i + l], x[i + l], mean);
-        }
-    for (; i < len; i++) {
-        a[i % BN_LANES] += g[i];
-        b[i % BN_LANES] += stk_bn_gx1(g[i], x[i], mean);
+    memcpy(g, dy, sizeof *g);
+    if (relu_y) {
+        bn_f8 y;
+        memcpy(&y, relu_y, sizeof y);
+        *g = (bn_f8)((y > 0.0f) & (bn_i8)*g);
     }
-    memcpy(sg, a, sizeof a);
-    memcpy(sgx, b, sizeof b);
 }
 
-/* The plane at element `at`. With a fused ReLU, g (stk_bn_g1) is made in
- * pieces of BN_PIECE floats first: a multiple of BN_LANES, so every
- * element lands in the same lane as without pieces, and loops without a
- * test in them, which the compiler vectorises. */
+/* The plane at element `at` into the lanes of sum g and sum g (x - mean):
+ * stk_bn_gx1 element-wise, element i into lane i % BN_LANES. */
 static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
                            float mean)
 {
+    _Static_assert(BN_LANES == 16, "two bn_d8 of lanes");
     const float *dy = j->dy + at, *x = j->x + at;
-    if (!j->relu_y) {
-        grad_lanes(sg, sgx, dy, x, j->hw, mean);
-        return;
-    }
-    const float *ry = j->relu_y + at;
-    float g[BN_PIECE];
-    for (int i0 = 0; i0 < j->hw; i0 += BN_PIECE) {
-        int len = j->hw - i0 < BN_PIECE ? j->hw - i0 : BN_PIECE;
-        for (int i = 0; i < len; i++) /* stk_bn_g1 with its ReLU */
-            g[i] = stk_relu_grad1(ry[i0 + i], dy[i0 + i]);
-        grad_lanes(sg, sgx, g, x + i0, len, mean);
+    const float *ry = j->relu_y ? j->relu_y + at : NULL;
+    bn_d8 a[2], b[2], m = (bn_d8){0} + (double)mean;
+    memcpy(a, sg, sizeof a);
+    memcpy(b, sgx, sizeof b);
+    int i = 0;
+    for (; i + BN_LANES <= j->hw; i += BN_LANES)
+        for (int h = 0; h < 2; h++) {
+            int k = i + 8 * h;
+            bn_f8 gf, xf;
+            g8_at(&gf, dy + k, ry ? ry + k : NULL);
+            memcpy(&xf, x + k, sizeof xf);
+            bn_d8 g = __builtin_convertvector(gf, bn_d8);
+            a[h] += g;
+            b[h] += g * (__builtin_convertvector(xf, bn_d8) - m);
+        }
+    memcpy(sg, a, sizeof a);
+    memcpy(sgx, b, sizeof b);
+    for (; i < j->hw; i++) {
+        float g = stk_bn_g1(dy, ry, i);
+        sg[i % BN_LANES] += g;
+        sgx[i % BN_LANES] += stk_bn_gx1(g, x[i], mean);
     }
 }
 

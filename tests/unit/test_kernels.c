@@ -606,6 +606,7 @@ static void winograd_rows_equal_bodies_on(stk_backend *bk, stk_conv_shape s)
     assert_memory_equal(y, y1, ny * 4);
     /* the input gradient from v as dV: CPU scatter against body + gather */
     memcpy(v1, v, STK_WINO_P * sv * 4);
+    fill(dx, nx, 54); /* every pixel must be written, none only added to */
     assert_int_equal(stk_wino_input_grad(bk, v, &s, N, dx, &err), 0);
     for (int ci = 0; ci < s.c; ci++)
         for (int j = 0; j < nt; j++)
@@ -646,6 +647,8 @@ static void winograd_rows_equal_per_tile_bodies(void **state)
          * AVX-512 transforms' rows of 16 lanes, part used) */
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){3, 28, 28, 3, 3, 1, 1, 1, 1, 28, 28});
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){5, 7, 7, 3, 3, 1, 1, 1, 1, 7, 7});
+        /* 300 tiles across: wider than the 16-lane input gradient's rows */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 3, 600, 3, 3, 1, 1, 1, 1, 3, 600});
     }
     stk_backend_destroy(narrow);
 }
