@@ -1242,41 +1242,45 @@ AVX512_INLINE void grad_strip16(const float *dv, size_t vs, int cnt,
     }
 }
 
-/* Pixel row y of the plane from its vectors (pixel -pw on), if y is in. */
+/* Pixel row y of the plane from its vectors (pixel -pw on), if y is in:
+ * vector v's lanes in[v] (the image's columns). */
 AVX512_INLINE void grad_row_out16(float *plane, const stk_conv_shape *s, int y,
-                                  const __m512 *row, int vecs)
+                                  const __m512 *row, const __mmask16 *in,
+                                  int vecs)
 {
     if (y < 0 || y >= s->h)
         return;
-    for (int v = 0; v < vecs; v++) {
-        int x = 16 * v - s->pw;
-        __mmask16 in = lanes16(-x, s->w - x);
-        if (in)
-            store_at(plane + (size_t)y * s->w, x, in, row[v]);
-    }
+    for (int v = 0; v < vecs; v++)
+        if (in[v])
+            store_at(plane + (size_t)y * s->w, 16 * v - s->pw, in[v], row[v]);
 }
 
-/* wino_input_grad_part in 16 lanes. The pixel rows two rows of tiles
- * share stay in registers (on the stack) between them, not stored and
- * loaded back: masked stores do not forward to loads, and the loads
- * waited for them (2.5x the input transform's time per tile). Every
- * pixel row is written once, when its last tile row is in; the tiles
- * cover every pixel of a 3x3 convolution's input. */
-AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
+/* wino_input_grad_part in 16 lanes, on planes of `strips` strips of 16
+ * tiles. The pixel rows two rows of tiles share stay in registers between
+ * them, not stored and loaded back: masked stores do not forward to
+ * loads, and the loads waited for them (2.5x the input transform's time
+ * per tile). Rows move down by copies, which a constant `strips` lets the
+ * compiler keep in registers. Every pixel row is written once, when its
+ * last row of tiles is in; the tiles cover every pixel of a 3x3
+ * convolution's input. */
+AVX512_INLINE void grad_planes16(const wino_job *j, size_t b, size_t e,
+                                 int strips)
 {
     const stk_conv_shape *s = j->s;
-    int th, tw;
+    int th, tw, vecs = 2 * strips + 1;
     stk_wino_tiles(s, &th, &tw);
-    int strips = (tw + 15) / 16, vecs = 2 * strips + 1;
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
-    __m512 rows[STK_WINO_A][GRAD_VECS];
+    __m512 rows[STK_WINO_A][GRAD_VECS], z = _mm512_setzero_ps();
+    __m512 *acc[STK_WINO_A] = {rows[0], rows[1], rows[2], rows[3]};
+    __mmask16 in[GRAD_VECS];
+    for (int v = 0; v < vecs; v++)
+        in[v] = lanes16(s->pw - 16 * v, s->w + s->pw - 16 * v);
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->h * s->w;
         const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
-        __m512 *acc[STK_WINO_A] = {rows[0], rows[1], rows[2], rows[3]};
         for (int r = 0; r < STK_WINO_A; r++)
             for (int v = 0; v < vecs; v++)
-                acc[r][v] = _mm512_setzero_ps();
+                rows[r][v] = z;
         for (int ty = 0; ty < th; ty++) {
             for (int k = 0; k < strips; k++)
                 grad_strip16(dv + ty * tw + 16 * k, vs,
@@ -1284,17 +1288,28 @@ AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
             /* rows 0 and 1 are whole; 2 and 3 are the next row's 0 and 1 */
             int y = ty * STK_WINO_M - s->ph;
             for (int r = 0; r < STK_WINO_M; r++) {
-                grad_row_out16(plane, s, y + r, acc[r], vecs);
-                __m512 *done = acc[r];
-                acc[r] = acc[r + STK_WINO_M];
-                acc[r + STK_WINO_M] = done;
-                for (int v = 0; v < vecs; v++)
-                    done[v] = _mm512_setzero_ps();
+                grad_row_out16(plane, s, y + r, rows[r], in, vecs);
+                for (int v = 0; v < vecs; v++) {
+                    rows[r][v] = rows[r + STK_WINO_M][v];
+                    rows[r + STK_WINO_M][v] = z;
+                }
             }
         }
         for (int r = 0; r < STK_WINO_M; r++)
-            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, acc[r], vecs);
+            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, rows[r],
+                           in, vecs);
     }
+}
+
+/* Planes of up to 16 tiles across (all of resnet20's) on the constant 1. */
+AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
+{
+    int th, tw;
+    stk_wino_tiles(j->s, &th, &tw);
+    if (tw <= 16)
+        grad_planes16(j, b, e, 1);
+    else
+        grad_planes16(j, b, e, (tw + 15) / 16);
 }
 #endif
 
