@@ -626,6 +626,9 @@ static void im2col_row(const conv_job *j, int c, int ky, int kx, float *col)
                 col[ox] = 0.0f;
             if (s->sw == 1)
                 copy_short(col + lo, in + lo, hi - lo);
+            else if (s->sw == 2) /* a constant stride vectorises */
+                for (int ox = lo; ox < hi; ox++)
+                    col[ox] = in[2 * ox];
             else
                 for (int ox = lo; ox < hi; ox++)
                     col[ox] = in[ox * s->sw];
@@ -680,8 +683,12 @@ CPU_HOT3 static void col2im_part(void *v, size_t b, size_t e)
                         if (y < 0 || y >= s->h)
                             continue;
                         float *out = img + (size_t)y * s->w - s->pw + kx;
-                        for (int ox = lo; ox < hi; ox++)
-                            out[ox * s->sw] += col[ox];
+                        if (s->sw == 2) /* as in im2col_row */
+                            for (int ox = lo; ox < hi; ox++)
+                                out[2 * ox] += col[ox];
+                        else
+                            for (int ox = lo; ox < hi; ox++)
+                                out[ox * s->sw] += col[ox];
                     }
                 }
             }
