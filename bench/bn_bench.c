@@ -35,8 +35,9 @@ static float *filled(size_t n, float lo)
 enum { MEAN, VAR, APPLY, GRAD_SUMS, INPUT_GRAD, KINDS };
 static const char *const kind_name[KINDS] = {"mean", "var", "apply_relu",
                                              "grad_sums", "input_grad"};
-/* floats each pass reads and writes per element */
-static const int streams[KINDS] = {1, 1, 2, 3, 4};
+/* floats each pass reads and writes per element (the backward passes
+ * recompute the fused ReLU's output from x) */
+static const int streams[KINDS] = {1, 1, 2, 2, 3};
 
 typedef struct bufs {
     float *x, *y, *dy, *dx, *mean, *var, *gamma, *beta, *sums;
@@ -55,11 +56,11 @@ static int one(stk_backend *be, int kind, int n, int c, int hw, bufs *b,
         return stk_bn_apply(be, b->x, b->y, n, c, hw, b->mean, b->var, 1e-5f,
                             b->gamma, b->beta, true, err);
     case GRAD_SUMS:
-        return stk_bn_grad_sums(be, b->dy, b->y, b->x, n, c, hw, b->mean,
-                                b->var, 1e-5f, b->sums, err);
+        return stk_bn_grad_sums(be, b->dy, b->x, n, c, hw, b->mean, b->var,
+                                1e-5f, b->gamma, b->beta, true, b->sums, err);
     default:
-        return stk_bn_input_grad(be, b->dy, b->y, b->x, n, c, hw, b->mean,
-                                 b->var, 1e-5f, b->gamma, b->sums,
+        return stk_bn_input_grad(be, b->dy, b->x, n, c, hw, b->mean, b->var,
+                                 1e-5f, b->gamma, b->beta, true, b->sums,
                                  (float)scale, b->dx, err);
     }
 }

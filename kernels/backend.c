@@ -468,9 +468,10 @@ int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
                                   beta, relu, err);
 }
 
-int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
-                     const float *x, int n, int c, int hw, const float *mean,
-                     const float *var, float eps, float *sums, stk_err *err)
+int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *x, int n,
+                     int c, int hw, const float *mean, const float *var,
+                     float eps, const float *gamma, const float *beta,
+                     bool relu, float *sums, stk_err *err)
 {
     const char *op = "batchnorm grad sums";
     int rc = check_bn(op, n, c, hw, err);
@@ -478,15 +479,17 @@ int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
         rc = check_eps(op, eps, err);
     if (!rc)
         rc = CHECK_PTRS(op, "dy x mean var sums", dy, x, mean, var, sums);
+    if (!rc && relu) /* the fused ReLU's output is recomputed from them */
+        rc = CHECK_PTRS(op, "gamma beta", gamma, beta);
     return rc ? rc
-              : be->ops->bn_grad_sums(be, dy, relu_y, x, n, c, hw, mean, var,
-                                      eps, sums, err);
+              : be->ops->bn_grad_sums(be, dy, x, n, c, hw, mean, var, eps,
+                                      gamma, beta, relu, sums, err);
 }
 
-int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
-                      const float *x, int n, int c, int hw, const float *mean,
-                      const float *var, float eps, const float *gamma,
-                      const float *sums, float inv_count, float *dx,
+int stk_bn_input_grad(stk_backend *be, const float *dy, const float *x, int n,
+                      int c, int hw, const float *mean, const float *var,
+                      float eps, const float *gamma, const float *beta,
+                      bool relu, const float *sums, float inv_count, float *dx,
                       stk_err *err)
 {
     const char *op = "batchnorm input grad";
@@ -500,9 +503,12 @@ int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
     if (!rc)
         rc = CHECK_PTRS(op, "dy x mean var gamma sums dx", dy, x, mean, var,
                         gamma, sums, dx);
+    if (!rc && relu)
+        rc = CHECK_PTRS(op, "beta", beta);
     return rc ? rc
-              : be->ops->bn_input_grad(be, dy, relu_y, x, n, c, hw, mean, var,
-                                       eps, gamma, sums, inv_count, dx, err);
+              : be->ops->bn_input_grad(be, dy, x, n, c, hw, mean, var, eps,
+                                       gamma, beta, relu, sums, inv_count, dx,
+                                       err);
 }
 
 int stk_bn_running(stk_backend *be, float *run_mean, float *run_var,

@@ -89,14 +89,15 @@ typedef struct backend_ops {
                     int hw, const float *mean, const float *var, float eps,
                     const float *gamma, const float *beta, bool relu,
                     stk_err *err);
-    int (*bn_grad_sums)(stk_backend *be, const float *dy, const float *relu_y,
-                        const float *x, int n, int c, int hw,
-                        const float *mean, const float *var, float eps,
-                        float *sums, stk_err *err);
-    int (*bn_input_grad)(stk_backend *be, const float *dy, const float *relu_y,
-                         const float *x, int n, int c, int hw,
-                         const float *mean, const float *var, float eps,
-                         const float *gamma, const float *sums,
+    int (*bn_grad_sums)(stk_backend *be, const float *dy, const float *x,
+                        int n, int c, int hw, const float *mean,
+                        const float *var, float eps, const float *gamma,
+                        const float *beta, bool relu, float *sums,
+                        stk_err *err);
+    int (*bn_input_grad)(stk_backend *be, const float *dy, const float *x,
+                         int n, int c, int hw, const float *mean,
+                         const float *var, float eps, const float *gamma,
+                         const float *beta, bool relu, const float *sums,
                          float inv_count, float *dx, stk_err *err);
     int (*bn_running)(stk_backend *be, float *run_mean, float *run_var,
                       const float *mean, const float *var, int c,

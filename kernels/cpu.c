@@ -1664,7 +1664,7 @@ static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
 enum { BN_LANES = 16, BN_BLOCK = 256 };
 
 typedef struct bn_job {
-    const float *x, *dy, *relu_y, *shift, *mean, *var, *gamma, *beta, *sums;
+    const float *x, *dy, *shift, *mean, *var, *gamma, *beta, *sums;
     float *out;
     int n, c, hw, relu;
     float eps, inv_count;
@@ -1833,14 +1833,18 @@ static int cpu_bn_apply(stk_backend *be, const float *x, float *y, int n,
 static void bn_grad_sums_rows(const bn_job *j, size_t b, size_t e)
 {
     double sg[BN_BLOCK], sgx[BN_BLOCK];
+    stk_bn_fwd_coef f[BN_BLOCK];
     for (size_t c0 = b; c0 < e; c0 += BN_BLOCK) {
         size_t nc = e - c0 < BN_BLOCK ? e - c0 : BN_BLOCK;
         memset(sg, 0, sizeof sg);
         memset(sgx, 0, sizeof sgx);
+        for (size_t c = 0; j->relu && c < nc; c++)
+            f[c] = bn_fwd_coef(j, c0 + c);
         for (int r = 0; r < j->n; r++) {
             size_t at = (size_t)r * j->c + c0;
             for (size_t c = 0; c < nc; c++) {
-                float g = stk_bn_g1(j->dy, j->relu_y, at + c);
+                float g = stk_bn_g1(j->dy[at + c], j->x[at + c],
+                                    j->relu ? &f[c] : NULL);
                 sg[c] += g;
                 sgx[c] += stk_bn_gx1(g, j->x[at + c], j->mean[c0 + c]);
             }
@@ -1860,15 +1864,18 @@ typedef double bn_d8 __attribute__((vector_size(64)));
 typedef float bn_f8 __attribute__((vector_size(32)));
 typedef int32_t bn_i8 __attribute__((vector_size(32)));
 
-/* stk_bn_g1 on elements [0, 8) into *g: dy where relu_y > 0, else +0 (the
- * same bits as stk_relu_grad1, NaN in relu_y included). Vectors pass by
- * pointer: a vector argument's ABI would depend on the clone's target. */
-static void g8_at(bn_f8 *g, const float *dy, const float *relu_y)
+/* stk_bn_g1 on elements [0, 8) into *g: dy where the fused ReLU's output,
+ * stk_bn_apply1 of x, is above 0, else +0 (the same bits as
+ * stk_relu_grad1, NaN included). Vectors pass by pointer: a vector
+ * argument's ABI would depend on the clone's target. */
+static void g8_at(bn_f8 *g, const float *dy, const float *x,
+                  const stk_bn_fwd_coef *f)
 {
     memcpy(g, dy, sizeof *g);
-    if (relu_y) {
+    if (f) {
         bn_f8 y;
-        memcpy(&y, relu_y, sizeof y);
+        memcpy(&y, x, sizeof y);
+        y = (y - f->mean) * f->k + f->beta; /* above 0 where its ReLU is */
         *g = (bn_f8)((y > 0.0f) & (bn_i8)*g);
     }
 }
@@ -1876,11 +1883,10 @@ static void g8_at(bn_f8 *g, const float *dy, const float *relu_y)
 /* The plane at element `at` into the lanes of sum g and sum g (x - mean):
  * stk_bn_gx1 element-wise, element i into lane i % BN_LANES. */
 static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
-                           float mean)
+                           float mean, const stk_bn_fwd_coef *f)
 {
     _Static_assert(BN_LANES == 16, "two bn_d8 of lanes");
     const float *dy = j->dy + at, *x = j->x + at;
-    const float *ry = j->relu_y ? j->relu_y + at : NULL;
     bn_d8 a[2], b[2], m = (bn_d8){0} + (double)mean;
     memcpy(a, sg, sizeof a);
     memcpy(b, sgx, sizeof b);
@@ -1889,7 +1895,7 @@ static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
         for (int h = 0; h < 2; h++) {
             int k = i + 8 * h;
             bn_f8 gf, xf;
-            g8_at(&gf, dy + k, ry ? ry + k : NULL);
+            g8_at(&gf, dy + k, x + k, f);
             memcpy(&xf, x + k, sizeof xf);
             bn_d8 g = __builtin_convertvector(gf, bn_d8);
             a[h] += g;
@@ -1898,7 +1904,7 @@ static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
     memcpy(sg, a, sizeof a);
     memcpy(sgx, b, sizeof b);
     for (; i < j->hw; i++) {
-        float g = stk_bn_g1(dy, ry, i);
+        float g = stk_bn_g1(dy[i], x[i], f);
         sg[i % BN_LANES] += g;
         sgx[i % BN_LANES] += stk_bn_gx1(g, x[i], mean);
     }
@@ -1915,22 +1921,24 @@ CPU_HOT3 static void bn_grad_sums_part(void *v, size_t b, size_t e)
     for (size_t ch = b; ch < e; ch++) {
         double sg[BN_LANES] = {0.0}, sgx[BN_LANES] = {0.0};
         float mean = j->mean[ch];
+        stk_bn_fwd_coef f = j->relu ? bn_fwd_coef(j, ch) : (stk_bn_fwd_coef){0};
         for (int r = 0; r < j->n; r++)
-            grad_lanes_add(sg, sgx, j, ((size_t)r * j->c + ch) * j->hw, mean);
+            grad_lanes_add(sg, sgx, j, ((size_t)r * j->c + ch) * j->hw, mean,
+                           j->relu ? &f : NULL);
         j->out[ch] = (float)lanes_total(sg);
         j->out[j->c + ch] =
             (float)(lanes_total(sgx) * stk_bn_invstd(j->var[ch], j->eps));
     }
 }
 
-static int cpu_bn_grad_sums(stk_backend *be, const float *dy,
-                            const float *relu_y, const float *x, int n, int c,
-                            int hw, const float *mean, const float *var,
-                            float eps, float *sums, stk_err *err)
+static int cpu_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
+                            int n, int c, int hw, const float *mean,
+                            const float *var, float eps, const float *gamma,
+                            const float *beta, bool relu, float *sums,
+                            stk_err *err)
 {
     (void)err;
     bn_job j = {.dy = dy,
-                .relu_y = relu_y,
                 .x = x,
                 .n = n,
                 .c = c,
@@ -1938,6 +1946,9 @@ static int cpu_bn_grad_sums(stk_backend *be, const float *dy,
                 .mean = mean,
                 .var = var,
                 .eps = eps,
+                .gamma = gamma,
+                .beta = beta,
+                .relu = relu,
                 .out = sums};
     bn_channels(be, &j, bn_grad_sums_part);
     return 0;
@@ -1955,16 +1966,22 @@ CPU_HOT3 static void bn_input_grad_part(void *v, size_t b, size_t e)
     const bn_job *j = v;
     if (j->hw == 1) {
         stk_bn_bwd_coef k[BN_BLOCK];
+        stk_bn_fwd_coef f[BN_BLOCK];
         for (size_t c0 = 0; c0 < (size_t)j->c; c0 += BN_BLOCK) {
             size_t nc = j->c - c0 < BN_BLOCK ? j->c - c0 : BN_BLOCK;
-            for (size_t c = 0; c < nc; c++)
+            for (size_t c = 0; c < nc; c++) {
                 k[c] = bn_bwd_coef(j, c0 + c);
+                if (j->relu)
+                    f[c] = bn_fwd_coef(j, c0 + c);
+            }
             for (size_t r = b; r < e; r++) {
                 size_t at = r * j->c + c0;
-                for (size_t c = 0; c < nc; c++)
-                    j->out[at + c] =
-                        stk_bn_dx1(stk_bn_g1(j->dy, j->relu_y, at + c),
-                                   j->x[at + c], k[c]);
+                for (size_t c = 0; c < nc; c++) {
+                    float x = j->x[at + c];
+                    j->out[at + c] = stk_bn_dx1(
+                        stk_bn_g1(j->dy[at + c], x, j->relu ? &f[c] : NULL),
+                        x, k[c]);
+                }
             }
         }
         return;
@@ -1972,21 +1989,29 @@ CPU_HOT3 static void bn_input_grad_part(void *v, size_t b, size_t e)
     for (size_t q = b; q < e; q++) {
         stk_bn_bwd_coef k = bn_bwd_coef(j, q % j->c);
         size_t at = q * j->hw;
-        for (int i = 0; i < j->hw; i++)
-            j->out[at + i] = stk_bn_dx1(stk_bn_g1(j->dy, j->relu_y, at + i),
-                                        j->x[at + i], k);
+        if (j->relu) { /* two loops without a test in them, which vectorise */
+            stk_bn_fwd_coef f = bn_fwd_coef(j, q % j->c);
+            for (int i = 0; i < j->hw; i++) {
+                float x = j->x[at + i];
+                j->out[at + i] =
+                    stk_bn_dx1(stk_bn_g1(j->dy[at + i], x, &f), x, k);
+            }
+        } else {
+            for (int i = 0; i < j->hw; i++)
+                j->out[at + i] =
+                    stk_bn_dx1(j->dy[at + i], j->x[at + i], k);
+        }
     }
 }
 
-static int cpu_bn_input_grad(stk_backend *be, const float *dy,
-                             const float *relu_y, const float *x, int n, int c,
-                             int hw, const float *mean, const float *var,
-                             float eps, const float *gamma, const float *sums,
+static int cpu_bn_input_grad(stk_backend *be, const float *dy, const float *x,
+                             int n, int c, int hw, const float *mean,
+                             const float *var, float eps, const float *gamma,
+                             const float *beta, bool relu, const float *sums,
                              float inv_count, float *dx, stk_err *err)
 {
     (void)err;
     bn_job j = {.dy = dy,
-                .relu_y = relu_y,
                 .x = x,
                 .n = n,
                 .c = c,
@@ -1995,6 +2020,8 @@ static int cpu_bn_input_grad(stk_backend *be, const float *dy,
                 .var = var,
                 .eps = eps,
                 .gamma = gamma,
+                .beta = beta,
+                .relu = relu,
                 .sums = sums,
                 .inv_count = inv_count,
                 .out = dx};

@@ -923,22 +923,34 @@ static __global__ void bn_sums_total_kernel(const double *partial, int c,
     }
 }
 
-// partial: c * parts sums of g, then c * parts of g * (x - mean).
-static __global__ void bn_grad_sums_kernel(const float *dy,
-                                           const float *relu_y, const float *x,
+static __global__ void bn_fwd_coef_kernel(const float *mean, const float *var,
+                                          float eps, const float *gamma,
+                                          const float *beta, int c,
+                                          stk_bn_fwd_coef *k)
+{
+    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
+        k[ch] =
+            stk_bn_fwd_coef_of(mean[ch], var[ch], eps, gamma[ch], beta[ch]);
+}
+
+// partial: c * parts sums of g, then c * parts of g * (x - mean). f: each
+// channel's forward coefficients (a fused ReLU), or NULL.
+static __global__ void bn_grad_sums_kernel(const float *dy, const float *x,
                                            int n, int c, int hw,
-                                           const float *mean, int parts,
+                                           const float *mean,
+                                           const stk_bn_fwd_coef *f, int parts,
                                            double *partial)
 {
     size_t blocks = (size_t)c * parts;
     for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
         bn_range g = bn_range_of(b, n, hw, parts);
         float m = mean[g.ch];
+        const stk_bn_fwd_coef *fc = f ? &f[g.ch] : NULL;
         double sg = 0.0, sgx = 0.0;
         for (bn_walk w = bn_walk_start(g, c, hw); w.f < g.count;
              bn_walk_next(&w, c, hw)) {
             size_t i = w.at;
-            float gi = stk_bn_g1(dy, relu_y, i);
+            float gi = stk_bn_g1(dy[i], x[i], fc);
             sg += gi;
             sgx += stk_bn_gx1(gi, x[i], m);
         }
@@ -980,6 +992,14 @@ static int launch_blocks(stk_backend *be, const char *op, size_t items,
     return launched(op, err);
 }
 
+// The blocks of 2 doubles that c channels' forward coefficients take
+// after the batchnorm's partials.
+static size_t bn_coef_slots(int c)
+{
+    size_t slot = 2 * sizeof(double);
+    return ((size_t)c * sizeof(stk_bn_fwd_coef) + slot - 1) / slot;
+}
+
 // Selects the device and makes room for `per_block` doubles per (channel,
 // range) block in the scratch; *partial points there.
 static int bn_partials(stk_backend *be, const char *op, size_t blocks,
@@ -1002,12 +1022,13 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
     int parts = stk_bn_parts(n, hw);
     size_t blocks = (size_t)c * parts;
     double *partial = NULL;
-    /* room for 2 doubles per block although the sums use 1: that is what
-     * the backward's bn_grad_sums needs for the same shape (and more than
-     * bn_apply's and bn_input_grad's coefficients), so the first training
-     * step's backward never grows the scratch (a stream sync and a
-     * cudaFree, which waits for every stream, DDP's NCCL one included) */
-    int rc = bn_partials(be, op, blocks, 2, &partial, err);
+    /* room for 2 doubles per block although the sums use 1, and for the
+     * channels' forward coefficients: what the backward's bn_grad_sums
+     * needs for the same shape (and more than bn_apply's and
+     * bn_input_grad's coefficients), so the first training step's backward
+     * never grows the scratch (a stream sync and a cudaFree, which waits
+     * for every stream, DDP's NCCL one included) */
+    int rc = bn_partials(be, op, blocks + bn_coef_slots(c), 2, &partial, err);
     if (!rc)
         rc = launch_blocks(be, op, blocks, err, bn_sums_kernel, x, n, c, hw,
                            shift, parts, partial);
@@ -1016,19 +1037,28 @@ static int cuda_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                        (const double *)partial, c, parts, scale, false, sums);
 }
 
-static int cuda_bn_grad_sums(stk_backend *be, const float *dy,
-                             const float *relu_y, const float *x, int n, int c,
-                             int hw, const float *mean, const float *var,
-                             float eps, float *sums, stk_err *err)
+static int cuda_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
+                             int n, int c, int hw, const float *mean,
+                             const float *var, float eps, const float *gamma,
+                             const float *beta, bool relu, float *sums,
+                             stk_err *err)
 {
     const char *op = "cuda bn_grad_sums";
     int parts = stk_bn_parts(n, hw);
     size_t blocks = (size_t)c * parts;
     double *partial = NULL;
-    int rc = bn_partials(be, op, blocks, 2, &partial, err);
+    /* the partials, then (with relu) the channels' forward coefficients */
+    int rc = bn_partials(be, op, blocks + bn_coef_slots(c), 2, &partial, err);
+    stk_bn_fwd_coef *f = NULL;
+    if (!rc && relu) {
+        f = (stk_bn_fwd_coef *)(partial + 2 * blocks);
+        rc = launch(be, op, (size_t)c, err, bn_fwd_coef_kernel, mean, var, eps,
+                    gamma, beta, c, f);
+    }
     if (!rc)
-        rc = launch_blocks(be, op, blocks, err, bn_grad_sums_kernel, dy,
-                           relu_y, x, n, c, hw, mean, parts, partial);
+        rc = launch_blocks(be, op, blocks, err, bn_grad_sums_kernel, dy, x, n,
+                           c, hw, mean, (const stk_bn_fwd_coef *)f, parts,
+                           partial);
     return rc ? rc
               : launch(be, op, (size_t)c, err, bn_grad_total_kernel,
                        (const double *)partial, c, parts, var, eps, sums);
@@ -1067,16 +1097,6 @@ static __device__ size_t bn_channel(size_t i, int c, int hw, size_t n)
     if (n <= UINT_MAX)
         return (unsigned)i / (unsigned)hw % (unsigned)c;
     return i / hw % c;
-}
-
-static __global__ void bn_fwd_coef_kernel(const float *mean, const float *var,
-                                          float eps, const float *gamma,
-                                          const float *beta, int c,
-                                          stk_bn_fwd_coef *k)
-{
-    for (size_t ch = first_index(); ch < (size_t)c; ch += index_step())
-        k[ch] =
-            stk_bn_fwd_coef_of(mean[ch], var[ch], eps, gamma[ch], beta[ch]);
 }
 
 static __global__ void bn_apply_kernel(const float *x, float *y, int c, int hw,
@@ -1118,38 +1138,48 @@ static __global__ void bn_bwd_coef_kernel(const float *mean, const float *var,
                                    sums[c + ch], inv_count);
 }
 
-static __global__ void bn_input_grad_kernel(const float *dy,
-                                            const float *relu_y,
-                                            const float *x, int c, int hw,
+// f: each channel's forward coefficients (a fused ReLU), or NULL.
+static __global__ void bn_input_grad_kernel(const float *dy, const float *x,
+                                            int c, int hw,
                                             const stk_bn_bwd_coef *k,
+                                            const stk_bn_fwd_coef *f,
                                             float *dx, size_t n)
 {
-    for (size_t i = first_index(); i < n; i += index_step())
-        dx[i] = stk_bn_dx1(stk_bn_g1(dy, relu_y, i), x[i],
-                           k[bn_channel(i, c, hw, n)]);
+    for (size_t i = first_index(); i < n; i += index_step()) {
+        size_t ch = bn_channel(i, c, hw, n);
+        dx[i] = stk_bn_dx1(stk_bn_g1(dy[i], x[i], f ? &f[ch] : NULL), x[i],
+                           k[ch]);
+    }
 }
 
-static int cuda_bn_input_grad(stk_backend *be, const float *dy,
-                              const float *relu_y, const float *x, int n,
-                              int c, int hw, const float *mean,
+static int cuda_bn_input_grad(stk_backend *be, const float *dy, const float *x,
+                              int n, int c, int hw, const float *mean,
                               const float *var, float eps, const float *gamma,
-                              const float *sums, float inv_count, float *dx,
-                              stk_err *err)
+                              const float *beta, bool relu, const float *sums,
+                              float inv_count, float *dx, stk_err *err)
 {
     const char *op = "cuda bn_input_grad";
+    /* the backward coefficients, then (with relu) the forward ones */
+    size_t kb = (size_t)c * sizeof(stk_bn_bwd_coef),
+           fb = relu ? (size_t)c * sizeof(stk_bn_fwd_coef) : 0;
     int rc = use_device(be, op, err);
     if (!rc)
-        rc = scratch_reserve(
-            be, ARRAY_OFFSET + (size_t)c * sizeof(stk_bn_bwd_coef), op, err);
+        rc = scratch_reserve(be, ARRAY_OFFSET + kb + fb, op, err);
     if (rc)
         return rc;
     stk_bn_bwd_coef *k = scratch_array<stk_bn_bwd_coef>(be);
+    stk_bn_fwd_coef *f =
+        relu ? (stk_bn_fwd_coef *)((char *)k + kb) : (stk_bn_fwd_coef *)NULL;
     rc = launch(be, op, (size_t)c, err, bn_bwd_coef_kernel, mean, var, eps,
                 gamma, sums, inv_count, c, k);
+    if (!rc && relu)
+        rc = launch(be, op, (size_t)c, err, bn_fwd_coef_kernel, mean, var, eps,
+                    gamma, beta, c, f);
     size_t total = (size_t)n * c * hw;
     return rc ? rc
-              : launch(be, op, total, err, bn_input_grad_kernel, dy, relu_y, x,
-                       c, hw, (const stk_bn_bwd_coef *)k, dx, total);
+              : launch(be, op, total, err, bn_input_grad_kernel, dy, x, c, hw,
+                       (const stk_bn_bwd_coef *)k,
+                       (const stk_bn_fwd_coef *)f, dx, total);
 }
 
 static __global__ void bn_running_kernel(float *run_mean, float *run_var,

@@ -246,20 +246,24 @@ int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
 /* Backward reductions per channel, into sums[2c] (overwritten):
  * sums[ch] = sum of g (beta's gradient) and sums[c + ch] = sum of
  * g * (x - mean[ch]) / sqrt(var[ch] + eps) (gamma's), where g = dy, or,
- * when relu_y is not NULL (the fused ReLU's output), dy where relu_y > 0. */
-int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *relu_y,
-                     const float *x, int n, int c, int hw, const float *mean,
-                     const float *var, float eps, float *sums, stk_err *err);
+ * with relu (the batchnorm's fused ReLU), dy where the ReLU's output is
+ * above 0. That output is recomputed from x, gamma and beta as
+ * stk_bn_apply made it (the same floats), not read (gamma and beta may be
+ * NULL without relu). */
+int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *x, int n,
+                     int c, int hw, const float *mean, const float *var,
+                     float eps, const float *gamma, const float *beta,
+                     bool relu, float *sums, stk_err *err);
 /* Training-mode input gradient, the batch statistics' part included:
  * dx = gamma/sqrt(var + eps) * (g - inv_count * sums[ch]
  *      - xhat * inv_count * sums[c + ch]),
  * xhat = (x - mean)/sqrt(var + eps), g as above, inv_count = 1/(n*hw)
  * (0: the statistics are constants, evaluation mode's backward)
  * (SyncBatchNorm: sums all-reduced, 1/(world*n*hw)). dx may alias dy. */
-int stk_bn_input_grad(stk_backend *be, const float *dy, const float *relu_y,
-                      const float *x, int n, int c, int hw, const float *mean,
-                      const float *var, float eps, const float *gamma,
-                      const float *sums, float inv_count, float *dx,
+int stk_bn_input_grad(stk_backend *be, const float *dy, const float *x, int n,
+                      int c, int hw, const float *mean, const float *var,
+                      float eps, const float *gamma, const float *beta,
+                      bool relu, const float *sums, float inv_count, float *dx,
                       stk_err *err);
 /* PyTorch's running statistics update over c channels:
  * run_mean = momentum * mean + (1 - momentum) * run_mean,

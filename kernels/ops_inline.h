@@ -613,10 +613,13 @@ STK_HD float stk_bn_apply1(float x, stk_bn_fwd_coef c, int relu)
 }
 
 /* The gradient reaching the batchnorm's output: dy, or with a fused ReLU
- * (relu_y its output, not NULL), dy where the ReLU passed it. */
-STK_HD float stk_bn_g1(const float *dy, const float *relu_y, size_t i)
+ * (f its forward coefficients, not NULL), dy where the ReLU passed it. The
+ * ReLU's output is recomputed from x (the same float stk_bn_apply wrote,
+ * so the same mask), not read back: a stream fewer through memory in both
+ * backward passes. */
+STK_HD float stk_bn_g1(float dy, float x, const stk_bn_fwd_coef *f)
 {
-    return relu_y ? stk_relu_grad1(relu_y[i], dy[i]) : dy[i];
+    return f ? stk_relu_grad1(stk_bn_apply1(x, *f, 1), dy) : dy;
 }
 
 /* The terms of the backward sums: g, and g * (x - mean) (times invstd once

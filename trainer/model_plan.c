@@ -39,7 +39,8 @@ static void fuse_pool(stk_model *m, int i)
 }
 
 /* A batchnorm whose only reader is a ReLU right after it applies the ReLU
- * in the same pass (and masks its backward with the ReLU's output). */
+ * in the same pass (and masks its backward where the ReLU passed, the
+ * ReLU's output recomputed from the batchnorm's input). */
 static void fuse_bn_relu(stk_model *m, int i)
 {
     if (m->l[i].s.kind == STK_L_BATCHNORM && sole_next(m, i, i + 1) &&

@@ -396,14 +396,14 @@ static int bn_backward(stk_model *m, layer *l, const float *x, float *dy,
 {
     int c = l->c, hw = l->h * l->w, n = m->n;
     const float *mean = l->stat, *var = l->stat + c;
-    const float *relu_y = l->bn_relu ? l->y : NULL;
+    const float *gamma = param(m, l->pw), *beta = param(m, l->pb);
     float *sums = l->stat + 2 * c;
     if (!m->train) {
         mean = m->bufs + m->bp[2 * l->bn].offset;
         var = mean + c;
     }
-    int rc = stk_bn_grad_sums(m->be, dy, relu_y, x, n, c, hw, mean, var,
-                              BN_EPS, sums, err);
+    int rc = stk_bn_grad_sums(m->be, dy, x, n, c, hw, mean, var, BN_EPS, gamma,
+                              beta, l->bn_relu, sums, err);
     if (!rc)
         rc =
             stk_axpy(m->be, (size_t)c, 1.0f, sums + c, grad_of(m, l->pw), err);
@@ -417,8 +417,8 @@ static int bn_backward(stk_model *m, layer *l, const float *x, float *dy,
         rc = m->sync_fn(m->sync_arg, sums, 2 * c, err);
     float inv = m->train ? (float)(1.0 / ((double)m->world * n * hw)) : 0.0f;
     return rc ? rc
-              : stk_bn_input_grad(m->be, dy, relu_y, x, n, c, hw, mean, var,
-                                  BN_EPS, param(m, l->pw), sums, inv, dy, err);
+              : stk_bn_input_grad(m->be, dy, x, n, c, hw, mean, var, BN_EPS,
+                                  gamma, beta, l->bn_relu, sums, inv, dy, err);
 }
 
 /* Where layer l's backward writes input k's gradient: layers that work in

@@ -521,29 +521,50 @@ static void bn_agrees(int n, int c, int hw, bool relu)
     got = host_copy(dy, bytes);
     assert_memory_equal(got, y, bytes);
     free(got);
-    /* backward */
-    const float *ry = relu ? y : NULL, *dry = relu ? dy : NULL;
-    assert_int_equal(stk_bn_grad_sums(cpu, g, ry, x, n, c, hw, mean, var,
-                                      1e-5f, sums, &err),
+    /* backward (the fused ReLU's mask recomputed from x) */
+    assert_int_equal(stk_bn_grad_sums(cpu, g, x, n, c, hw, mean, var, 1e-5f, p,
+                                      p + c, relu, sums, &err),
                      0);
-    assert_int_equal(stk_bn_grad_sums(gpu, dg, dry, dx_, n, c, hw, dst,
-                                      dst + c, 1e-5f, dsums, &err),
+    assert_int_equal(stk_bn_grad_sums(gpu, dg, dx_, n, c, hw, dst, dst + c,
+                                      1e-5f, dp, dp + c, relu, dsums, &err),
                      0);
     got = host_copy(dsums, 2 * cb);
     assert_true(nerr(got, sums, c) < 1e-5);
     assert_true(nerr(got + c, sums + c, c) < 1e-5);
     free(got);
     assert_int_equal(stk_copy_to_dev(gpu, dsums, sums, 2 * cb, &err), 0);
-    assert_int_equal(stk_bn_input_grad(cpu, g, ry, x, n, c, hw, mean, var,
-                                       1e-5f, p, sums, (float)inv, dx, &err),
+    assert_int_equal(stk_bn_input_grad(cpu, g, x, n, c, hw, mean, var, 1e-5f, p,
+                                       p + c, relu, sums, (float)inv, dx, &err),
                      0);
-    assert_int_equal(stk_bn_input_grad(gpu, dg, dry, dx_, n, c, hw, dst,
-                                       dst + c, 1e-5f, dp, dsums, (float)inv,
-                                       ddx, &err),
+    assert_int_equal(stk_bn_input_grad(gpu, dg, dx_, n, c, hw, dst, dst + c,
+                                       1e-5f, dp, dp + c, relu, dsums,
+                                       (float)inv, ddx, &err),
                      0);
     got = host_copy(ddx, bytes);
     assert_memory_equal(got, dx, bytes);
     free(got);
+    if (relu) { /* the recomputed mask is the GPU forward's: dy's own, read */
+        float *dm = dev_copy(g, bytes), *ds = dev_copy(p, 2 * cb),
+              *ds2 = dev_copy(p, 2 * cb), *dd = dev_copy(x, bytes);
+        assert_int_equal(stk_relu_bwd(gpu, dy, dg, dm, total, &err), 0);
+        assert_int_equal(stk_bn_grad_sums(gpu, dg, dx_, n, c, hw, dst, dst + c,
+                                          1e-5f, dp, dp + c, true, ds, &err),
+                         0);
+        assert_int_equal(stk_bn_grad_sums(gpu, dm, dx_, n, c, hw, dst, dst + c,
+                                          1e-5f, NULL, NULL, false, ds2, &err),
+                         0);
+        float *s1 = host_copy(ds, 2 * cb), *s2 = host_copy(ds2, 2 * cb);
+        assert_memory_equal(s1, s2, 2 * cb);
+        assert_int_equal(stk_bn_input_grad(gpu, dm, dx_, n, c, hw, dst,
+                                           dst + c, 1e-5f, dp, NULL, false,
+                                           dsums, (float)inv, dd, &err),
+                         0);
+        got = host_copy(dd, bytes);
+        assert_memory_equal(got, dx, bytes);
+        free(got), free(s1), free(s2);
+        stk_dev_free(gpu, dm), stk_dev_free(gpu, ds), stk_dev_free(gpu, ds2);
+        stk_dev_free(gpu, dd);
+    }
     /* running statistics */
     assert_int_equal(
         stk_bn_running(cpu, rm, rm + c, mean, var, c, 0.1f, 1.25f, &err), 0);

@@ -1074,18 +1074,33 @@ static void bn_training_check(int n, int c, int hw, int relu)
                      0);
     assert_memory_equal(t, y, total * 4);
 
-    const float *ry = relu ? y : NULL;
-    assert_int_equal(
-        stk_bn_grad_sums(be, g, ry, x, n, c, hw, mean, var, eps, sums, &err),
-        0);
-    assert_int_equal(stk_bn_input_grad(be, g, ry, x, n, c, hw, mean, var, eps,
-                                       gamma, sums, (float)inv, dx, &err),
+    assert_int_equal(stk_bn_grad_sums(be, g, x, n, c, hw, mean, var, eps, gamma,
+                                      beta, relu, sums, &err),
+                     0);
+    assert_int_equal(stk_bn_input_grad(be, g, x, n, c, hw, mean, var, eps,
+                                       gamma, beta, relu, sums, (float)inv, dx,
+                                       &err),
                      0);
     memcpy(t, g, total * 4); /* dx over dy */
-    assert_int_equal(stk_bn_input_grad(be, t, ry, x, n, c, hw, mean, var, eps,
-                                       gamma, sums, (float)inv, t, &err),
+    assert_int_equal(stk_bn_input_grad(be, t, x, n, c, hw, mean, var, eps,
+                                       gamma, beta, relu, sums, (float)inv, t,
+                                       &err),
                      0);
     assert_memory_equal(t, dx, total * 4);
+    if (relu) { /* the recomputed mask is the forward's: y's own, read */
+        float *masked = malloc(total * 4), s2[16];
+        assert_int_equal(stk_relu_bwd(be, y, g, masked, total, &err), 0);
+        assert_int_equal(stk_bn_grad_sums(be, masked, x, n, c, hw, mean, var,
+                                          eps, NULL, NULL, false, s2, &err),
+                         0);
+        assert_memory_equal(s2, sums, 2 * (size_t)c * 4);
+        assert_int_equal(stk_bn_input_grad(be, masked, x, n, c, hw, mean, var,
+                                           eps, gamma, NULL, false, sums,
+                                           (float)inv, t, &err),
+                         0);
+        assert_memory_equal(t, dx, total * 4);
+        free(masked);
+    }
 
     to_double(x, v, total);
     to_double(p, v + total, 2 * (size_t)c);
@@ -1152,7 +1167,9 @@ static double term_gx(const float *const *src, size_t i, float at)
 
 /* The sums exactly as that order gives them, planes with tails of 5, 1 and
  * 4 past the lanes, values off 0 (a lane past a plane's end that added
- * anything shows), with and without the ReLU's mask; on a CPU with
+ * anything shows), with and without the ReLU's mask (the op recomputes the
+ * ReLU's output from x, gamma and beta; here it is stk_bn_apply1's, the
+ * body stk_bn_apply runs, and about half of it is 0); on a CPU with
  * AVX-512F the loops' AVX-512 clones. */
 static void bn_sums_follow_the_lanes(void **state)
 {
@@ -1162,7 +1179,9 @@ static void bn_sums_follow_the_lanes(void **state)
         int n = shapes[t][0], c = shapes[t][1], hw = shapes[t][2];
         size_t total = (size_t)n * c * hw;
         float *x = filled(total, 111), *g = filled(total, 112),
-              *ry = filled(total, 113), mean[8], var[8], sums[16];
+              *ry = malloc(total * 4), *p = filled(16, 113), mean[8], var[8],
+              sums[16];
+        const float *gamma = p, *beta = p + 8;
         for (size_t i = 0; i < total; i++)
             x[i] += 3.0f;
         double inv = 1.0 / ((double)n * hw);
@@ -1170,6 +1189,17 @@ static void bn_sums_follow_the_lanes(void **state)
         assert_int_equal(stk_bn_sums(be, x, n, c, hw, NULL, inv, mean, &err), 0);
         assert_int_equal(stk_bn_sums(be, x, n, c, hw, mean, inv, var, &err), 0);
         const float *src[3] = {x, g, NULL};
+        size_t zeros = 0;
+        for (size_t i = 0; i < total; i++) {
+            int ch = (int)(i / hw % c);
+            stk_bn_fwd_coef f = stk_bn_fwd_coef_of(mean[ch], var[ch], 1e-5f,
+                                                   gamma[ch] + 1.0f, beta[ch]);
+            ry[i] = stk_bn_apply1(x[i], f, 1);
+            zeros += ry[i] == 0.0f;
+        }
+        assert_true(zeros > total / 4 && zeros < total * 3 / 4);
+        for (int ch = 0; ch < c; ch++)
+            p[ch] += 1.0f; /* gamma as above */
         for (int ch = 0; ch < c; ch++) {
             assert_true(mean[ch] ==
                         (float)(bn_lane_sum(src, n, c, hw, ch, term_x, 0) * inv));
@@ -1179,8 +1209,9 @@ static void bn_sums_follow_the_lanes(void **state)
         }
         for (int relu = 0; relu < 2; relu++) {
             src[2] = relu ? ry : NULL;
-            assert_int_equal(stk_bn_grad_sums(be, g, src[2], x, n, c, hw, mean,
-                                              var, 1e-5f, sums, &err),
+            assert_int_equal(stk_bn_grad_sums(be, g, x, n, c, hw, mean, var,
+                                              1e-5f, gamma, beta, relu, sums,
+                                              &err),
                              0);
             for (int ch = 0; ch < c; ch++) {
                 assert_true(sums[ch] ==
@@ -1191,7 +1222,7 @@ static void bn_sums_follow_the_lanes(void **state)
                                     stk_bn_invstd(var[ch], 1e-5f)));
             }
         }
-        free(x), free(g), free(ry);
+        free(x), free(g), free(ry), free(p);
     }
 }
 
@@ -1243,10 +1274,19 @@ static void bn_running_follows_pytorch(void **state)
     assert_int_equal(stk_bn_sums(be, m, 1, 0, 1, NULL, 1.0, v, &err),
                      STK_EINVAL);
     assert_non_null(strstr(err.msg, "batchnorm sums"));
-    assert_int_equal(stk_bn_input_grad(be, m, NULL, m, 1, C, 1, m, v, 1e-5f,
-                                       NULL, m, 1.0f, v, &err),
+    assert_int_equal(stk_bn_input_grad(be, m, m, 1, C, 1, m, v, 1e-5f, NULL,
+                                       NULL, false, m, 1.0f, v, &err),
                      STK_EINVAL);
     assert_non_null(strstr(err.msg, "gamma is NULL"));
+    /* a fused ReLU's output is recomputed from gamma and beta */
+    assert_int_equal(stk_bn_grad_sums(be, m, m, 1, C, 2, m, v, 1e-5f, m, NULL,
+                                      true, v, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "beta is NULL"));
+    assert_int_equal(stk_bn_input_grad(be, m, m, 1, C, 2, m, v, 1e-5f, m, NULL,
+                                       true, m, 1.0f, v, &err),
+                     STK_EINVAL);
+    assert_non_null(strstr(err.msg, "beta is NULL"));
 }
 
 /* The ranges CUDA's batchnorm sums split a channel's samples into: whole
@@ -1296,11 +1336,11 @@ static void bn_run_all(stk_backend *b, const float *x, const float *g,
     assert_int_equal(stk_bn_apply(b, x, o->y, n, c, hw, o->mean, o->var, 1e-5f,
                                   gamma, beta, true, &err),
                      0);
-    assert_int_equal(stk_bn_grad_sums(b, g, o->y, x, n, c, hw, o->mean, o->var,
-                                      1e-5f, o->sums, &err),
+    assert_int_equal(stk_bn_grad_sums(b, g, x, n, c, hw, o->mean, o->var, 1e-5f,
+                                      gamma, beta, true, o->sums, &err),
                      0);
-    assert_int_equal(stk_bn_input_grad(b, g, o->y, x, n, c, hw, o->mean,
-                                       o->var, 1e-5f, gamma, o->sums,
+    assert_int_equal(stk_bn_input_grad(b, g, x, n, c, hw, o->mean, o->var,
+                                       1e-5f, gamma, beta, true, o->sums,
                                        (float)inv, o->dx, &err),
                      0);
     if (hw > 1) { /* planes of 50 x hw/50, a 3x3 stride 2 pool */
