@@ -44,7 +44,7 @@ enum {
     MR = 4,  /* rows of a tile */
     NR = 24, /* columns of an NN/TN tile: 3 vectors */
     DR = 3,  /* columns of an NT tile (rows of B) */
-    MR16 = 8,  /* rows of an AVX-512 row tile */
+    MR16 = 8,  /* rows of an AVX-512 row or NT tile */
     DR16 = 6,  /* columns of an AVX-512 NT tile: 3 vectors of 2 x 8 */
     NR16 = 48, /* its columns: 3 vectors of 16 */
     NR_MAX = NR16
@@ -388,14 +388,14 @@ AVX512_INLINE __m512 pair8(const float *lo, const float *hi, bool masked,
  * 8 lanes. */
 AVX512_INLINE void dot_step16(const float *const *ar, const float *const *bc,
                               int p, bool masked, __m256i mask,
-                              __m512 acc[MR][DR16 / 2])
+                              __m512 acc[MR16][DR16 / 2])
 {
     __m512 bv[DR16 / 2];
 #pragma GCC unroll 3
     for (int q = 0; q < DR16 / 2; q++)
         bv[q] = pair8(bc[2 * q] + p, bc[2 * q + 1] + p, masked, mask);
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; r++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR16; r++) {
         __m256 h = masked ? _mm256_maskload_ps(ar[r] + p, mask)
                           : _mm256_loadu_ps(ar[r] + p);
         __m512 x = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(h)));
@@ -405,20 +405,22 @@ AVX512_INLINE void dot_step16(const float *const *ar, const float *const *bc,
     }
 }
 
-/* dot_tile on AVX-512, MR x DR16: two columns to a vector, the same
- * floats as dot_tile. */
+/* dot_tile on AVX-512, MR16 x DR16: two columns to a vector, the same
+ * floats as dot_tile. 8 rows, not 4: each of B's loads then feeds twice
+ * the FMAs, and a tile's rows of A and B come from L2 (1.2x on resnet20's
+ * weight gradients). */
 AVX512 static void dot_tile16(int k, const float *a, int lda, const float *b,
                               int ldb, float *c, int ldc, int rows, int cols,
                               float alpha, float beta)
 {
-    const float *ar[MR], *bc[DR16];
-    for (int r = 0; r < MR; r++)
+    const float *ar[MR16], *bc[DR16];
+    for (int r = 0; r < MR16; r++)
         ar[r] = a + (size_t)(r < rows ? r : rows - 1) * lda;
     for (int j = 0; j < DR16; j++)
         bc[j] = b + (size_t)(j < cols ? j : cols - 1) * ldb;
-    __m512 acc[MR][DR16 / 2];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; r++)
+    __m512 acc[MR16][DR16 / 2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR16; r++)
 #pragma GCC unroll 3
         for (int q = 0; q < DR16 / 2; q++)
             acc[r][q] = _mm512_setzero_ps();
@@ -427,15 +429,17 @@ AVX512 static void dot_tile16(int k, const float *a, int lda, const float *b,
         dot_step16(ar, bc, p, false, first_lanes(8), acc);
     if (p < k)
         dot_step16(ar, bc, p, true, first_lanes(k - p), acc);
-    for (int j = 0; j < cols; j++) {
-        __m256 h[MR];
-        for (int r = 0; r < MR; r++) {
-            __m512d v = _mm512_castps_pd(acc[r][j / 2]);
-            h[r] = _mm256_castpd_ps(j % 2 ? _mm512_extractf64x4_pd(v, 1)
-                                          : _mm512_castpd512_pd256(v));
+    for (int r0 = 0; r0 < rows; r0 += MR) /* dot_store's 4 rows at a time */
+        for (int j = 0; j < cols; j++) {
+            __m256 h[MR];
+            for (int r = 0; r < MR; r++) {
+                __m512d v = _mm512_castps_pd(acc[r0 + r][j / 2]);
+                h[r] = _mm256_castpd_ps(j % 2 ? _mm512_extractf64x4_pd(v, 1)
+                                              : _mm512_castpd512_pd256(v));
+            }
+            dot_store(h[0], h[1], h[2], h[3], c + (size_t)r0 * ldc + j, ldc,
+                      rows - r0 < MR ? rows - r0 : MR, alpha, beta);
         }
-        dot_store(h[0], h[1], h[2], h[3], c + j, ldc, rows, alpha, beta);
-    }
 }
 
 /* An ISA's NT tile (dot_tile, dot_tile16). */
@@ -450,9 +454,9 @@ static void gemm_dots(int lanes, int m, int n, int k, float alpha,
                       float beta, float *c, int ldc)
 {
     dot_fn tile = lanes == 16 ? dot_tile16 : dot_tile;
-    int dr = lanes == 16 ? DR16 : DR;
-    for (int i = 0; i < m; i += MR) {
-        int rows = m - i < MR ? m - i : MR;
+    int dr = lanes == 16 ? DR16 : DR, mr = lanes == 16 ? MR16 : MR;
+    for (int i = 0; i < m; i += mr) {
+        int rows = m - i < mr ? m - i : mr;
         for (int j = 0; j < n; j += dr)
             tile(k, a + (size_t)i * lda, lda, b + (size_t)j * ldb, ldb,
                  c + (size_t)i * ldc + j, ldc, rows, n - j < dr ? n - j : dr,

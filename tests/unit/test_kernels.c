@@ -202,19 +202,20 @@ static void small_case_check(const small_case *t)
 }
 
 /* Ragged edges of the row tiles (4 x 24 in 8 lanes, 8 x 48 in 16) and
- * of the dot tiles and of K's vectors, every transpose the path serves,
- * beta 0 and 1, alpha 1.5, padded leading dimensions. */
+ * of the dot tiles (NT over K > 256: 4 x 3 and 8 x 6) and of K's
+ * vectors, every transpose the path serves, beta 0 and 1, alpha 1.5,
+ * padded leading dimensions. */
 static void small_gemm_matches_double(void **state)
 {
     (void)state;
     if (!stk_small_gemm_available())
         skip(); /* no AVX2 + FMA: OpenBLAS serves every GEMM */
     static const int ms[] = {1, 5, 18}, ns[] = {1, 7, 33, 1000},
-                     ks[] = {1, 3, 16, 64, 200};
+                     ks[] = {1, 3, 16, 64, 200, 301};
     for (int tr = 0; tr < 3; tr++)
         for (int im = 0; im < 3; im++)
             for (int in = 0; in < 4; in++)
-                for (int ik = 0; ik < 5; ik++)
+                for (int ik = 0; ik < 6; ik++)
                     for (int beta = 0; beta < 2; beta++) {
                         small_case t = {tr == 1, tr == 2, ms[im], ns[in],
                                         ks[ik], 0, 0, 0, 1.5f, (float)beta};
