@@ -782,6 +782,35 @@ static void batched_im2col_and_swap(void **state)
         assert_true(dst[j] == stk_swap01_1(src, 2, 3, 4, j));
 }
 
+/* Stride-2 columns (im2col_row's loop with the constant stride) equal the
+ * per-element body: the shapes of resnet20's strided 3x3 and 1x1
+ * convolutions, odd sizes, long rows, padding 2 and a stride of 1 down
+ * the rows. */
+static void im2col_stride2_matches_bodies(void **state)
+{
+    (void)state;
+    static const stk_conv_shape shapes[] = {
+        {3, 28, 28, 3, 3, 2, 2, 1, 1, 14, 14},
+        {4, 14, 14, 1, 1, 2, 2, 0, 0, 7, 7},
+        {2, 9, 75, 3, 3, 1, 2, 2, 2, 11, 39},
+        {1, 5, 7, 3, 3, 2, 2, 1, 1, 3, 4}};
+    stk_err err;
+    for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
+        const stk_conv_shape *s = &shapes[t];
+        int n = 3;
+        size_t nx = (size_t)n * s->c * s->h * s->w,
+               ncol = (size_t)s->c * s->kh * s->kw * n * s->oh * s->ow;
+        float *x = filled(nx, 91 + t), *col = malloc(ncol * 4);
+        assert_non_null(col);
+        fill(col, ncol, 92); /* every element written */
+        assert_int_equal(stk_im2col(be, x, s, n, col, &err), 0);
+        for (size_t j = 0; j < ncol; j++)
+            if (col[j] != stk_im2col1(x, s, n, j))
+                fail_msg("im2col shape %zu: element %zu", t, j);
+        free(x), free(col);
+    }
+}
+
 static void maxpool_backward_matches_fd(void **state)
 {
     (void)state;
@@ -1819,6 +1848,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(winograd_rows_equal_per_tile_bodies),
     cmocka_unit_test(gemm_batched_equals_one_by_one),
     cmocka_unit_test(batched_im2col_and_swap),
+    cmocka_unit_test(im2col_stride2_matches_bodies),
     cmocka_unit_test(maxpool_backward_matches_fd),
     cmocka_unit_test(maxpool_gather_equals_scatter),
     cmocka_unit_test(xent_matches_reference_and_fd),
