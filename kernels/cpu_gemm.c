@@ -50,6 +50,14 @@ enum {
     NR_MAX = NR16
 };
 
+/* The address x floats on from p, for a prefetch: formed in integers,
+ * since past the last column block it is past B's end (where a prefetch
+ * does no harm but pointer arithmetic is undefined in C). */
+static inline const char *ahead(const float *p, int x)
+{
+    return (const char *)((uintptr_t)p + (uintptr_t)x * sizeof(float));
+}
+
 /* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */
 static const int32_t lanes_src[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
                                       0,  0,  0,  0,  0,  0,  0,  0};
@@ -100,8 +108,7 @@ AVX2_INLINE void row_tile(int k, const float *a, size_t rs, size_t ps,
          * its 24 floats (K short strided runs escape the prefetchers) */
 #pragma GCC unroll 4
         for (int x = 0; x < 32; x += 8)
-            _mm_prefetch((const char *)(bp + NR + (x < 24 ? x : 23)),
-                         _MM_HINT_T0);
+            _mm_prefetch(ahead(bp, NR + (x < 24 ? x : 23)), _MM_HINT_T0);
         __m256 bv[3];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
@@ -173,8 +180,7 @@ AVX512_INLINE void row_tile16(int k, const float *a, size_t rs, size_t ps,
         /* the next column block's row p (see row_tile) */
 #pragma GCC unroll 4
         for (int x = 0; x < 64; x += 16)
-            _mm_prefetch((const char *)(bp + NR16 + (x < 48 ? x : 47)),
-                         _MM_HINT_T0);
+            _mm_prefetch(ahead(bp, NR16 + (x < 48 ? x : 47)), _MM_HINT_T0);
         __m512 bv[3];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
