@@ -871,26 +871,19 @@ static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
 }
 
 #ifdef CPU_AVX512
-/* The address of column x of a row, x < 0 included (the lanes there are
- * masked off, never read or written), computed in integers: pointer
- * arithmetic before an array is undefined in C. (Expand loads and
- * compress stores, which would need no such address, made the transforms
- * 20-60% slower.) */
-AVX512_INLINE uintptr_t column_at(const float *row, int x)
-{
-    return (uintptr_t)row + (uintptr_t)((intptr_t)x * (intptr_t)sizeof(float));
-}
-
-/* Lanes m of the 16 floats from column x of a row, the rest 0. */
+/* Lanes m of the 16 floats from column x of a row, the rest 0. Column x
+ * may be left of the row (x < 0: those lanes are masked off, never read),
+ * hence stk_addr_at. (Expand loads and compress stores, which would need
+ * no such address, made the transforms 20-60% slower.) */
 AVX512_INLINE __m512 load_at(const float *row, int x, __mmask16 m)
 {
-    return _mm512_maskz_loadu_ps(m, (const void *)column_at(row, x));
+    return _mm512_maskz_loadu_ps(m, (const void *)stk_addr_at(row, x));
 }
 
-/* Lanes m of v into the row from column x. */
+/* Lanes m of v into the row from column x (as load_at). */
 AVX512_INLINE void store_at(float *row, int x, __mmask16 m, __m512 v)
 {
-    _mm512_mask_storeu_ps((void *)column_at(row, x), m, v);
+    _mm512_mask_storeu_ps((void *)stk_addr_at(row, x), m, v);
 }
 
 /* Lanes [lo, hi) of 16 (clamped to 0..16) as a mask. */
@@ -1225,12 +1218,12 @@ AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
 enum { GRAD_STRIPS = 16, GRAD_VECS = 2 * GRAD_STRIPS + 1 };
 
 /* Tile row ty's strip of up to 16 tiles from tile tx0, B dV B^T, added
- * into the four pixel rows it covers, acc[r][2 * strip ..], as
+ * into the four pixel rows it covers, rows[r][2 * strip ..], as
  * wino_scatter_row does: pixel column 2k + e takes tile k - 1's column
  * e + 2, then tile k's column e (a tile that is not there adds +0, which
  * leaves the sum, never -0, as it is). */
 AVX512_INLINE void grad_strip16(const float *dv, size_t vs, int cnt,
-                                __m512 *acc[STK_WINO_A], int strip)
+                                __m512 rows[][GRAD_VECS], int strip)
 {
     __m512 z = _mm512_setzero_ps(), p[STK_WINO_P], o[STK_WINO_P];
     points16(dv, vs, cnt, p);
@@ -1243,7 +1236,7 @@ AVX512_INLINE void grad_strip16(const float *dv, size_t vs, int cnt,
         l[0] = from14(z, left[0]);
         l[1] = from14(left[0], left[1]);
         l[2] = from14(left[1], z);
-        __m512 *row = acc[r] + 2 * strip;
+        __m512 *row = rows[r] + 2 * strip;
         for (int v = 0; v < 3; v++)
             row[v] = (row[v] + l[v]) + right[v];
     }
@@ -1278,7 +1271,6 @@ AVX512_INLINE void grad_planes16(const wino_job *j, size_t b, size_t e,
     stk_wino_tiles(s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
     __m512 rows[STK_WINO_A][GRAD_VECS], z = _mm512_setzero_ps();
-    __m512 *acc[STK_WINO_A] = {rows[0], rows[1], rows[2], rows[3]};
     __mmask16 in[GRAD_VECS];
     for (int v = 0; v < vecs; v++)
         in[v] = lanes16(s->pw - 16 * v, s->w + s->pw - 16 * v);
@@ -1291,7 +1283,7 @@ AVX512_INLINE void grad_planes16(const wino_job *j, size_t b, size_t e,
         for (int ty = 0; ty < th; ty++) {
             for (int k = 0; k < strips; k++)
                 grad_strip16(dv + ty * tw + 16 * k, vs,
-                             tw - 16 * k < 16 ? tw - 16 * k : 16, acc, k);
+                             tw - 16 * k < 16 ? tw - 16 * k : 16, rows, k);
             /* rows 0 and 1 are whole; 2 and 3 are the next row's 0 and 1 */
             int y = ty * STK_WINO_M - s->ph;
             for (int r = 0; r < STK_WINO_M; r++) {
@@ -1887,7 +1879,7 @@ static void g8_at(bn_f8 *g, const float *dy, const float *x,
     if (f) {
         bn_f8 y;
         memcpy(&y, x, sizeof y);
-        y = (y - f->mean) * f->k + f->beta; /* above 0 where its ReLU is */
+        y = STK_BN_LINEAR(y, *f); /* above 0 where its ReLU is */
         *g = (bn_f8)((y > 0.0f) & (bn_i8)*g);
     }
 }

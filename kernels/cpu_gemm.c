@@ -25,6 +25,8 @@
  * results are not bit-specified against OpenBLAS or cuBLAS. */
 #include "cpu_gemm.h"
 
+#include "backend_impl.h" /* stk_addr_at */
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -50,12 +52,11 @@ enum {
     NR_MAX = NR16
 };
 
-/* The address x floats on from p, for a prefetch: formed in integers,
- * since past the last column block it is past B's end (where a prefetch
- * does no harm but pointer arithmetic is undefined in C). */
+/* The address x floats on from p, for a prefetch: past the last column
+ * block it is past B's end (no harm to a prefetch), hence stk_addr_at. */
 static inline const char *ahead(const float *p, int x)
 {
-    return (const char *)((uintptr_t)p + (uintptr_t)x * sizeof(float));
+    return (const char *)stk_addr_at(p, x);
 }
 
 /* loadu(lanes_src + 8 - r): the first r lanes set, for r in [0, 8] */

@@ -606,9 +606,12 @@ STK_HD stk_bn_fwd_coef stk_bn_fwd_coef_of(float mean, float var, float eps,
     return c;
 }
 
+/* The normalisation before the ReLU, c a stk_bn_fwd_coef (the macro for
+ * the CPU's vectors too: the backward's recomputed mask is this). */
+#define STK_BN_LINEAR(x, c) (((x) - (c).mean) * (c).k + (c).beta)
 STK_HD float stk_bn_apply1(float x, stk_bn_fwd_coef c, int relu)
 {
-    float y = (x - c.mean) * c.k + c.beta;
+    float y = STK_BN_LINEAR(x, c);
     return relu ? stk_relu1(y) : y;
 }
 
