@@ -870,6 +870,57 @@ static void wino_row_of_tiles(const float *plane, int h, int w, int y0,
                         col + k * STK_WINO_A * cs + tt, cs);
 }
 
+/* A narrow plane's rows of tiles packed into 16 lanes: `rows` rows of tw
+ * tiles side by side (lane r * tw + t), so that a 7 x 7 plane's 16 tiles
+ * fill one vector instead of 4 of 16 lanes in each of four, and a 14 x 14
+ * plane's rows go two to a vector. A tile's inputs are gathered from its
+ * pixel rows by permutes: idx[j] picks column x0 + M t + j of tile t.
+ * - Rows of pixels one to a vector from column x0: rows r and r ^ 1 are
+ *   a permute's two sources (idx (r & 1) * 16 + M t + j), rows 2 and 3
+ *   (the lanes `upper`) a second permute's.
+ * - `pairs`, planes of w <= 7 pixels across and 3 or 4 rows of tiles: a
+ *   vector holds the rows of tile rows r and r + 1 (columns 0 .. w - 1,
+ *   then w .. 2w - 1, lane 15 zero), so one permute of two gathers all
+ *   four rows; a column outside the plane reads lane 15. */
+typedef struct pack16 {
+    int rows, tw;
+    bool pairs;
+    int32_t idx[STK_WINO_A][16];
+    uint16_t upper;
+} pack16;
+
+/* Lane l's source in pk's layout for input column j of its tile. */
+static int32_t pack16_source(const pack16 *pk, int l, int j, int w, int x0)
+{
+    int r = l / pk->tw, x = STK_WINO_M * (l % pk->tw) + j;
+    if (r >= pk->rows)
+        return 0;
+    if (!pk->pairs)
+        return (r & 1) * 16 + x;
+    x += x0;
+    return x < 0 || x >= w ? 15 : (r >> 1) * 16 + (r & 1) * w + x;
+}
+
+/* Whether planes of w pixels and tw tiles across, their rows of tiles
+ * reading `in` columns from column x0 on, pack (every column a row reads
+ * in one vector of 16), and how. */
+static bool pack16_plan(int w, int tw, int x0, int in, pack16 *pk)
+{
+    if ((tw - 1) * STK_WINO_M + in > 16)
+        return false;
+    pk->tw = tw;
+    pk->rows = 16 / tw < 4 ? 16 / tw : 4;
+    pk->pairs = pk->rows > 2 && 2 * w < 16;
+    pk->upper = 0;
+    for (int l = 0; l < 16; l++) {
+        for (int j = 0; j < STK_WINO_A; j++)
+            pk->idx[j][l] = pack16_source(pk, l, j, w, x0);
+        if (l / tw >= 2)
+            pk->upper |= (uint16_t)(1u << l);
+    }
+    return true;
+}
+
 #ifdef CPU_AVX512
 /* Lanes m of the 16 floats from column x of a row, the rest 0. Column x
  * may be left of the row (x < 0: those lanes are masked off, never read),
@@ -1015,6 +1066,76 @@ AVX512_INLINE void wino_row_of_tiles16(const float *plane, int h, int w,
                                   y[i]);
     }
 }
+
+/* Pixel rows y and y + M of a plane w <= 7 wide side by side, 0 outside
+ * it and in lanes 2w .. 15 (pack16's pairs). */
+AVX512_INLINE __m512 pair16(const float *plane, int h, int w, int y)
+{
+    __m512 v = _mm512_setzero_ps();
+    if (y >= 0 && y < h)
+        v = _mm512_maskz_loadu_ps(lanes16(0, w), plane + (size_t)y * w);
+    y += STK_WINO_M;
+    if (y >= 0 && y < h)
+        v = _mm512_mask_loadu_ps(v, lanes16(w, 2 * w),
+                                 (const void *)stk_addr_at(plane, y * w - w));
+    return v;
+}
+
+/* Rows ty .. ty + rows - 1 of a narrow plane's tiles through the map, as
+ * wino_row_of_tiles16, packed as pk says: the pixel rows they read (up to
+ * (4 - 1) * M + 4 = 10) loaded once, each tile's `in` x `in` inputs
+ * gathered from them by permutes, the 2-D map on 16 tiles at once, and a
+ * store per point. The gathered inputs go through map2d16's expressions
+ * in its order, the same floats as the rows of tiles. */
+AVX512_INLINE void rows_packed16(const float *plane, int h, int w, int y0,
+                                 int x0, int rows, const pack16 *pk,
+                                 bool pairs, stk_wino_map map, int in,
+                                 float *col, size_t cs)
+{
+    __m512 z = _mm512_setzero_ps(), px[(4 - 1) * STK_WINO_M + STK_WINO_A];
+    __m512 p[STK_WINO_P], o[STK_WINO_P];
+    int lines = (rows - 1) * STK_WINO_M + in;
+    for (int k = 0; k < (4 - 1) * STK_WINO_M + STK_WINO_A; k++)
+        px[k] = k < lines && !pairs ? row16(plane, h, w, y0 + k, x0) : z;
+    for (int i = 0; pairs && i < in; i++) {
+        __m512 lo = pair16(plane, h, w, y0 + i),
+               hi = pair16(plane, h, w, y0 + 2 * STK_WINO_M + i);
+        for (int j = 0; j < in; j++)
+            p[i * in + j] = _mm512_permutex2var_ps(
+                lo, _mm512_loadu_si512(pk->idx[j]), hi);
+    }
+    for (int i = 0; !pairs && i < in; i++) {
+        const __m512 *s = px + i; /* row r's pixels at s[M r] */
+        for (int j = 0; j < in; j++) {
+            __m512i idx = _mm512_loadu_si512(pk->idx[j]);
+            __m512 lo = _mm512_permutex2var_ps(
+                s[0], idx, rows > 1 ? s[STK_WINO_M] : z);
+            if (rows > 2) {
+                __m512 hi = _mm512_permutex2var_ps(
+                    s[2 * STK_WINO_M], idx,
+                    rows > 3 ? s[3 * STK_WINO_M] : z);
+                lo = _mm512_mask_blend_ps(pk->upper, lo, hi);
+            }
+            p[i * in + j] = lo;
+        }
+    }
+    map2d16(map, p, o);
+    __mmask16 out = lanes16(0, rows * pk->tw);
+    for (int q = 0; q < STK_WINO_P; q++)
+        _mm512_mask_storeu_ps(col + (size_t)q * cs, out, o[q]);
+}
+
+/* rows_packed16 on a constant layout. */
+AVX512_INLINE void wino_rows_packed16(const float *plane, int h, int w,
+                                      int y0, int x0, int rows,
+                                      const pack16 *pk, stk_wino_map map,
+                                      int in, float *col, size_t cs)
+{
+    if (pk->pairs)
+        rows_packed16(plane, h, w, y0, x0, rows, pk, true, map, in, col, cs);
+    else
+        rows_packed16(plane, h, w, y0, x0, rows, pk, false, map, in, col, cs);
+}
 #endif
 
 /* One row of tiles of one map, each map's row functions specialised on
@@ -1052,26 +1173,56 @@ AVX512 static void rows16_output_grad(const float *plane, int h, int w,
                         cs);
 }
 
+/* Packed rows of tiles of one map (wino_rows_packed16). */
+typedef void (*tile_rows_fn)(const float *plane, int h, int w, int y0, int x0,
+                             int rows, const pack16 *pk, float *col,
+                             size_t cs);
+
+AVX512 static void packed16_input(const float *plane, int h, int w, int y0,
+                                  int x0, int rows, const pack16 *pk,
+                                  float *col, size_t cs)
+{
+    wino_rows_packed16(plane, h, w, y0, x0, rows, pk, STK_WINO_BT, STK_WINO_A,
+                       col, cs);
+}
+
+AVX512 static void packed16_output_grad(const float *plane, int h, int w,
+                                        int y0, int x0, int rows,
+                                        const pack16 *pk, float *col,
+                                        size_t cs)
+{
+    wino_rows_packed16(plane, h, w, y0, x0, rows, pk, STK_WINO_A1, STK_WINO_M,
+                       col, cs);
+}
+
 #else /* no AVX-512 copies: the portable ones stand in */
 #define rows16_input rows_input
 #define rows16_output_grad rows_output_grad
+#define packed16_input NULL
+#define packed16_output_grad NULL
 #endif
 
-/* The 16-lane row function for a wide job, else `narrow`. */
-static tile_row_fn pick_rows(const wino_job *j, tile_row_fn narrow,
-                             tile_row_fn wide16)
-{
-    return j->wide ? wide16 : narrow;
-}
+/* An image transform's ways through a row of tiles: the portable one,
+ * the 16-lane one, and the 16-lane one for narrow planes' packed rows
+ * (NULL: none), the map reading `in` pixels per tile side. */
+typedef struct image_rows {
+    tile_row_fn narrow, wide16;
+    tile_rows_fn packed16;
+    int in;
+} image_rows;
 
 /* Planes [b, e) of an image [n, ch, h, w] (plane sample * ch + channel)
  * into the columns of a [points, ch, n * tiles] array. */
 static void wino_image_part(const wino_job *j, size_t b, size_t e,
-                            tile_row_fn row, int h, int w, int pad_y,
+                            const image_rows *how, int h, int w, int pad_y,
                             int pad_x)
 {
     int th, tw;
     stk_wino_tiles(j->s, &th, &tw);
+    tile_row_fn row = j->wide ? how->wide16 : how->narrow;
+    pack16 pk;
+    bool packed = j->wide && how->packed16 &&
+                  pack16_plan(w, tw, -pad_x, how->in, &pk);
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(j->ch * nt);
     for (size_t q = b; q < e; q++) {
         const float *plane = j->src + q * h * w;
@@ -1082,7 +1233,11 @@ static void wino_image_part(const wino_job *j, size_t b, size_t e,
         if (q + 2 < e)
             for (size_t o = 0; o < (size_t)h * w; o += 16)
                 __builtin_prefetch(plane + 2 * (size_t)h * w + o);
-        for (int ty = 0; ty < th; ty++)
+        for (int ty = 0; packed && ty < th; ty += pk.rows)
+            how->packed16(plane, h, w, ty * STK_WINO_M - pad_y, -pad_x,
+                          th - ty < pk.rows ? th - ty : pk.rows, &pk,
+                          out + ty * tw, vs);
+        for (int ty = 0; !packed && ty < th; ty++)
             for (int tx0 = 0; tx0 < tw; tx0 += ROW_TILES) {
                 int cnt = tw - tx0 < ROW_TILES ? tw - tx0 : ROW_TILES;
                 row(plane, h, w, ty * STK_WINO_M - pad_y,
@@ -1098,8 +1253,9 @@ static void wino_input_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, pick_rows(j, rows_input, rows16_input), s->h, s->w,
-                    s->ph, s->pw);
+    static const image_rows how = {rows_input, rows16_input, packed16_input,
+                                   STK_WINO_A};
+    wino_image_part(j, b, e, &how, s->h, s->w, s->ph, s->pw);
 }
 
 /* Runs part over the n * ch planes of j. */
@@ -1426,8 +1582,9 @@ static void wino_output_grad_part(void *v, size_t b, size_t e)
 {
     const wino_job *j = v;
     const stk_conv_shape *s = j->s;
-    wino_image_part(j, b, e, pick_rows(j, rows_output_grad, rows16_output_grad),
-                    s->oh, s->ow, 0, 0);
+    static const image_rows how = {rows_output_grad, rows16_output_grad,
+                                   packed16_output_grad, STK_WINO_M};
+    wino_image_part(j, b, e, &how, s->oh, s->ow, 0, 0);
 }
 
 static int cpu_wino_output_grad(stk_backend *be, const float *dy,

@@ -648,6 +648,17 @@ static void winograd_rows_equal_per_tile_bodies(void **state)
          * AVX-512 transforms' rows of 16 lanes, part used) */
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){3, 28, 28, 3, 3, 1, 1, 1, 1, 28, 28});
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){5, 7, 7, 3, 3, 1, 1, 1, 1, 7, 7});
+        /* narrow planes, their rows of tiles packed into 16 lanes (pack16):
+         * two rows of 7 tiles, the last alone (14 x 14); three rows, a
+         * permute per pair of rows (10 x 10); four rows (8 x 8); rows of
+         * pixels two to a vector (6 x 6, and 5 x 5 with pw = 2, where
+         * columns left of the image are read); a 3 x 5 plane */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 14, 14, 3, 3, 1, 1, 1, 1, 14, 14});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){3, 10, 10, 3, 3, 1, 1, 1, 1, 10, 10});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 8, 8, 3, 3, 1, 1, 1, 1, 8, 8});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 6, 6, 3, 3, 1, 1, 1, 1, 6, 6});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 5, 5, 3, 3, 1, 1, 2, 2, 7, 7});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 3, 5, 3, 3, 1, 1, 1, 1, 3, 5});
         /* 300 tiles across: wider than the 16-lane input gradient's rows */
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 3, 600, 3, 3, 1, 1, 1, 1, 3, 600});
     }
