@@ -887,6 +887,11 @@ typedef struct pack16 {
     bool pairs;
     int32_t idx[STK_WINO_A][16];
     uint16_t upper;
+    /* The other way, tiles to pixels (output, input gradient): a vector
+     * of row r's pixels from its first tile's column 0 takes column e of
+     * tile t at lane M t + e from point column e's vector, lane r tw + t:
+     * cols[r] = (lane & 1) * 16 + r tw + lane / 2 over two sources. */
+    int32_t cols[4][16];
 } pack16;
 
 /* Lane l's source in pk's layout for input column j of its tile. */
@@ -917,6 +922,8 @@ static bool pack16_plan(int w, int tw, int x0, int in, pack16 *pk)
             pk->idx[j][l] = pack16_source(pk, l, j, w, x0);
         if (l / tw >= 2)
             pk->upper |= (uint16_t)(1u << l);
+        for (int r = 0; r < 4; r++)
+            pk->cols[r][l] = (l & 1) * 16 + r * tw + l / 2;
     }
     return true;
 }
@@ -943,6 +950,16 @@ AVX512_INLINE __mmask16 lanes16(int lo, int hi)
     lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
     hi = hi < lo ? lo : hi > 16 ? 16 : hi;
     return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* The lanes from lo of a store of a plane's row at pixel `at` of the
+ * plane's `size`: past the row's end up to the plane's. The pixels past a
+ * row are the next rows', which are stored after it and overwrite them: a
+ * masked store that leaves the rest of its line to the next one is slow on
+ * Zen 5 (the 7 x 7 output transform took twice as long). */
+AVX512_INLINE __mmask16 to_plane_end(int lo, size_t at, size_t size)
+{
+    return lanes16(lo, size - at < 16 ? (int)(size - at) : 16);
 }
 
 /* 16 floats of row r of an h x w plane from column x, 0 outside it. */
@@ -1336,17 +1353,52 @@ static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
 #ifdef CPU_AVX512
 /* wino_output_part in 16 lanes: a row of up to 16 tiles' outputs A^T M A
  * (+ bias, stk_wino_out1), the tiles' columns interleaved into pixels. */
+/* wino_output16 on a narrow plane's packed rows of tiles (pack16): each
+ * output pixel row, up to 16 pixels, a permute of its tile row's two
+ * point columns. */
+AVX512_INLINE void output_packed16(const wino_job *j, const pack16 *pk,
+                                   const float *m, size_t ms, __m512 bias,
+                                   float *plane)
+{
+    const stk_conv_shape *s = j->s;
+    for (int ty = 0; ty * pk->tw < j->tiles; ty += pk->rows) {
+        int rows = j->tiles / pk->tw - ty < pk->rows ? j->tiles / pk->tw - ty
+                                                     : pk->rows;
+        __m512 p[STK_WINO_P], o[STK_WINO_M * STK_WINO_M];
+        points16(m + ty * pk->tw, ms, rows * pk->tw, p);
+        map2d16(STK_WINO_AT, p, o);
+        for (int r = 0; r < rows; r++) {
+            __m512i idx = _mm512_loadu_si512(pk->cols[r]);
+            for (int a = 0; a < STK_WINO_M; a++) {
+                int y = (ty + r) * STK_WINO_M + a;
+                if (y >= s->oh)
+                    break;
+                __m512 px = _mm512_permutex2var_ps(o[a * STK_WINO_M], idx,
+                                                   o[a * STK_WINO_M + 1]);
+                size_t at = (size_t)y * s->ow;
+                _mm512_mask_storeu_ps(
+                    plane + at, to_plane_end(0, at, (size_t)s->oh * s->ow),
+                    STK_WINO_OUT(px, bias));
+            }
+        }
+    }
+}
+
 AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
 {
     const stk_conv_shape *s = j->s;
     int th, tw;
     stk_wino_tiles(s, &th, &tw);
     size_t nt = (size_t)j->n * j->tiles, ms = stk_wino_stride(j->ch * nt);
+    pack16 pk;
+    bool packed = pack16_plan(s->ow, tw, 0, STK_WINO_M, &pk);
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->oh * s->ow;
         __m512 bias = _mm512_set1_ps(j->bias ? j->bias[q % j->ch] : 0.0f);
         const float *m = j->src + q % j->ch * nt + q / j->ch * j->tiles;
-        for (int ty = 0; ty < th; ty++)
+        if (packed)
+            output_packed16(j, &pk, m, ms, bias, plane);
+        for (int ty = 0; !packed && ty < th; ty++)
             for (int tx0 = 0; tx0 < tw; tx0 += 16) {
                 int cnt = tw - tx0 < 16 ? tw - tx0 : 16;
                 __m512 p[STK_WINO_P], o[STK_WINO_M * STK_WINO_M], px[2];
@@ -1357,11 +1409,15 @@ AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
                     if (y >= s->oh)
                         break;
                     interleave(o[r * STK_WINO_M], o[r * STK_WINO_M + 1], px);
-                    float *row = plane + (size_t)y * s->ow + x0;
+                    /* past the row only where one strip is the row:
+                     * with more, the next row has its first strip */
+                    size_t at = (size_t)y * s->ow + x0,
+                           end = tw <= 16 ? (size_t)s->oh * s->ow
+                                          : (size_t)(y + 1) * s->ow;
                     for (int v = 0; v < 2 && x0 + 16 * v < s->ow; v++)
                         _mm512_mask_storeu_ps(
-                            row + 16 * v,
-                            lanes16(0, s->ow - x0 - 16 * v),
+                            plane + at + 16 * v,
+                            to_plane_end(0, at + 16 * v, end),
                             STK_WINO_OUT(px[v], bias));
                 }
             }
@@ -1399,7 +1455,8 @@ AVX512_INLINE void grad_strip16(const float *dv, size_t vs, int cnt,
 }
 
 /* Pixel row y of the plane from its vectors (pixel -pw on), if y is in:
- * vector v's lanes in[v] (the image's columns). */
+ * vector v's lanes in[v] (the image's columns). (Storing past the row, as
+ * the output transform does, made these stores no faster.) */
 AVX512_INLINE void grad_row_out16(float *plane, const stk_conv_shape *s, int y,
                                   const __m512 *row, const __mmask16 *in,
                                   int vecs)
@@ -1456,12 +1513,64 @@ AVX512_INLINE void grad_planes16(const wino_job *j, size_t b, size_t e,
     }
 }
 
+/* grad_planes16 on a narrow plane's packed rows of tiles (pack16): B dV
+ * B^T on up to 16 tiles at once, then each row of tiles in turn added
+ * into its four pixel rows (one vector each) as grad_strip16 adds it, its
+ * tiles' columns taken out by permutes (0 where grad_strip16 has no
+ * tile). */
+AVX512_INLINE void grad_packed16(const wino_job *j, const pack16 *pk,
+                                 size_t b, size_t e)
+{
+    const stk_conv_shape *s = j->s;
+    int th = j->tiles / pk->tw, tw = pk->tw;
+    size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
+    __m512 z = _mm512_setzero_ps(), rows[STK_WINO_A];
+    __mmask16 in = lanes16(s->pw, s->w + s->pw), right = lanes16(0, STK_WINO_M * tw),
+              left = lanes16(STK_WINO_M, STK_WINO_M * tw + STK_WINO_M);
+    for (size_t q = b; q < e; q++) {
+        float *plane = j->dst + q * s->h * s->w;
+        const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
+        for (int r = 0; r < STK_WINO_A; r++)
+            rows[r] = z;
+        for (int ty = 0; ty < th; ty += pk->rows) {
+            int nr = th - ty < pk->rows ? th - ty : pk->rows;
+            __m512 p[STK_WINO_P], o[STK_WINO_P];
+            points16(dv + ty * tw, vs, nr * tw, p);
+            map2d16(STK_WINO_B, p, o);
+            for (int t = 0; t < nr; t++) {
+                __m512i idx = _mm512_loadu_si512(pk->cols[t]),
+                        idx1 = _mm512_sub_epi32(idx, _mm512_set1_epi32(1));
+                for (int r = 0; r < STK_WINO_A; r++) {
+                    const __m512 *c = o + r * STK_WINO_A;
+                    __m512 rt = _mm512_maskz_permutex2var_ps(right, c[0], idx,
+                                                             c[1]),
+                           lt = _mm512_maskz_permutex2var_ps(left, c[2], idx1,
+                                                             c[3]);
+                    rows[r] = (rows[r] + lt) + rt;
+                }
+                int y = (ty + t) * STK_WINO_M - s->ph;
+                for (int r = 0; r < STK_WINO_M; r++) {
+                    grad_row_out16(plane, s, y + r, &rows[r], &in, 1);
+                    rows[r] = rows[r + STK_WINO_M];
+                    rows[r + STK_WINO_M] = z;
+                }
+            }
+        }
+        for (int r = 0; r < STK_WINO_M; r++)
+            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, &rows[r],
+                           &in, 1);
+    }
+}
+
 /* Planes of up to 16 tiles across (all of resnet20's) on the constant 1. */
 AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
 {
     int th, tw;
     stk_wino_tiles(j->s, &th, &tw);
-    if (tw <= 16)
+    pack16 pk;
+    if (pack16_plan(j->s->w, tw, -j->s->pw, STK_WINO_A, &pk))
+        grad_packed16(j, &pk, b, e);
+    else if (tw <= 16)
         grad_planes16(j, b, e, 1);
     else
         grad_planes16(j, b, e, (tw + 15) / 16);
