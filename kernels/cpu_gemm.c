@@ -530,7 +530,12 @@ static void gemm_dots(int lanes, int m, int n, int k, float alpha,
  * NT products over K <= ROW_K_MAX on the row path with B^T's panels
  * copied: in 16 lanes 1.3-1.6x OpenBLAS (64 x 64 x 256, Winograd's dU of
  * resnet20's last stage, 7% of a step on OpenBLAS), in 8 lanes 0.92-0.97x
- * on Zen 5; up to C of 4096 elements. (A linear layer's forward, batch x
+ * on Zen 5, up to C of 4096 elements at first; since B^T's panels are
+ * transposed in registers (8 x 8 blocks), 1.08-1.14x in 8 lanes and
+ * 1.8-2x in 16 on the strided convolutions' weight gradients too (C of
+ * 32 x 144 to 256 x 1152, K 49-196), hence a C of up to 512 Ki elements.
+ * (NN over K > 256 stays on OpenBLAS: 1.7x in 16 lanes but 0.82-0.94x in
+ * 8, K 288-1152.) (A linear layer's forward, batch x
  * 64 over K = 1568, routed to the dot tiles took tests/e2e/sync_bn.py's
  * 1 x 128 and 2 x 64 runs apart: a chaotic 9e-5 in the loss at step 20,
  * against 6e-7 with OpenBLAS, the results themselves as exact.) */
@@ -539,7 +544,7 @@ bool stk_small_gemm_wins(bool ta, bool tb, int m, int n, int k)
     if (!stk_small_gemm_available() || (ta && tb) || m < 1 || n < 1)
         return false;
     if (tb && k <= ROW_K_MAX) /* B^T's panels on the row path */
-        return (size_t)m * n <= 4096;
+        return (size_t)m * n <= 512 * 1024;
     if (tb) /* dot products: C small, K long */
         return (size_t)m * n <= 2048 && k >= 128 && k <= 4096;
     return k <= ROW_K_MAX && (size_t)m * k <= 64 * 1024;
