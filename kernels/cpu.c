@@ -649,11 +649,23 @@ CPU_HOT3 static void im2col_part(void *v, size_t b, size_t e)
                    j->dst + r * per_row);
 }
 
+#ifdef CPU_AVX512 /* below, with the other 16-lane code */
+static bool s2k3_fits(const stk_conv_shape *s);
+static void im2col_s2k3_part(void *v, size_t b, size_t e);
+static void col2im_s2k3_part(void *v, size_t b, size_t e);
+#endif
+
 static int cpu_im2col(stk_backend *be, const float *x, const stk_conv_shape *s,
                       int n, float *col, stk_err *err)
 {
     (void)err;
     conv_job j = {x, col, s, n};
+#ifdef CPU_AVX512
+    if (wide(be) && s2k3_fits(s)) {
+        stk_pool_for(pool(be), (size_t)s->c, 1, im2col_s2k3_part, &j);
+        return 0;
+    }
+#endif
     stk_pool_for(pool(be), (size_t)s->c * s->kh * s->kw, 1, im2col_part, &j);
     return 0;
 }
@@ -700,6 +712,12 @@ static int cpu_col2im(stk_backend *be, const float *col,
 {
     (void)err;
     conv_job j = {col, dx, s, n};
+#ifdef CPU_AVX512
+    if (wide(be) && s2k3_fits(s)) {
+        stk_pool_for(pool(be), (size_t)s->c, 1, col2im_s2k3_part, &j);
+        return 0;
+    }
+#endif
     stk_pool_for(pool(be), (size_t)s->c, 1, col2im_part, &j);
     return 0;
 }
@@ -1152,6 +1170,130 @@ AVX512_INLINE void wino_rows_packed16(const float *plane, int h, int w,
         rows_packed16(plane, h, w, y0, x0, rows, pk, true, map, in, col, cs);
     else
         rows_packed16(plane, h, w, y0, x0, rows, pk, false, map, in, col, cs);
+}
+
+/* Strided 3x3 convolutions (stride 2, padding 1: resnet's downsampling)
+ * on planes of up to 32 columns, in 16 lanes, a channel's planes at a
+ * time: im2col loads each input row once (a vector or two) and takes the
+ * three taps' columns out of it (the even and odd columns, and the odd
+ * ones a lane right), col2im builds each input row's gradient in
+ * registers from the columns that read it, in stk_col2im1's (ky, kx)
+ * order (an absent term adds +0, which leaves a sum as it is), and stores
+ * it once. Row stores run past the row (to_plane_end's reason) up to the
+ * end of the column row or plane. The rows of tens of columns the
+ * per-element loops took were mostly loop overhead. */
+static bool s2k3_fits(const stk_conv_shape *s)
+{
+    return s->kh == 3 && s->kw == 3 && s->sh == 2 && s->sw == 2 &&
+           s->ph == 1 && s->pw == 1 && s->w <= 32 && s->ow <= 16;
+}
+
+/* 16 floats of src from element at, lanes `in` kept, the rest 0: a plain
+ * load where 16 floats lie before `end` (masked loads of cold data were
+ * slow), masked at the array's end. */
+AVX512_INLINE __m512 run16(const float *src, size_t at, size_t end,
+                           __mmask16 in)
+{
+    if (at + 16 <= end)
+        return _mm512_maskz_mov_ps(in, _mm512_loadu_ps(src + at));
+    return _mm512_maskz_loadu_ps(in, src + at);
+}
+
+AVX512 static void im2col_s2k3_part(void *v, size_t b, size_t e)
+{
+    const conv_job *j = v;
+    const stk_conv_shape *s = j->s;
+    size_t hw = (size_t)s->oh * s->ow, per_row = hw * j->n,
+           end = (size_t)j->n * s->c * s->h * s->w;
+    __m512 z = _mm512_setzero_ps();
+    __mmask16 in0 = lanes16(0, s->w), in1 = lanes16(0, s->w - 16);
+    for (size_t c = b; c < e; c++)
+        for (int smp = 0; smp < j->n; smp++) {
+            size_t plane = ((size_t)smp * s->c + c) * s->h * s->w;
+            for (int oy = 0; oy < s->oh; oy++) {
+                size_t at = (size_t)smp * hw + (size_t)oy * s->ow;
+                __mmask16 m = to_plane_end(0, at, per_row);
+                for (int ky = 0; ky < 3; ky++) {
+                    int y = 2 * oy - 1 + ky;
+                    __m512 lo = z, hi = z;
+                    if (y >= 0 && y < s->h) {
+                        size_t r = plane + (size_t)y * s->w;
+                        lo = run16(j->src, r, end, in0);
+                        if (s->w > 16)
+                            hi = run16(j->src, r + 16, end, in1);
+                    }
+                    __m512 ev = evens(lo, hi), od = odds(lo, hi);
+                    __m512 od1 = _mm512_castsi512_ps(_mm512_alignr_epi32(
+                        _mm512_castps_si512(od), _mm512_castps_si512(z), 15));
+                    float *out = j->dst + ((c * 3 + ky) * 3) * per_row + at;
+                    _mm512_mask_storeu_ps(out, m, od1); /* column 2 ox - 1 */
+                    _mm512_mask_storeu_ps(out + per_row, m, ev);
+                    _mm512_mask_storeu_ps(out + 2 * per_row, m, od);
+                }
+            }
+        }
+}
+
+/* Lane l of half h of an input row (column 16 h + l) from tap kx reads
+ * output column ox = (16 h + l + 1 - kx) / 2 where that is whole and in
+ * [0, ow): idx and the mask of such lanes. */
+typedef struct s2k3_taps {
+    __mmask16 in[2][3];
+    int32_t idx[2][3][16];
+} s2k3_taps;
+
+static void s2k3_taps_plan(int ow, s2k3_taps *t)
+{
+    for (int h = 0; h < 2; h++)
+        for (int kx = 0; kx < 3; kx++) {
+            t->in[h][kx] = 0;
+            for (int l = 0; l < 16; l++) {
+                int d = 16 * h + l + 1 - kx;
+                bool ok = d >= 0 && d % 2 == 0 && d / 2 < ow;
+                t->idx[h][kx][l] = ok ? d / 2 : 0;
+                if (ok)
+                    t->in[h][kx] |= (__mmask16)(1u << l);
+            }
+        }
+}
+
+AVX512 static void col2im_s2k3_part(void *v, size_t b, size_t e)
+{
+    const conv_job *j = v;
+    const stk_conv_shape *s = j->s;
+    size_t hw = (size_t)s->oh * s->ow, per_row = hw * j->n,
+           end = (size_t)s->c * 9 * per_row, size = (size_t)s->h * s->w;
+    int halves = s->w > 16 ? 2 : 1;
+    s2k3_taps t;
+    s2k3_taps_plan(s->ow, &t);
+    __mmask16 cols = lanes16(0, s->ow);
+    for (size_t c = b; c < e; c++)
+        for (int smp = 0; smp < j->n; smp++) {
+            float *plane = j->dst + ((size_t)smp * s->c + c) * size;
+            for (int y = 0; y < s->h; y++) {
+                __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int ky = 0; ky < 3; ky++) {
+                    int d = y + 1 - ky;
+                    if (d < 0 || d % 2 || d / 2 >= s->oh)
+                        continue;
+                    size_t at = (c * 9 + (size_t)ky * 3) * per_row +
+                                (size_t)smp * hw + (size_t)(d / 2) * s->ow;
+                    for (int kx = 0; kx < 3; kx++) {
+                        __m512 cv = run16(j->src, at + kx * per_row, end, cols);
+                        for (int h = 0; h < halves; h++)
+                            acc[h] = acc[h] + _mm512_maskz_permutexvar_ps(
+                                                  t.in[h][kx],
+                                                  _mm512_loadu_si512(t.idx[h][kx]),
+                                                  cv);
+                    }
+                }
+                for (int h = 0; h < halves; h++) {
+                    size_t px = (size_t)y * s->w + 16 * h;
+                    _mm512_mask_storeu_ps(plane + px, to_plane_end(0, px, size),
+                                          acc[h]);
+                }
+            }
+        }
 }
 #endif
 

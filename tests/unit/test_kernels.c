@@ -793,32 +793,49 @@ static void batched_im2col_and_swap(void **state)
         assert_true(dst[j] == stk_swap01_1(src, 2, 3, 4, j));
 }
 
-/* Stride-2 columns (im2col_row's loop with the constant stride) equal the
- * per-element body: the shapes of resnet20's strided 3x3 and 1x1
- * convolutions, odd sizes, long rows, padding 2 and a stride of 1 down
+/* Stride-2 columns (im2col_row's loop with the constant stride, the
+ * 16-lane 3x3 path) and their col2im equal the per-element bodies: the
+ * shapes of resnet20's strided 3x3 and 1x1 convolutions, odd sizes, long
+ * rows, padding 2 and a stride of 1 down
  * the rows. */
 static void im2col_stride2_matches_bodies(void **state)
 {
     (void)state;
+    /* resnet20's strided 3x3 and 1x1 shapes, odd sizes, long rows,
+     * padding 2 and a stride of 1 down; the 16-lane stride-2 3x3 path's
+     * planes (up to 32 columns) of even and odd widths, one vector or two,
+     * at 32 and past it (33: the loops) */
     static const stk_conv_shape shapes[] = {
         {3, 28, 28, 3, 3, 2, 2, 1, 1, 14, 14},
         {4, 14, 14, 1, 1, 2, 2, 0, 0, 7, 7},
         {2, 9, 75, 3, 3, 1, 2, 2, 2, 11, 39},
-        {1, 5, 7, 3, 3, 2, 2, 1, 1, 3, 4}};
+        {1, 5, 7, 3, 3, 2, 2, 1, 1, 3, 4},
+        {3, 14, 14, 3, 3, 2, 2, 1, 1, 7, 7},
+        {2, 13, 17, 3, 3, 2, 2, 1, 1, 7, 9},
+        {2, 32, 32, 3, 3, 2, 2, 1, 1, 16, 16},
+        {1, 2, 1, 3, 3, 2, 2, 1, 1, 1, 1},
+        {2, 9, 33, 3, 3, 2, 2, 1, 1, 5, 17}};
     stk_err err;
     for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
         const stk_conv_shape *s = &shapes[t];
         int n = 3;
         size_t nx = (size_t)n * s->c * s->h * s->w,
                ncol = (size_t)s->c * s->kh * s->kw * n * s->oh * s->ow;
-        float *x = filled(nx, 91 + t), *col = malloc(ncol * 4);
+        float *x = filled(nx, 91 + t), *col = malloc(ncol * 4),
+              *dcol = filled(ncol, 93 + t), *dx = malloc(nx * 4);
         assert_non_null(col);
+        assert_non_null(dx);
         fill(col, ncol, 92); /* every element written */
         assert_int_equal(stk_im2col(be, x, s, n, col, &err), 0);
         for (size_t j = 0; j < ncol; j++)
             if (col[j] != stk_im2col1(x, s, n, j))
                 fail_msg("im2col shape %zu: element %zu", t, j);
-        free(x), free(col);
+        fill(dx, nx, 94);
+        assert_int_equal(stk_col2im(be, dcol, s, n, dx, &err), 0);
+        for (size_t i = 0; i < nx; i++)
+            if (dx[i] != stk_col2im1(dcol, s, n, i))
+                fail_msg("col2im shape %zu: element %zu", t, i);
+        free(x), free(col), free(dcol), free(dx);
     }
 }
 
