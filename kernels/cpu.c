@@ -980,12 +980,28 @@ AVX512_INLINE __mmask16 to_plane_end(int lo, size_t at, size_t size)
     return lanes16(lo, size - at < 16 ? (int)(size - at) : 16);
 }
 
+/* The lanes m of the 16 floats from element `at` of base, the rest 0.
+ * Where all 16 lie in the array (`whole`), a plain load and the mask
+ * applied in a register: masked loads of cold data stall on Zen 5 (70% of
+ * the stride-2 im2col's time, when GCC had made one of a plain load and
+ * its mask, hence the empty asm between them). */
+AVX512_INLINE __m512 load_kept(const float *base, ptrdiff_t at, bool whole,
+                               __mmask16 m)
+{
+    if (!whole)
+        return _mm512_maskz_loadu_ps(m, (const void *)stk_addr_at(base, at));
+    __m512 v = _mm512_loadu_ps(base + at);
+    __asm__("" : "+v"(v));
+    return _mm512_maskz_mov_ps(m, v);
+}
+
 /* 16 floats of row r of an h x w plane from column x, 0 outside it. */
 AVX512_INLINE __m512 row16(const float *plane, int h, int w, int r, int x)
 {
     __mmask16 m = lanes16(-x, w - x);
     if (r < 0 || r >= h || !m)
         return _mm512_setzero_ps();
+    /* (load_kept here made the 28x28 input transform 1.5x slower) */
     return load_at(plane + (size_t)r * w, x, m);
 }
 
@@ -1188,19 +1204,12 @@ static bool s2k3_fits(const stk_conv_shape *s)
            s->ph == 1 && s->pw == 1 && s->w <= 32 && s->ow <= 16;
 }
 
-/* 16 floats of src from element at, lanes `in` kept, the rest 0: a plain
- * load where 16 floats lie before `end` (masked loads of cold data stall
- * on Zen 5: 70% of this im2col's time when GCC made one of the plain
- * load and the mask), masked at the array's end. */
+/* 16 floats of src from element at, lanes `in` kept, the rest 0 (as
+ * load_kept), the array ending at element `end`. */
 AVX512_INLINE __m512 run16(const float *src, size_t at, size_t end,
                            __mmask16 in)
 {
-    if (at + 16 <= end) {
-        __m512 v = _mm512_loadu_ps(src + at);
-        __asm__("" : "+v"(v)); /* or GCC folds the mask into the load */
-        return _mm512_maskz_mov_ps(in, v);
-    }
-    return _mm512_maskz_loadu_ps(in, src + at);
+    return load_kept(src, (ptrdiff_t)at, at + 16 <= end, in);
 }
 
 AVX512 static void im2col_s2k3_part(void *v, size_t b, size_t e)
