@@ -970,14 +970,14 @@ AVX512_INLINE __mmask16 lanes16(int lo, int hi)
     return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
-/* The lanes from lo of a store of a plane's row at pixel `at` of the
- * plane's `size`: past the row's end up to the plane's. The pixels past a
- * row are the next rows', which are stored after it and overwrite them: a
- * masked store that leaves the rest of its line to the next one is slow on
- * Zen 5 (the 7 x 7 output transform took twice as long). */
-AVX512_INLINE __mmask16 to_plane_end(int lo, size_t at, size_t size)
+/* The lanes of a store of a plane's row at pixel `at` of the plane's
+ * `size`: past the row's end up to the plane's. The pixels past a row are
+ * the next rows', which are stored after it and overwrite them: a masked
+ * store that leaves the rest of its line to the next one is slow on Zen 5
+ * (the 7 x 7 output transform took twice as long). */
+AVX512_INLINE __mmask16 to_plane_end(size_t at, size_t size)
 {
-    return lanes16(lo, size - at < 16 ? (int)(size - at) : 16);
+    return lanes16(0, size - at < 16 ? (int)(size - at) : 16);
 }
 
 /* The lanes m of the 16 floats from element `at` of base, the rest 0.
@@ -1134,7 +1134,8 @@ AVX512_INLINE __m512 pair16(const float *plane, int h, int w, int y)
 
 /* Rows ty .. ty + rows - 1 of a narrow plane's tiles through the map, as
  * wino_row_of_tiles16, packed as pk says: the pixel rows they read (up to
- * (4 - 1) * M + 4 = 10) loaded once, each tile's `in` x `in` inputs
+ * (4 - 1) * M + 4 = 10) loaded once (in pairs, the rows both pairs read
+ * twice), each tile's `in` x `in` inputs
  * gathered from them by permutes, the 2-D map on 16 tiles at once, and a
  * store per point. The gathered inputs go through map2d16's expressions
  * in its order, the same floats as the rows of tiles. */
@@ -1225,7 +1226,7 @@ AVX512 static void im2col_s2k3_part(void *v, size_t b, size_t e)
             size_t plane = ((size_t)smp * s->c + c) * s->h * s->w;
             for (int oy = 0; oy < s->oh; oy++) {
                 size_t at = (size_t)smp * hw + (size_t)oy * s->ow;
-                __mmask16 m = to_plane_end(0, at, per_row);
+                __mmask16 m = to_plane_end(at, per_row);
                 for (int ky = 0; ky < 3; ky++) {
                     int y = 2 * oy - 1 + ky;
                     __m512 lo = z, hi = z;
@@ -1302,7 +1303,7 @@ AVX512 static void col2im_s2k3_part(void *v, size_t b, size_t e)
                 }
                 for (int h = 0; h < halves; h++) {
                     size_t px = (size_t)y * s->w + 16 * h;
-                    _mm512_mask_storeu_ps(plane + px, to_plane_end(0, px, size),
+                    _mm512_mask_storeu_ps(plane + px, to_plane_end(px, size),
                                           acc[h]);
                 }
             }
@@ -1314,6 +1315,11 @@ AVX512 static void col2im_s2k3_part(void *v, size_t b, size_t e)
  * it (the 16-lane ones where the CPU has AVX-512F). */
 typedef void (*tile_row_fn)(const float *plane, int h, int w, int y0, int x0,
                             int nt, float *col, size_t cs);
+
+/* Packed rows of tiles of one map (wino_rows_packed16). */
+typedef void (*tile_rows_fn)(const float *plane, int h, int w, int y0, int x0,
+                             int rows, const pack16 *pk, float *col,
+                             size_t cs);
 
 static void rows_input(const float *plane, int h, int w, int y0, int x0,
                        int nt, float *col, size_t cs)
@@ -1344,11 +1350,6 @@ AVX512 static void rows16_output_grad(const float *plane, int h, int w,
     wino_row_of_tiles16(plane, h, w, y0, x0, nt, STK_WINO_A1, STK_WINO_M, col,
                         cs);
 }
-
-/* Packed rows of tiles of one map (wino_rows_packed16). */
-typedef void (*tile_rows_fn)(const float *plane, int h, int w, int y0, int x0,
-                             int rows, const pack16 *pk, float *col,
-                             size_t cs);
 
 AVX512 static void packed16_input(const float *plane, int h, int w, int y0,
                                   int x0, int rows, const pack16 *pk,
@@ -1506,8 +1507,6 @@ static void wino_scatter_row(float *plane, const stk_conv_shape *s, int ty,
 }
 
 #ifdef CPU_AVX512
-/* wino_output_part in 16 lanes: a row of up to 16 tiles' outputs A^T M A
- * (+ bias, stk_wino_out1), the tiles' columns interleaved into pixels. */
 /* wino_output16 on a narrow plane's packed rows of tiles (pack16): each
  * output pixel row, up to 16 pixels, a permute of its tile row's two
  * point columns. */
@@ -1532,13 +1531,16 @@ AVX512_INLINE void output_packed16(const wino_job *j, const pack16 *pk,
                                                    o[a * STK_WINO_M + 1]);
                 size_t at = (size_t)y * s->ow;
                 _mm512_mask_storeu_ps(
-                    plane + at, to_plane_end(0, at, (size_t)s->oh * s->ow),
+                    plane + at, to_plane_end(at, (size_t)s->oh * s->ow),
                     STK_WINO_OUT(px, bias));
             }
         }
     }
 }
 
+/* wino_output_part in 16 lanes: a row of up to 16 tiles' outputs A^T M A
+ * (+ bias, stk_wino_out1), the tiles' columns interleaved into pixels;
+ * narrow planes on packed rows. */
 AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
 {
     const stk_conv_shape *s = j->s;
@@ -1572,7 +1574,7 @@ AVX512 static void wino_output16(const wino_job *j, size_t b, size_t e)
                     for (int v = 0; v < 2 && x0 + 16 * v < s->ow; v++)
                         _mm512_mask_storeu_ps(
                             plane + at + 16 * v,
-                            to_plane_end(0, at + 16 * v, end),
+                            to_plane_end(at + 16 * v, end),
                             STK_WINO_OUT(px[v], bias));
                 }
             }
@@ -1717,7 +1719,8 @@ AVX512_INLINE void grad_packed16(const wino_job *j, const pack16 *pk,
     }
 }
 
-/* Planes of up to 16 tiles across (all of resnet20's) on the constant 1. */
+/* Narrow planes on packed rows, planes of up to 16 tiles across on the
+ * constant 1 strip, wider ones on their strip count. */
 AVX512 static void wino_input_grad16(const wino_job *j, size_t b, size_t e)
 {
     int th, tw;

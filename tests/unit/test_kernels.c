@@ -592,6 +592,7 @@ static void winograd_rows_equal_bodies_on(stk_backend *bk, stk_conv_shape s)
             stk_wino_output_grad1(dy, &s, co, COUT, (size_t)j,
                                   m1 + (size_t)co * nt + j, sm);
     assert_memory_equal(m, m1, STK_WINO_P * sm * 4);
+    fill(y, ny, 56); /* every pixel written */
     assert_int_equal(stk_wino_output(bk, m, b, &s, COUT, N, y, &err), 0);
     for (int co = 0; co < COUT; co++)
         for (int j = 0; j < nt; j++)
@@ -659,6 +660,21 @@ static void winograd_rows_equal_per_tile_bodies(void **state)
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 6, 6, 3, 3, 1, 1, 1, 1, 6, 6});
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 5, 5, 3, 3, 1, 1, 2, 2, 7, 7});
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 3, 5, 3, 3, 1, 1, 1, 1, 3, 5});
+        /* 8, 6, 2 and 1 tiles across (output transforms packed at 8, an
+         * odd width's last pixel in lane 15); four rows a vector with a
+         * part group (14 x 8) and pairs over several groups (14 x 6); no
+         * padding; a padding of 7 left of a one-pixel-wide image */
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 16, 16, 3, 3, 1, 1, 1, 1, 16, 16});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 15, 15, 3, 3, 1, 1, 1, 1, 15, 15});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 12, 12, 3, 3, 1, 1, 1, 1, 12, 12});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 4, 3, 3, 3, 1, 1, 1, 1, 4, 3});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 2, 2, 3, 3, 1, 1, 1, 1, 2, 2});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 14, 8, 3, 3, 1, 1, 1, 1, 14, 8});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 14, 6, 3, 3, 1, 1, 1, 1, 14, 6});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 9, 9, 3, 3, 1, 1, 0, 0, 7, 7});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 7, 7, 3, 3, 1, 1, 0, 0, 5, 5});
+        winograd_rows_equal_bodies_on(bk, (stk_conv_shape){2, 3, 1, 3, 3, 1, 1, 1, 7, 3, 13});
         /* 300 tiles across: wider than the 16-lane input gradient's rows */
         winograd_rows_equal_bodies_on(bk, (stk_conv_shape){1, 3, 600, 3, 3, 1, 1, 1, 1, 3, 600});
     }
@@ -794,17 +810,14 @@ static void batched_im2col_and_swap(void **state)
 }
 
 /* Stride-2 columns (im2col_row's loop with the constant stride, the
- * 16-lane 3x3 path) and their col2im equal the per-element bodies: the
- * shapes of resnet20's strided 3x3 and 1x1 convolutions, odd sizes, long
- * rows, padding 2 and a stride of 1 down
- * the rows. */
+ * 16-lane 3x3 path) and their col2im equal the per-element bodies. */
 static void im2col_stride2_matches_bodies(void **state)
 {
     (void)state;
     /* resnet20's strided 3x3 and 1x1 shapes, odd sizes, long rows,
      * padding 2 and a stride of 1 down; the 16-lane stride-2 3x3 path's
      * planes (up to 32 columns) of even and odd widths, one vector or two,
-     * at 32 and past it (33: the loops) */
+     * at 16, 31, 32 and past it (33: the loops), 2 wide, 1 high */
     static const stk_conv_shape shapes[] = {
         {3, 28, 28, 3, 3, 2, 2, 1, 1, 14, 14},
         {4, 14, 14, 1, 1, 2, 2, 0, 0, 7, 7},
@@ -814,7 +827,11 @@ static void im2col_stride2_matches_bodies(void **state)
         {2, 13, 17, 3, 3, 2, 2, 1, 1, 7, 9},
         {2, 32, 32, 3, 3, 2, 2, 1, 1, 16, 16},
         {1, 2, 1, 3, 3, 2, 2, 1, 1, 1, 1},
-        {2, 9, 33, 3, 3, 2, 2, 1, 1, 5, 17}};
+        {2, 9, 33, 3, 3, 2, 2, 1, 1, 5, 17},
+        {1, 16, 16, 3, 3, 2, 2, 1, 1, 8, 8},
+        {2, 3, 2, 3, 3, 2, 2, 1, 1, 2, 1},
+        {1, 5, 31, 3, 3, 2, 2, 1, 1, 3, 16},
+        {2, 1, 9, 3, 3, 2, 2, 1, 1, 1, 5}};
     stk_err err;
     for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
         const stk_conv_shape *s = &shapes[t];
@@ -1428,8 +1445,11 @@ static void bn_outs_free(bn_outs *o)
 static void bn_same_on_1_2_3_threads(void **state)
 {
     (void)state;
-    static const int shapes[][3] = {{4, 7, 50 * 60}, {3000, 300, 1}};
-    for (int s = 0; s < 2; s++) {
+    /* 70 channels of 150: the sums' blocks of 32 channels, whole and
+     * part, split among the threads */
+    static const int shapes[][3] = {
+        {4, 7, 50 * 60}, {3000, 300, 1}, {3, 70, 50 * 3}};
+    for (int s = 0; s < 3; s++) {
         int n = shapes[s][0], c = shapes[s][1], hw = shapes[s][2];
         size_t total = (size_t)n * c * hw;
         float *x = filled(total, 101), *g = filled(total, 102),
