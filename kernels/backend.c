@@ -451,12 +451,12 @@ int stk_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
               : be->ops->bn_sums(be, x, n, c, hw, shift, scale, sums, err);
 }
 
-int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
-                 int hw, const float *mean, const float *var, float eps,
-                 const float *gamma, const float *beta, bool relu,
-                 stk_err *err)
+static int bn_apply_op(stk_backend *be, const char *op, const float *x,
+                       const float *res, float *y, int n, int c, int hw,
+                       const float *mean, const float *var, float eps,
+                       const float *gamma, const float *beta, bool relu,
+                       stk_err *err)
 {
-    const char *op = "batchnorm apply";
     int rc = check_bn(op, n, c, hw, err);
     if (!rc)
         rc = check_eps(op, eps, err);
@@ -464,8 +464,29 @@ int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
         rc = CHECK_PTRS(op, "x y mean var gamma beta", x, y, mean, var, gamma,
                         beta);
     return rc ? rc
-              : be->ops->bn_apply(be, x, y, n, c, hw, mean, var, eps, gamma,
-                                  beta, relu, err);
+              : be->ops->bn_apply(be, x, res, y, n, c, hw, mean, var, eps,
+                                  gamma, beta, relu, err);
+}
+
+int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
+                 int hw, const float *mean, const float *var, float eps,
+                 const float *gamma, const float *beta, bool relu,
+                 stk_err *err)
+{
+    return bn_apply_op(be, "batchnorm apply", x, NULL, y, n, c, hw, mean, var,
+                       eps, gamma, beta, relu, err);
+}
+
+int stk_bn_apply_add(stk_backend *be, const float *x, const float *res,
+                     float *y, int n, int c, int hw, const float *mean,
+                     const float *var, float eps, const float *gamma,
+                     const float *beta, bool relu, stk_err *err)
+{
+    const char *op = "batchnorm apply and add";
+    int rc = CHECK_PTRS(op, "res", res);
+    return rc ? rc
+              : bn_apply_op(be, op, x, res, y, n, c, hw, mean, var, eps,
+                            gamma, beta, relu, err);
 }
 
 int stk_bn_grad_sums(stk_backend *be, const float *dy, const float *x, int n,

@@ -85,10 +85,10 @@ typedef struct backend_ops {
     int (*bn_sums)(stk_backend *be, const float *x, int n, int c, int hw,
                    const float *shift, double scale, float *sums,
                    stk_err *err);
-    int (*bn_apply)(stk_backend *be, const float *x, float *y, int n, int c,
-                    int hw, const float *mean, const float *var, float eps,
-                    const float *gamma, const float *beta, bool relu,
-                    stk_err *err);
+    int (*bn_apply)(stk_backend *be, const float *x, const float *res,
+                    float *y, int n, int c, int hw, const float *mean,
+                    const float *var, float eps, const float *gamma,
+                    const float *beta, bool relu, stk_err *err);
     int (*bn_grad_sums)(stk_backend *be, const float *dy, const float *x,
                         int n, int c, int hw, const float *mean,
                         const float *var, float eps, const float *gamma,

@@ -2081,6 +2081,7 @@ enum { BN_LANES = 16, BN_BLOCK = 256 };
 
 typedef struct bn_job {
     const float *x, *dy, *shift, *mean, *var, *gamma, *beta, *sums;
+    const float *res; /* bn_apply's residual (stk_bn_add1), or NULL */
     float *out;
     int n, c, hw, relu;
     float eps, inv_count;
@@ -2217,16 +2218,24 @@ CPU_HOT3 static void bn_apply_part(void *v, size_t b, size_t e)
                 size_t at = r * j->c + c0;
                 for (size_t c = 0; c < nc; c++)
                     j->out[at + c] =
-                        stk_bn_apply1(j->x[at + c], k[c], j->relu);
+                        j->res ? stk_bn_add1(j->x[at + c], j->res[at + c],
+                                             k[c], j->relu)
+                               : stk_bn_apply1(j->x[at + c], k[c], j->relu);
             }
         }
         return;
     }
-    for (size_t q = b; q < e; q++) {
+    for (size_t q = b; q < e; q++) { /* each case its own loop: vectorises */
         stk_bn_fwd_coef k = bn_fwd_coef(j, q % j->c);
-        const float *x = j->x + q * j->hw;
+        const float *x = j->x + q * j->hw, *s = j->res ? j->res + q * j->hw : 0;
         float *y = j->out + q * j->hw;
-        if (j->relu)
+        if (s && j->relu)
+            for (int i = 0; i < j->hw; i++)
+                y[i] = stk_bn_add1(x[i], s[i], k, 1);
+        else if (s)
+            for (int i = 0; i < j->hw; i++)
+                y[i] = stk_bn_add1(x[i], s[i], k, 0);
+        else if (j->relu)
             for (int i = 0; i < j->hw; i++)
                 y[i] = stk_bn_apply1(x[i], k, 1);
         else
@@ -2235,13 +2244,14 @@ CPU_HOT3 static void bn_apply_part(void *v, size_t b, size_t e)
     }
 }
 
-static int cpu_bn_apply(stk_backend *be, const float *x, float *y, int n,
-                        int c, int hw, const float *mean, const float *var,
-                        float eps, const float *gamma, const float *beta,
-                        bool relu, stk_err *err)
+static int cpu_bn_apply(stk_backend *be, const float *x, const float *res,
+                        float *y, int n, int c, int hw, const float *mean,
+                        const float *var, float eps, const float *gamma,
+                        const float *beta, bool relu, stk_err *err)
 {
     (void)err;
     bn_job j = {.x = x,
+                .res = res,
                 .out = y,
                 .n = n,
                 .c = c,

@@ -1099,18 +1099,23 @@ static __device__ size_t bn_channel(size_t i, int c, int hw, size_t n)
     return i / hw % c;
 }
 
-static __global__ void bn_apply_kernel(const float *x, float *y, int c, int hw,
+/* res: the residual added before the ReLU (stk_bn_add1), or NULL. */
+static __global__ void bn_apply_kernel(const float *x, const float *res,
+                                       float *y, int c, int hw,
                                        const stk_bn_fwd_coef *k, int relu,
                                        size_t n)
 {
-    for (size_t i = first_index(); i < n; i += index_step())
-        y[i] = stk_bn_apply1(x[i], k[bn_channel(i, c, hw, n)], relu);
+    for (size_t i = first_index(); i < n; i += index_step()) {
+        stk_bn_fwd_coef f = k[bn_channel(i, c, hw, n)];
+        y[i] = res ? stk_bn_add1(x[i], res[i], f, relu)
+                   : stk_bn_apply1(x[i], f, relu);
+    }
 }
 
-static int cuda_bn_apply(stk_backend *be, const float *x, float *y, int n,
-                         int c, int hw, const float *mean, const float *var,
-                         float eps, const float *gamma, const float *beta,
-                         bool relu, stk_err *err)
+static int cuda_bn_apply(stk_backend *be, const float *x, const float *res,
+                         float *y, int n, int c, int hw, const float *mean,
+                         const float *var, float eps, const float *gamma,
+                         const float *beta, bool relu, stk_err *err)
 {
     const char *op = "cuda bn_apply";
     int rc = use_device(be, op, err);
@@ -1124,7 +1129,7 @@ static int cuda_bn_apply(stk_backend *be, const float *x, float *y, int n,
                 gamma, beta, c, k);
     size_t total = (size_t)n * c * hw;
     return rc ? rc
-              : launch(be, op, total, err, bn_apply_kernel, x, y, c, hw,
+              : launch(be, op, total, err, bn_apply_kernel, x, res, y, c, hw,
                        (const stk_bn_fwd_coef *)k, (int)relu, total);
 }
 

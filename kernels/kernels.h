@@ -243,6 +243,14 @@ int stk_bn_apply(stk_backend *be, const float *x, float *y, int n, int c,
                  int hw, const float *mean, const float *var, float eps,
                  const float *gamma, const float *beta, bool relu,
                  stk_err *err);
+/* stk_bn_apply with the residual res (the batch's shape) added before the
+ * ReLU: y = max(bn(x) + res, 0), or bn(x) + res without relu, the floats
+ * of stk_bn_apply, stk_add and the ReLU run in turn (a residual block's
+ * tail in one pass). y may alias x or res. */
+int stk_bn_apply_add(stk_backend *be, const float *x, const float *res,
+                     float *y, int n, int c, int hw, const float *mean,
+                     const float *var, float eps, const float *gamma,
+                     const float *beta, bool relu, stk_err *err);
 /* Backward reductions per channel, into sums[2c] (overwritten):
  * sums[ch] = sum of g (beta's gradient) and sums[c + ch] = sum of
  * g * (x - mean[ch]) / sqrt(var[ch] + eps) (gamma's), where g = dy, or,

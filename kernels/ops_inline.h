@@ -615,6 +615,15 @@ STK_HD float stk_bn_apply1(float x, stk_bn_fwd_coef c, int relu)
     return relu ? stk_relu1(y) : y;
 }
 
+/* stk_bn_apply1 with a residual s added before the ReLU (a batchnorm, the
+ * add after it and a ReLU after that in one pass): the floats of
+ * stk_bn_apply1, stk_add1 and stk_relu1 run in turn. */
+STK_HD float stk_bn_add1(float x, float s, stk_bn_fwd_coef c, int relu)
+{
+    float y = stk_add1(STK_BN_LINEAR(x, c), s);
+    return relu ? stk_relu1(y) : y;
+}
+
 /* The gradient reaching the batchnorm's output: dy, or with a fused ReLU
  * (f its forward coefficients, not NULL), dy where the ReLU passed it. The
  * ReLU's output is recomputed from x (the same float stk_bn_apply wrote,

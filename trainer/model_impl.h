@@ -45,6 +45,10 @@ typedef struct layer {
     bool fused;           /* pool, dropout: run by the conv before them;
                              relu: by the batchnorm before it */
     bool bn_relu;         /* batchnorm: applies the ReLU after it too */
+    int bn_add;           /* batchnorm: the add after it (and the ReLU
+                             after that), run in its pass; 0: none */
+    bool fwd_fused;       /* add, relu: forward run by the batchnorm
+                             before them (the ReLU's backward runs) */
     int bn;               /* batchnorm: its number (buffers 2bn, 2bn+1) */
     float *stat;          /* batchnorm: mean [c], var [c] of the last
                              training forward, backward's sums [2c] */

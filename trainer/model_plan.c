@@ -50,6 +50,24 @@ static void fuse_bn_relu(stk_model *m, int i)
     }
 }
 
+/* A batchnorm whose only reader is an add of it and another output, whose
+ * only reader is a ReLU, writes the ReLU's output in one pass (a residual
+ * block's tail): the batchnorm's and the add's outputs are never written,
+ * nothing reads them. The ReLU's backward runs as before, from the output
+ * written. */
+static void fuse_bn_add_relu(stk_model *m, int i)
+{
+    layer *b = &m->l[i], *a = i + 1 < m->nl ? &m->l[i + 1] : NULL;
+    if (b->s.kind != STK_L_BATCHNORM || b->bn_relu || b->readers != 1 || !a ||
+        a->s.kind != STK_L_ADD || a->nin != 2 || a->in[0] == a->in[1] ||
+        (a->in[0] != i && a->in[1] != i) || !sole_next(m, i + 1, i + 2) ||
+        m->l[i + 2].s.kind != STK_L_RELU)
+        return;
+    b->bn_add = i + 1;
+    a->fwd_fused = true;
+    m->l[i + 2].fwd_fused = true;
+}
+
 /* Whether layer p's output buffer may be overwritten by its reader: it is
  * not the model's input and every layer up the chain of in-place layers
  * that share the buffer has that one reader. */
@@ -175,6 +193,7 @@ void model_plan(stk_model *m)
     for (int i = 0; i < m->nl; i++) {
         fuse_pool(m, i);
         fuse_bn_relu(m, i);
+        fuse_bn_add_relu(m, i);
     }
     for (int i = 0; i < m->nl; i++)
         choose_inplace(m, i);

@@ -127,6 +127,20 @@ static int bn_batch_stats(stk_model *m, layer *l, const float *x, int n,
     return rc;
 }
 
+/* Where layer j's forward writes: its own buffer, or its input's when it
+ * runs in place, worked out here for a layer whose forward an earlier one
+ * runs (layer_forward sets an in-place y only on the layer's own turn). */
+static float *out_buffer(stk_model *m, int j)
+{
+    const layer *l = &m->l[j];
+    if (l->inplace < 0)
+        return l->y;
+    int p = l->in[l->inplace];
+    return p != STK_INPUT && m->l[p].fwd_fused
+               ? out_buffer(m, p)
+               : (float *)input_of(m, l, l->inplace);
+}
+
 /* Batch statistics in training (refusing one value per channel over the
  * group, as PyTorch's BatchNorm and SyncBatchNorm), the running ones
  * otherwise; the ReLU after it in the same
@@ -151,6 +165,13 @@ static int bn_forward(stk_model *m, int i, const float *x, int n, bool train,
             return rc;
         mean = l->stat;
         var = l->stat + c;
+    }
+    if (l->bn_add) { /* the add's other input, into the ReLU's output */
+        const layer *a = &m->l[l->bn_add];
+        return stk_bn_apply_add(m->be, x, input_of(m, a, a->in[0] == i),
+                                out_buffer(m, l->bn_add + 1), n, c, hw, mean,
+                                var, BN_EPS, param(m, l->pw), param(m, l->pb),
+                                true, err);
     }
     return stk_bn_apply(m->be, x, l->y, n, c, hw, mean, var, BN_EPS,
                         param(m, l->pw), param(m, l->pb), l->bn_relu, err);
@@ -195,8 +216,10 @@ static int layer_forward(stk_model *m, int i, int n, bool train,
         return conv_forward(m, i, x, n, train, key, stream, err);
     case STK_L_POOL: /* fused: the conv before it ran it, piece by piece */
         return l->fused ? 0 : pool_forward_piece(m, l, x, 0, n, err);
-    case STK_L_RELU: /* fused: the batchnorm before it ran it */
-        return l->fused ? 0 : stk_relu_fwd(m->be, x, l->y, total, err);
+    case STK_L_RELU: /* fused, fwd_fused: the batchnorm before it ran it */
+        return l->fused || l->fwd_fused
+                   ? 0
+                   : stk_relu_fwd(m->be, x, l->y, total, err);
     case STK_L_FLATTEN:
         return 0;
     case STK_L_DROPOUT:
@@ -206,8 +229,10 @@ static int layer_forward(stk_model *m, int i, int n, bool train,
         return linear_forward(m, l, x, n, err);
     case STK_L_BATCHNORM:
         return bn_forward(m, i, x, n, train, err);
-    case STK_L_ADD:
-        return stk_add(m->be, x, input_of(m, l, 1), l->y, total, err);
+    case STK_L_ADD: /* fwd_fused: the batchnorm before it ran it */
+        return l->fwd_fused
+                   ? 0
+                   : stk_add(m->be, x, input_of(m, l, 1), l->y, total, err);
     case STK_L_AVGPOOL:
         return stk_avgpool_fwd(m->be, x, planes, l->h, l->w, l->s.k, l->s.k,
                                l->s.stride, l->s.stride, l->y, err);

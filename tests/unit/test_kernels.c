@@ -1106,6 +1106,40 @@ static double bn_loss(const double *v, void *ctx)
     return L;
 }
 
+/* stk_bn_apply_add (a residual block's tail in one pass) gives the floats
+ * of the batchnorm, the add and the ReLU run in turn, also with y over
+ * the residual; a missing residual is refused. */
+static void bn_add_check(const float *x, const float *res, int n, int c,
+                         int hw, const float *mean, const float *var,
+                         float eps, const float *gamma, const float *beta,
+                         int relu)
+{
+    size_t total = (size_t)n * c * hw;
+    float *want = malloc(total * 4), *got = malloc(total * 4);
+    stk_err err;
+    assert_non_null(want);
+    assert_non_null(got);
+    assert_int_equal(stk_bn_apply(be, x, want, n, c, hw, mean, var, eps,
+                                  gamma, beta, false, &err),
+                     0);
+    assert_int_equal(stk_add(be, want, res, want, total, &err), 0);
+    if (relu)
+        assert_int_equal(stk_relu_fwd(be, want, want, total, &err), 0);
+    assert_int_equal(stk_bn_apply_add(be, x, res, got, n, c, hw, mean, var,
+                                      eps, gamma, beta, relu, &err),
+                     0);
+    assert_memory_equal(got, want, total * 4);
+    memcpy(got, res, total * 4); /* y over the residual */
+    assert_int_equal(stk_bn_apply_add(be, x, got, got, n, c, hw, mean, var,
+                                      eps, gamma, beta, relu, &err),
+                     0);
+    assert_memory_equal(got, want, total * 4);
+    assert_int_equal(stk_bn_apply_add(be, x, NULL, got, n, c, hw, mean, var,
+                                      eps, gamma, beta, relu, &err),
+                     STK_EINVAL);
+    free(want), free(got);
+}
+
 /* The whole training step through the ops: statistics, the normalisation
  * (y against a naive double computation from the same float statistics),
  * then the backward sums and input gradient against central differences of
@@ -1148,6 +1182,7 @@ static void bn_training_check(int n, int c, int hw, int relu)
                                   beta, relu, &err),
                      0);
     assert_memory_equal(t, y, total * 4);
+    bn_add_check(x, g, n, c, hw, mean, var, eps, gamma, beta, relu);
 
     assert_int_equal(stk_bn_grad_sums(be, g, x, n, c, hw, mean, var, eps, gamma,
                                       beta, relu, sums, &err),
