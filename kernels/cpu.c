@@ -2216,11 +2216,14 @@ CPU_HOT3 static void bn_apply_part(void *v, size_t b, size_t e)
                 k[c] = bn_fwd_coef(j, c0 + c);
             for (size_t r = b; r < e; r++) {
                 size_t at = r * j->c + c0;
-                for (size_t c = 0; c < nc; c++)
-                    j->out[at + c] =
-                        j->res ? stk_bn_add1(j->x[at + c], j->res[at + c],
-                                             k[c], j->relu)
-                               : stk_bn_apply1(j->x[at + c], k[c], j->relu);
+                if (j->res)
+                    for (size_t c = 0; c < nc; c++)
+                        j->out[at + c] = stk_bn_add1(
+                            j->x[at + c], j->res[at + c], k[c], j->relu);
+                else
+                    for (size_t c = 0; c < nc; c++)
+                        j->out[at + c] =
+                            stk_bn_apply1(j->x[at + c], k[c], j->relu);
             }
         }
         return;

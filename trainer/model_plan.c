@@ -1,9 +1,11 @@
 /* model_plan.c - the schedule of a built model, worked out once by
  * stk_model_create: which layers run fused (a conv with the max-pool after
- * it, piece by piece; a batchnorm with its ReLU in one pass), which write
- * into their input's buffer, which need backward at all, and which buffer
- * of a small pool holds each output's gradient (by liveness: from the
- * backward of the output's last reader to the backward of its producer).
+ * it, piece by piece; a batchnorm with its ReLU in one pass; a batchnorm,
+ * the add that reads it and the ReLU after that in one forward pass),
+ * which write into their input's buffer, which need backward at all, and
+ * which buffer of a small pool holds each output's gradient (by liveness:
+ * from the backward of the output's last reader to the backward of its
+ * producer).
  * docs/architecture.md, "A model is a graph". */
 #include "model_impl.h"
 

@@ -1186,6 +1186,51 @@ static void bn_relu_fusion_matches_unfused(void **state)
     assert_memory_equal(b[0], b[1], sizeof b[0]);
 }
 
+/* A residual block's tail, a batchnorm, the add that reads it and the
+ * ReLU after that, run forward in one pass, computes what the three
+ * compute apart (a dropout of p 0 between the add and the ReLU keeps them
+ * apart): the same logits, gradients and running statistics, to the bit;
+ * also where the add names the batchnorm second ("add c.bn2 c.dbn"). */
+static void bn_add_relu_fusion_matches_unfused(void **state)
+{
+    (void)state;
+    enum { N = 12, C = 3, HW = 20, MAXP = 40000 };
+    static float l[2][N * 5], g[2][MAXP], b[2][512];
+    char *net = malloc(2 * sizeof graph_net), *apart = malloc(2 * sizeof graph_net);
+    assert_non_null(net);
+    assert_non_null(apart);
+    for (int second = 0; second < 2; second++) {
+        strcpy(net, graph_net);
+        if (second) { /* the same graph, the add's inputs named the other way */
+            char *at = strstr(net, "add c.bn2\n");
+            assert_non_null(at);
+            memmove(at + strlen("add c.bn2 c.dbn\n"), at + strlen("add c.bn2\n"),
+                    strlen(at + strlen("add c.bn2\n")) + 1);
+            memcpy(at, "add c.bn2 c.dbn\n", strlen("add c.bn2 c.dbn\n"));
+        }
+        /* every "add ...\n" before a ReLU gets a dropout after it */
+        const char *from = net;
+        char *to = apart;
+        for (const char *at; (at = strstr(from, "add "));) {
+            size_t len = (size_t)(strchr(at, '\n') + 1 - from);
+            memcpy(to, from, len);
+            to += len;
+            from += len;
+            if (!strncmp(from, "relu", 4) || !strncmp(from, "b: relu", 7))
+                to += sprintf(to, "dropout 0\n");
+        }
+        strcpy(to, from);
+        assert_true(strcmp(net, apart) != 0);
+        size_t n1 = graph_step(be, net, C, HW, N, l[0], g[0], b[0]);
+        size_t n2 = graph_step(be, apart, C, HW, N, l[1], g[1], b[1]);
+        assert_int_equal(n1, n2);
+        assert_memory_equal(l[0], l[1], sizeof l[0]);
+        assert_memory_equal(g[0], g[1], n1 * sizeof(float));
+        assert_memory_equal(b[0], b[1], sizeof b[0]);
+    }
+    free(net), free(apart);
+}
+
 /* Backward reports every parameter once, layer by layer from the last
  * (DDP reduces the buckets at the end of the buffer while backward runs
  * on). */
@@ -1762,6 +1807,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(batchnorm_eval_uses_running_stats),
     cmocka_unit_test(graph_results_do_not_depend_on_threads),
     cmocka_unit_test(bn_relu_fusion_matches_unfused),
+    cmocka_unit_test(bn_add_relu_fusion_matches_unfused),
     cmocka_unit_test(backward_reports_last_layers_first),
     cmocka_unit_test(lr_schedules_step_by_step),
     cmocka_unit_test(sgd_momentum_decay_warmup_match_reference),
