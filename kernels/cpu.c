@@ -1625,6 +1625,23 @@ AVX512_INLINE void grad_row_out16(float *plane, const stk_conv_shape *s, int y,
             store_at(plane + (size_t)y * s->w, 16 * v - s->pw, in[v], row[v]);
 }
 
+/* After a row of tiles (pixel rows y .. y + 3 in rows[0 .. 3]): rows 0
+ * and 1 are whole and go out as pixel rows y and y + 1; 2 and 3, the next
+ * row of tiles' 0 and 1, move up, and 2 and 3 start again from 0. */
+AVX512_INLINE void grad_rows_down(float *plane, const stk_conv_shape *s,
+                                  int y, __m512 rows[][GRAD_VECS],
+                                  const __mmask16 *in, int vecs)
+{
+    __m512 z = _mm512_setzero_ps();
+    for (int r = 0; r < STK_WINO_M; r++) {
+        grad_row_out16(plane, s, y + r, rows[r], in, vecs);
+        for (int v = 0; v < vecs; v++) {
+            rows[r][v] = rows[r + STK_WINO_M][v];
+            rows[r + STK_WINO_M][v] = z;
+        }
+    }
+}
+
 /* wino_input_grad_part in 16 lanes, on planes of `strips` strips of 16
  * tiles. The pixel rows two rows of tiles share stay in registers between
  * them, not stored and loaded back: masked stores do not forward to
@@ -1654,19 +1671,10 @@ AVX512_INLINE void grad_planes16(const wino_job *j, size_t b, size_t e,
             for (int k = 0; k < strips; k++)
                 grad_strip16(dv + ty * tw + 16 * k, vs,
                              tw - 16 * k < 16 ? tw - 16 * k : 16, rows, k);
-            /* rows 0 and 1 are whole; 2 and 3 are the next row's 0 and 1 */
-            int y = ty * STK_WINO_M - s->ph;
-            for (int r = 0; r < STK_WINO_M; r++) {
-                grad_row_out16(plane, s, y + r, rows[r], in, vecs);
-                for (int v = 0; v < vecs; v++) {
-                    rows[r][v] = rows[r + STK_WINO_M][v];
-                    rows[r + STK_WINO_M][v] = z;
-                }
-            }
+            grad_rows_down(plane, s, ty * STK_WINO_M - s->ph, rows, in,
+                           vecs);
         }
-        for (int r = 0; r < STK_WINO_M; r++)
-            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, rows[r],
-                           in, vecs);
+        grad_rows_down(plane, s, th * STK_WINO_M - s->ph, rows, in, vecs);
     }
 }
 
@@ -1681,14 +1689,14 @@ AVX512_INLINE void grad_packed16(const wino_job *j, const pack16 *pk,
     const stk_conv_shape *s = j->s;
     int th = j->tiles / pk->tw, tw = pk->tw;
     size_t nt = (size_t)j->n * j->tiles, vs = stk_wino_stride(s->c * nt);
-    __m512 z = _mm512_setzero_ps(), rows[STK_WINO_A];
+    __m512 z = _mm512_setzero_ps(), rows[STK_WINO_A][GRAD_VECS];
     __mmask16 in = lanes16(s->pw, s->w + s->pw), right = lanes16(0, STK_WINO_M * tw),
               left = lanes16(STK_WINO_M, STK_WINO_M * tw + STK_WINO_M);
     for (size_t q = b; q < e; q++) {
         float *plane = j->dst + q * s->h * s->w;
         const float *dv = j->src + q % s->c * nt + q / s->c * j->tiles;
         for (int r = 0; r < STK_WINO_A; r++)
-            rows[r] = z;
+            rows[r][0] = z;
         for (int ty = 0; ty < th; ty += pk->rows) {
             int nr = th - ty < pk->rows ? th - ty : pk->rows;
             __m512 p[STK_WINO_P], o[STK_WINO_P];
@@ -1703,19 +1711,13 @@ AVX512_INLINE void grad_packed16(const wino_job *j, const pack16 *pk,
                                                              c[1]),
                            lt = _mm512_maskz_permutex2var_ps(left, c[2], idx1,
                                                              c[3]);
-                    rows[r] = (rows[r] + lt) + rt;
+                    rows[r][0] = (rows[r][0] + lt) + rt;
                 }
-                int y = (ty + t) * STK_WINO_M - s->ph;
-                for (int r = 0; r < STK_WINO_M; r++) {
-                    grad_row_out16(plane, s, y + r, &rows[r], &in, 1);
-                    rows[r] = rows[r + STK_WINO_M];
-                    rows[r + STK_WINO_M] = z;
-                }
+                grad_rows_down(plane, s, (ty + t) * STK_WINO_M - s->ph, rows,
+                               &in, 1);
             }
         }
-        for (int r = 0; r < STK_WINO_M; r++)
-            grad_row_out16(plane, s, th * STK_WINO_M - s->ph + r, &rows[r],
-                           &in, 1);
+        grad_rows_down(plane, s, th * STK_WINO_M - s->ph, rows, &in, 1);
     }
 }
 
