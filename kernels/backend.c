@@ -1,5 +1,6 @@
 /* backend.c - creating backends and dispatching the op API to them. */
 #include "backend_impl.h"
+#include "cpu_gemm.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -51,6 +52,25 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
         return n;
     size_t k = per_sample ? STK_CPU_PIECE_BYTES / per_sample : (size_t)n;
     return k < 1 ? 1 : k > (size_t)n ? n : (int)k;
+}
+
+int stk_backend_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
+                       stk_err *err)
+{
+    if (be->kind == STK_DEV_CPU && n > 1)
+        return stk_cpu_ranges(be, n, fn, arg, err);
+    int rc = 0;
+    for (int r = 0; r < n && !rc; r++)
+        rc = fn(arg, r, be, err);
+    return rc;
+}
+
+bool stk_gemm_adds_once(const stk_backend *be, bool ta, bool tb, int m,
+                        int n, int k)
+{
+    /* OpenBLAS adds a long K's blocks to C one by one; stoke's own tiles
+     * sum K first */
+    return be->kind == STK_DEV_CPU && stk_small_gemm_wins(ta, tb, m, n, k);
 }
 
 stk_device_kind stk_backend_kind(const stk_backend *be) { return be->kind; }

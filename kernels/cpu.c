@@ -80,7 +80,18 @@ static bool cpu_avx512(void) { return false; }
 typedef struct cpu_state {
     stk_pool *pool;
     bool wide;
+    /* stk_cpu_ranges: a view per thread (no pool of its own: its ops run
+     * on the thread calling them), each range's return code and error */
+    struct cpu_views *views;
 } cpu_state;
+
+typedef struct cpu_views {
+    int n;
+    stk_backend *be;
+    cpu_state *st;
+    int *rc;
+    stk_err *err;
+} cpu_views;
 
 static stk_pool *pool(stk_backend *be)
 {
@@ -96,13 +107,79 @@ int stk_cpu_threads(const stk_backend *be)
     return stk_pool_threads(((const cpu_state *)be->impl)->pool);
 }
 
+static void views_free(cpu_views *v)
+{
+    if (v) {
+        free(v->be);
+        free(v->st);
+        free(v->rc);
+        free(v->err);
+    }
+    free(v);
+}
+
 static void cpu_destroy(stk_backend *be)
 {
     cpu_state *st = be->impl;
-    if (st)
+    if (st) {
         stk_pool_destroy(st->pool);
+        views_free(st->views);
+    }
     free(st);
     be->impl = NULL;
+}
+
+/* One view of be per thread: the same ops and vector width, no pool. */
+static cpu_views *views_make(const stk_backend *be, int n)
+{
+    cpu_views *v = calloc(1, sizeof *v);
+    if (!v || !(v->be = calloc((size_t)n, sizeof *v->be)) ||
+        !(v->st = calloc((size_t)n, sizeof *v->st)) ||
+        !(v->rc = calloc((size_t)n, sizeof *v->rc)) ||
+        !(v->err = calloc((size_t)n, sizeof *v->err))) {
+        views_free(v);
+        return NULL;
+    }
+    v->n = n;
+    for (int r = 0; r < n; r++) {
+        v->st[r].wide = wide(be);
+        v->be[r] = *be;
+        v->be[r].impl = &v->st[r];
+    }
+    return v;
+}
+
+typedef struct ranges_job {
+    stk_range_fn fn;
+    void *arg;
+    cpu_views *v;
+} ranges_job;
+
+static void ranges_part(void *p, size_t b, size_t e)
+{
+    const ranges_job *j = p;
+    for (size_t r = b; r < e; r++)
+        j->v->rc[r] = j->fn(j->arg, (int)r, &j->v->be[r], &j->v->err[r]);
+}
+
+int stk_cpu_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
+                   stk_err *err)
+{
+    cpu_state *st = be->impl;
+    if (!st->views || n > st->views->n) {
+        int rc = 0;
+        for (int r = 0; r < n && !rc; r++)
+            rc = fn(arg, r, be, err);
+        return rc;
+    }
+    ranges_job j = {fn, arg, st->views};
+    stk_pool_for(st->pool, (size_t)n, 1, ranges_part, &j);
+    for (int r = 0; r < n; r++)
+        if (j.v->rc[r]) {
+            *err = j.v->err[r];
+            return j.v->rc[r];
+        }
+    return 0;
 }
 
 /* The CPUs this process may run on. */
@@ -129,6 +206,11 @@ int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
         return STK_ENOMEM;
     }
     be->impl = st;
+    int n = stk_pool_threads(st->pool);
+    if (n > 1 && !(st->views = views_make(be, n))) {
+        cpu_destroy(be);
+        return stk_fail(err, STK_ENOMEM, "cpu: cannot allocate the backend");
+    }
     return 0;
 }
 

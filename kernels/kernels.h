@@ -63,6 +63,28 @@ void *stk_backend_stream(stk_backend *be);
  * within about 1 MiB (in cache), CUDA takes the whole batch. */
 int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n);
 
+/* Range r of stk_backend_ranges, its ops queued on `view`. */
+typedef int (*stk_range_fn)(void *arg, int r, stk_backend *view,
+                            stk_err *err);
+
+/* Runs fn for each r in [0, n) (n at most stk_backend_threads) at once, on
+ * be's threads, each range with a view of be whose ops run on the thread
+ * that calls them alone: work cut into a few large ranges (a
+ * convolution's pieces in halves of the batch) instead of every op cut
+ * across the threads, so that a range's data stays in its thread's cache.
+ * Returns the error of the lowest failing r, 0 when all succeed. With one
+ * thread, or on a GPU, the ranges run in turn on be itself. */
+int stk_backend_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
+                       stk_err *err);
+
+/* Whether stk_gemm (and each GEMM of stk_gemm_batched) with alpha 1 and
+ * beta 1 adds the product to C with one rounding per element: then
+ * C += A B has the same floats as the product computed with beta 0 and
+ * added to C later by stk_axpy, so that a sum of products can be cut
+ * across ranges without changing its floats. */
+bool stk_gemm_adds_once(const stk_backend *be, bool ta, bool tb, int m,
+                        int n, int k);
+
 /* ---- memory --------------------------------------------------------------- */
 
 void *stk_dev_alloc(stk_backend *be, size_t bytes, stk_err *err);

@@ -370,7 +370,8 @@ static int init_params(stk_model *m, uint64_t seed, stk_err *err)
 /* A convolution's piece of the batch and its scratch: columns (and their
  * gradient, of the size *dcol grows to) or, for Winograd, V and M, and
  * the transformed filters. */
-static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
+static int conv_buffers(stk_model *m, layer *l, size_t *col, size_t *dcol,
+                        stk_err *err)
 {
     stk_backend *be = m->be;
     size_t per, dper; /* floats per sample: col (V), dcol (M) */
@@ -391,6 +392,7 @@ static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
         d = STK_WINO_P * stk_wino_stride(d / STK_WINO_P);
         u = STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c);
     }
+    *col = c > *col ? c : *col;
     *dcol = d > *dcol ? d : *dcol;
     if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
         return STK_ENOMEM;
@@ -400,12 +402,45 @@ static int conv_buffers(stk_model *m, layer *l, size_t *dcol, stk_err *err)
     return 0;
 }
 
+/* The stash of a convolution's weight gradient cut in ranges (model_conv.c)
+ * at most: the products of half a batch's samples for resnet20's strided
+ * convolutions are 4.7 MiB; a layer that needs more runs each op across
+ * the threads instead. */
+enum { STASH_MAX_FLOATS = 4 << 20 };
+
+/* Scratch for a convolution's ranges after the first, col and dcol floats
+ * (the largest piece's) each, and the stash. */
+static int range_buffers(stk_model *m, size_t col, size_t dcol, stk_err *err)
+{
+    stk_backend *be = m->be;
+    m->ranges = stk_backend_kind(be) == STK_DEV_CPU ? stk_backend_threads(be)
+                                                    : 1;
+    if (m->ranges < 2)
+        return 0;
+    m->range_col = (col + 15) / 16 * 16; /* whole cache lines */
+    m->range_stride = m->range_col + (dcol + 15) / 16 * 16;
+    for (int i = 0; i < m->nl; i++) {
+        size_t need = m->l[i].s.kind == STK_L_CONV
+                          ? model_conv_stash(&m->l[i], m->max_batch, m->ranges)
+                          : 0;
+        if (need <= STASH_MAX_FLOATS && need > m->stash_floats)
+            m->stash_floats = need;
+    }
+    size_t scratch = (size_t)(m->ranges - 1) * m->range_stride;
+    if (!(m->range_scratch = stk_dev_alloc(be, scratch * sizeof(float), err)))
+        return STK_ENOMEM;
+    if (m->stash_floats &&
+        !(m->stash = stk_dev_alloc(be, m->stash_floats * sizeof(float), err)))
+        return STK_ENOMEM;
+    return 0;
+}
+
 /* Device buffers: parameters, gradients, batchnorm's buffers and
  * statistics, activations, scratch, the gradient pool. */
 static int alloc_buffers(stk_model *m, stk_err *err)
 {
     stk_backend *be = m->be;
-    size_t act = 0, col = 1, B = (size_t)m->max_batch, stats = 0;
+    size_t act = 0, cols = 1, col = 1, B = (size_t)m->max_batch, stats = 0;
     bool pooled = false;
     m->w = stk_dev_alloc(be, m->total * sizeof(float), err);
     m->g = m->w ? stk_dev_alloc(be, m->total * sizeof(float), err) : NULL;
@@ -429,9 +464,11 @@ static int alloc_buffers(stk_model *m, stk_err *err)
             !(l->arg =
                   stk_dev_alloc(be, out_size(l) * B * sizeof(int32_t), err)))
             return STK_ENOMEM;
-        if (l->s.kind == STK_L_CONV && conv_buffers(m, l, &col, err))
+        if (l->s.kind == STK_L_CONV && conv_buffers(m, l, &cols, &col, err))
             return STK_ENOMEM;
     }
+    if (range_buffers(m, cols, col, err))
+        return STK_ENOMEM;
     if (stats && !(m->stats = stk_dev_alloc(be, stats * sizeof(float), err)))
         return STK_ENOMEM;
     for (int i = 0, at = 0; i < m->nl; i++)
@@ -565,6 +602,8 @@ void stk_model_destroy(stk_model *m)
     stk_dev_free(m->be, m->tmp);
     stk_dev_free(m->be, m->dcol);
     stk_dev_free(m->be, m->pool_dy);
+    stk_dev_free(m->be, m->range_scratch);
+    stk_dev_free(m->be, m->stash);
     for (int b = 0; b < m->ngrad; b++)
         stk_dev_free(m->be, m->grad[b]);
     stk_dev_free(m->be, m->dlogits);

@@ -85,6 +85,15 @@ struct stk_model {
     int ngrad;   /* gradient buffers (max activation size) */
     float *grad[2 * STK_MAX_LAYERS];
     float *pool_dy; /* a pooled conv's output gradient */
+    /* model_conv.c: a convolution's pieces in `ranges` ranges (the CPU's
+     * threads; 1 on CUDA), each after the first with scratch of its own
+     * (range_col floats of columns, then their gradient's, range_stride
+     * floats a range), the weight gradient's units they compute stashed */
+    int ranges;
+    float *range_scratch;
+    size_t range_col, range_stride;
+    float *stash;
+    size_t stash_floats;
     float *dlogits;
     const float *x;           /* the last forward input */
     int n;                    /* and its batch size */
@@ -142,6 +151,23 @@ static inline bool back_in_place(const layer *l)
 /* A layer's name for messages: its parameter prefix, or its kind and
  * place ("layer 9 (add)"). */
 const char *model_label(const layer *l, int index, char *buf, size_t n);
+
+/* model_conv.c: a convolution's forward and backward over n samples; the
+ * dropout and max-pool run piece by piece with it (on be, samples
+ * [s0, s0 + cn)) also alone; the stash that backward of n samples in
+ * `ranges` ranges needs (floats). */
+int model_conv_forward(stk_model *m, int i, const float *x, int n,
+                       bool train, stk_philox_key key, uint64_t stream,
+                       stk_err *err);
+int model_conv_backward(stk_model *m, int i, const float *x, const float *dy,
+                        float *dx, int n, stk_philox_key key, uint64_t stream,
+                        stk_err *err);
+int model_dropout(stk_backend *be, const stk_model *m, int d, float *x,
+                  int s0, int cn, stk_philox_key key, uint64_t stream,
+                  stk_err *err);
+int model_maxpool(stk_backend *be, const layer *p, const float *x, int s0,
+                  int cn, stk_err *err);
+size_t model_conv_stash(const layer *l, int n, int ranges);
 
 /* Plans the built model's schedule (model_plan.c). */
 void model_plan(stk_model *m);

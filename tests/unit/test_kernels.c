@@ -8,6 +8,7 @@
 #include "kernels/kernels.h"
 
 #include <math.h>
+#include <stdatomic.h>
 
 static stk_backend *be;
 
@@ -318,6 +319,56 @@ static double relu_loss(const double *x, void *ctx)
     for (size_t i = 0; i < c->n; i++)
         s += c->g[i] * (x[i] > 0 ? x[i] : 0);
     return s;
+}
+
+/* stk_backend_ranges: each range once, on a view of one thread whose ops
+ * work on the backend's memory; the lowest failing range's error. */
+typedef struct ranges_probe {
+    atomic_int calls[4];
+    int threads[4];
+    float *data;
+    int fail_from;
+} ranges_probe;
+
+static int probe_range(void *arg, int r, stk_backend *view, stk_err *err)
+{
+    ranges_probe *p = arg;
+    atomic_fetch_add(&p->calls[r], 1);
+    p->threads[r] = stk_backend_threads(view);
+    int rc = stk_scale(view, 1000, (float)(r + 2), p->data + 1000 * r, err);
+    if (!rc && r >= p->fail_from)
+        rc = stk_fail(err, STK_EINVAL, "range %d failed", r);
+    return rc;
+}
+
+static void ranges_run_each_once_on_one_thread(void **state)
+{
+    (void)state;
+    for (int t = 1; t <= 3; t++) {
+        stk_backend *bt;
+        stk_err err;
+        assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, t, &bt, &err), 0);
+        ranges_probe p = {.fail_from = 4};
+        p.data = stk_dev_alloc(bt, 4000 * sizeof(float), &err);
+        for (int i = 0; i < 4000; i++)
+            p.data[i] = 1.0f;
+        assert_int_equal(stk_backend_ranges(bt, t, probe_range, &p, &err), 0);
+        for (int r = 0; r < t; r++) {
+            assert_int_equal(atomic_load(&p.calls[r]), 1);
+            /* a view runs on its caller's thread; one range: be itself */
+            assert_int_equal(p.threads[r], 1);
+            for (int i = 0; i < 1000; i++)
+                assert_true(p.data[1000 * r + i] == (float)(r + 2));
+        }
+        assert_int_equal(atomic_load(&p.calls[t]), 0);
+        p.fail_from = 1;
+        int rc = stk_backend_ranges(bt, t, probe_range, &p, &err);
+        assert_int_equal(rc, t > 1 ? STK_EINVAL : 0);
+        if (t > 1)
+            assert_string_equal(err.msg, "range 1 failed");
+        stk_dev_free(bt, p.data);
+        stk_backend_destroy(bt);
+    }
 }
 
 static void relu_backward_matches_fd(void **state)
@@ -1924,6 +1975,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(gemm_all_transposes),
     cmocka_unit_test(small_gemm_matches_double),
     cmocka_unit_test(small_gemm_same_on_1_2_3_threads),
+    cmocka_unit_test(ranges_run_each_once_on_one_thread),
     cmocka_unit_test(relu_backward_matches_fd),
     cmocka_unit_test(linear_backward_matches_fd),
     cmocka_unit_test(conv_backward_matches_fd),

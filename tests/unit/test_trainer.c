@@ -1155,6 +1155,52 @@ static void graph_results_do_not_depend_on_threads(void **state)
     }
 }
 
+/* On several threads a convolution runs its pieces in ranges, one per
+ * thread, the weight gradient's units of the later ranges stashed and
+ * added in order (model_conv.c): a batch of 40 makes 4 to 40 pieces per
+ * layer here, so 2, 3 and 4 ranges each get several, for Winograd and
+ * im2col (strided, 1x1), with and without a bias, a max-pool and a
+ * dropout run piece by piece: the same bytes as one thread. */
+static const char ranges_net[] =
+    "conv1: conv 16 3 pad=1\n"
+    "dropout2d 0.25\n"
+    "pool 2\n"
+    "relu\n"
+    "conv2: conv 16 3 pad=1 bias=false\n"
+    "bn1: batchnorm\n"
+    "relu\n"
+    "conv3: conv 24 3 stride=2 pad=1\n"
+    "relu\n"
+    "conv4: conv 24 1 bias=false\n"
+    "globalpool\n"
+    "flatten\n"
+    "fc: linear classes\n";
+
+static void conv_ranges_match_one_thread(void **state)
+{
+    (void)state;
+    enum { N = 40, HW = 24, MAXP = 40000 };
+    static float l[4][N * 5], g[4][MAXP], b[4][512];
+    const char *nets[] = {ranges_net, graph_net};
+    for (int k = 0; k < 2; k++) {
+        size_t np = 0;
+        for (int t = 0; t < 4; t++) {
+            stk_backend *bt;
+            stk_err err;
+            assert_int_equal(
+                stk_backend_create(STK_DEV_CPU, 0, t + 1, &bt, &err), 0);
+            np = graph_step(bt, nets[k], 3, HW, N, l[t], g[t], b[t]);
+            stk_backend_destroy(bt);
+            assert_true(np <= MAXP);
+        }
+        for (int t = 1; t < 4; t++) {
+            assert_memory_equal(l[0], l[t], sizeof l[0]);
+            assert_memory_equal(g[0], g[t], np * sizeof(float));
+            assert_memory_equal(b[0], b[t], sizeof b[0]);
+        }
+    }
+}
+
 /* A batchnorm fused with its ReLU computes what the two layers compute
  * apart (a dropout of p 0 between them, the identity, keeps them apart):
  * the same logits, gradients and running statistics, to the bit. */
@@ -1806,6 +1852,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(fan_out_gradients_add_up),
     cmocka_unit_test(batchnorm_eval_uses_running_stats),
     cmocka_unit_test(graph_results_do_not_depend_on_threads),
+    cmocka_unit_test(conv_ranges_match_one_thread),
     cmocka_unit_test(bn_relu_fusion_matches_unfused),
     cmocka_unit_test(bn_add_relu_fusion_matches_unfused),
     cmocka_unit_test(backward_reports_last_layers_first),
