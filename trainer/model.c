@@ -368,8 +368,10 @@ static int init_params(stk_model *m, uint64_t seed, stk_err *err)
     return rc;
 }
 /* A convolution's piece of the batch and its scratch: columns (and their
- * gradient, of the size *dcol grows to) or, for Winograd, V and M, and
- * the transformed filters. */
+ * gradient, of the sizes *col and *dcol grow to, in the model's scratch)
+ * or, for Winograd, V and M, and the transformed filters. A layer whose
+ * batch is always one piece (CUDA's) keeps its own columns, which
+ * backward reads again. */
 static int conv_buffers(stk_model *m, layer *l, size_t *col, size_t *dcol,
                         stk_err *err)
 {
@@ -392,9 +394,10 @@ static int conv_buffers(stk_model *m, layer *l, size_t *col, size_t *dcol,
         d = STK_WINO_P * stk_wino_stride(d / STK_WINO_P);
         u = STK_WINO_P * stk_wino_stride((size_t)l->oc * l->c);
     }
-    *col = c > *col ? c : *col;
     *dcol = d > *dcol ? d : *dcol;
-    if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
+    if (l->piece < m->max_batch)
+        *col = c > *col ? c : *col;
+    else if (!(l->col = stk_dev_alloc(be, c * sizeof(float), err)))
         return STK_ENOMEM;
     if (l->wino && (!(l->u = stk_dev_alloc(be, u * sizeof(float), err)) ||
                     !(l->du = stk_dev_alloc(be, u * sizeof(float), err))))
@@ -408,26 +411,25 @@ static int conv_buffers(stk_model *m, layer *l, size_t *col, size_t *dcol,
  * the threads instead. */
 enum { STASH_MAX_FLOATS = 4 << 20 };
 
-/* Scratch for a convolution's ranges after the first, col and dcol floats
- * (the largest piece's) each, and the stash. */
-static int range_buffers(stk_model *m, size_t col, size_t dcol, stk_err *err)
+/* The convolutions' scratch, col and dcol floats (the largest piece's)
+ * for each range, and the stash. */
+static int scratch_buffers(stk_model *m, size_t col, size_t dcol,
+                           stk_err *err)
 {
     stk_backend *be = m->be;
     m->ranges = stk_backend_kind(be) == STK_DEV_CPU ? stk_backend_threads(be)
                                                     : 1;
-    if (m->ranges < 2)
-        return 0;
-    m->range_col = (col + 15) / 16 * 16; /* whole cache lines */
-    m->range_stride = m->range_col + (dcol + 15) / 16 * 16;
-    for (int i = 0; i < m->nl; i++) {
+    m->scratch_col = (col + 15) / 16 * 16; /* whole cache lines */
+    m->scratch_stride = m->scratch_col + (dcol + 15) / 16 * 16;
+    for (int i = 0; i < m->nl && m->ranges > 1; i++) {
         size_t need = m->l[i].s.kind == STK_L_CONV
                           ? model_conv_stash(&m->l[i], m->max_batch, m->ranges)
                           : 0;
         if (need <= STASH_MAX_FLOATS && need > m->stash_floats)
             m->stash_floats = need;
     }
-    size_t scratch = (size_t)(m->ranges - 1) * m->range_stride;
-    if (!(m->range_scratch = stk_dev_alloc(be, scratch * sizeof(float), err)))
+    size_t scratch = (size_t)m->ranges * m->scratch_stride;
+    if (!(m->scratch = stk_dev_alloc(be, scratch * sizeof(float), err)))
         return STK_ENOMEM;
     if (m->stash_floats &&
         !(m->stash = stk_dev_alloc(be, m->stash_floats * sizeof(float), err)))
@@ -440,7 +442,7 @@ static int range_buffers(stk_model *m, size_t col, size_t dcol, stk_err *err)
 static int alloc_buffers(stk_model *m, stk_err *err)
 {
     stk_backend *be = m->be;
-    size_t act = 0, cols = 1, col = 1, B = (size_t)m->max_batch, stats = 0;
+    size_t act = 0, col = 1, dcol = 1, B = (size_t)m->max_batch, stats = 0;
     bool pooled = false;
     m->w = stk_dev_alloc(be, m->total * sizeof(float), err);
     m->g = m->w ? stk_dev_alloc(be, m->total * sizeof(float), err) : NULL;
@@ -464,10 +466,10 @@ static int alloc_buffers(stk_model *m, stk_err *err)
             !(l->arg =
                   stk_dev_alloc(be, out_size(l) * B * sizeof(int32_t), err)))
             return STK_ENOMEM;
-        if (l->s.kind == STK_L_CONV && conv_buffers(m, l, &cols, &col, err))
+        if (l->s.kind == STK_L_CONV && conv_buffers(m, l, &col, &dcol, err))
             return STK_ENOMEM;
     }
-    if (range_buffers(m, cols, col, err))
+    if (scratch_buffers(m, col, dcol, err))
         return STK_ENOMEM;
     if (stats && !(m->stats = stk_dev_alloc(be, stats * sizeof(float), err)))
         return STK_ENOMEM;
@@ -478,7 +480,6 @@ static int alloc_buffers(stk_model *m, stk_err *err)
         }
     act *= B;
     if (!(m->tmp = stk_dev_alloc(be, act * sizeof(float), err)) ||
-        !(m->dcol = stk_dev_alloc(be, col * sizeof(float), err)) ||
         (pooled &&
          !(m->pool_dy = stk_dev_alloc(be, act * sizeof(float), err))))
         return STK_ENOMEM;
@@ -600,9 +601,8 @@ void stk_model_destroy(stk_model *m)
     stk_dev_free(m->be, m->bufs);
     stk_dev_free(m->be, m->stats);
     stk_dev_free(m->be, m->tmp);
-    stk_dev_free(m->be, m->dcol);
     stk_dev_free(m->be, m->pool_dy);
-    stk_dev_free(m->be, m->range_scratch);
+    stk_dev_free(m->be, m->scratch);
     stk_dev_free(m->be, m->stash);
     for (int b = 0; b < m->ngrad; b++)
         stk_dev_free(m->be, m->grad[b]);

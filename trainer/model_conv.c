@@ -149,15 +149,14 @@ static conv_range range_of(const conv_job *j, int r, stk_backend *view)
     stk_model *m = j->m;
     const layer *l = j->l;
     int s1 = first_piece(l, j->n, r + 1, j->ranges) * l->piece;
+    float *own = m->scratch + (size_t)r * m->scratch_stride;
     conv_range c = {.be = view,
-                    .col = l->col,
-                    .dcol = m->dcol,
+                    .col = l->col ? l->col : own,
+                    .dcol = own + m->scratch_col,
                     .s0 = first_piece(l, j->n, r, j->ranges) * l->piece,
                     .s1 = s1 < j->n ? s1 : j->n,
                     .bias = j->ranges == 1 && l->pb >= 0};
     if (r > 0) {
-        c.col = m->range_scratch + (size_t)(r - 1) * m->range_stride;
-        c.dcol = c.col + m->range_col;
         c.stash = m->stash;
         c.first = stash_first(l, j->n, j->ranges);
     }
@@ -252,7 +251,7 @@ int model_conv_forward(stk_model *m, int i, const float *x, int n,
                      : 0;
     if (!rc)
         rc = stk_backend_ranges(m->be, j.ranges, forward_range, &j, err);
-    l->col_kept = l->piece >= n;
+    l->col_kept = l->col && l->piece >= n;
     return rc;
 }
 
@@ -340,7 +339,7 @@ static int im2col_backward_piece(const conv_job *j, const conv_range *c,
     int rc = c->bias ? stk_bias_grad(c->be, dy, grad_of(m, l->pb), cn, l->oc, hw,
                                  err)
                  : 0;
-    if (!rc && l->piece < j->n)
+    if (!rc && !l->col_kept)
         rc = stk_im2col(c->be, j->x + s0 * in_size(l), &l->cs, cn, c->col,
                         err);
     if (!rc)

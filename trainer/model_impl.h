@@ -33,7 +33,9 @@ typedef struct layer {
                        buffer when the layer runs in place */
     int inplace;    /* the input slot whose buffer y is; -1: its own */
     int32_t *arg;   /* max-pool winners */
-    float *col;     /* conv: the columns (Winograd: V) of one piece */
+    float *col;     /* conv: the columns (Winograd: V) of the batch, kept
+                       for backward, where the batch is always one piece;
+                       else NULL (the model's scratch) */
     int piece;      /* conv: samples per piece (stk_conv_chunk) */
     stk_conv_shape cs;
     bool wino;     /* conv: Winograd F(2x2, 3x3) */
@@ -81,17 +83,18 @@ struct stk_model {
     void *sync_arg;
     int world;
     float *tmp;  /* conv outputs/gradients in [C, N, HW] order */
-    float *dcol; /* conv column gradients (Winograd: M and dM) */
     int ngrad;   /* gradient buffers (max activation size) */
     float *grad[2 * STK_MAX_LAYERS];
     float *pool_dy; /* a pooled conv's output gradient */
     /* model_conv.c: a convolution's pieces in `ranges` ranges (the CPU's
-     * threads; 1 on CUDA), each after the first with scratch of its own
-     * (range_col floats of columns, then their gradient's, range_stride
-     * floats a range), the weight gradient's units they compute stashed */
+     * threads; 1 on CUDA), each with scratch of its own, shared by the
+     * layers (`scratch_stride` floats a range): a piece's columns
+     * (Winograd: V), unless the layer keeps its own (col), then from
+     * `scratch_col` on their gradient's (Winograd: M and dM); the weight
+     * gradient's units that the ranges after the first stash */
     int ranges;
-    float *range_scratch;
-    size_t range_col, range_stride;
+    float *scratch;
+    size_t scratch_col, scratch_stride;
     float *stash;
     size_t stash_floats;
     float *dlogits;
