@@ -406,8 +406,8 @@ static int conv_buffers(stk_model *m, layer *l, size_t *col, size_t *dcol,
 }
 
 /* The stash of a convolution's weight gradient cut in ranges (model_conv.c)
- * at most: the products of half a batch's samples for resnet20's strided
- * convolutions are 4.7 MiB; a layer that needs more runs each op across
+ * at most: a batch's per-sample products for resnet20's strided
+ * convolutions are 9.4 MiB; a layer that needs more runs each op across
  * the threads instead. */
 enum { STASH_MAX_FLOATS = 4 << 20 };
 
@@ -423,7 +423,7 @@ static int scratch_buffers(stk_model *m, size_t col, size_t dcol,
     m->scratch_stride = m->scratch_col + (dcol + 15) / 16 * 16;
     for (int i = 0; i < m->nl && m->ranges > 1; i++) {
         size_t need = m->l[i].s.kind == STK_L_CONV
-                          ? model_conv_stash(&m->l[i], m->max_batch, m->ranges)
+                          ? model_conv_stash(&m->l[i], m->max_batch)
                           : 0;
         if (need <= STASH_MAX_FLOATS && need > m->stash_floats)
             m->stash_floats = need;

@@ -9,11 +9,14 @@
  * floats do not change: forward has nothing to sum across pieces, and the
  * weight gradient's sum over the batch (Winograd: dU piece by piece;
  * im2col: dW sample by sample) stays in the order of one thread. Range 0
- * adds its units (pieces or samples) to the gradient as they come; the
- * later ranges store theirs in the stash, added in order after range 0,
- * which equals adding them as they come where the GEMM adds its product
- * with one rounding (stk_gemm_adds_once). */
+ * takes pieces from the front and adds their units (pieces or samples) to
+ * the gradient as they come; the later ranges take pieces from the back
+ * and stash their units, added in order once the ranges meet, which
+ * equals adding them as they come where the GEMM adds its product with
+ * one rounding (stk_gemm_adds_once). */
 #include "model_impl.h"
+
+#include <stdatomic.h>
 
 /* Dropout's Philox stream for layer `layer` at training step `stream`.
  * Layers 0..63 keep the keys of when a model had at most 64 layers
@@ -75,24 +78,10 @@ static units units_of(const layer *l, int n)
     return (units){n, 1, len, len};
 }
 
-/* Range r of `ranges`: its first piece. */
-static int first_piece(const layer *l, int n, int r, int ranges)
-{
-    return (int)((int64_t)pieces(l, n) * r / ranges);
-}
-
-/* The first unit that a range after the first computes. */
-static int stash_first(const layer *l, int n, int ranges)
-{
-    int p = first_piece(l, n, 1, ranges);
-    return l->wino ? p : p * l->piece;
-}
-
-size_t model_conv_stash(const layer *l, int n, int ranges)
+size_t model_conv_stash(const layer *l, int n)
 {
     units u = units_of(l, n);
-    return (size_t)(u.count - stash_first(l, n, ranges)) * u.points *
-           u.stride;
+    return (size_t)u.count * u.points * u.stride;
 }
 
 /* Whether every unit's GEMM adds its product with one rounding. */
@@ -114,10 +103,10 @@ static bool sum_cuts(stk_model *m, const layer *l, int n)
 static int conv_ranges(stk_model *m, const layer *l, int n, bool backward)
 {
     int r = m->ranges;
-    if (r < 2 || pieces(l, n) < r)
+    if (r < 2 || pieces(l, n) < 2)
         return 1;
     if (backward &&
-        (!sum_cuts(m, l, n) || model_conv_stash(l, n, r) > m->stash_floats))
+        (!sum_cuts(m, l, n) || model_conv_stash(l, n) > m->stash_floats))
         return 1;
     return r;
 }
@@ -132,15 +121,42 @@ typedef struct conv_job {
     bool train;
     stk_philox_key key;
     uint64_t stream;
+    /* pieces claimed: from the front (low half), from the back (high) */
+    _Atomic uint64_t claims;
 } conv_job;
 
-/* Range r's share: its samples (whole pieces), scratch and stash. */
+int model_conv_claim(_Atomic uint64_t *claims, int pieces, int r)
+{
+    uint64_t w = atomic_load_explicit(claims, memory_order_relaxed);
+    for (;;) {
+        int front = (int)(uint32_t)w, back = (int)(w >> 32);
+        int next = r == 0 ? front : pieces - 1 - back;
+        if (next < front || next > pieces - 1 - back || (r > 0 && next == 0))
+            return -1;
+        uint64_t to = r == 0 ? w + 1 : w + (UINT64_C(1) << 32);
+        if (atomic_compare_exchange_weak_explicit(claims, &w, to,
+                                                  memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return next;
+    }
+}
+
+static int claim(conv_job *j, int r)
+{
+    return model_conv_claim(&j->claims, pieces(j->l, j->n), r);
+}
+
+/* The pieces range 0 took: the units from there on were stashed. */
+static int front_of(conv_job *j)
+{
+    return (int)(uint32_t)atomic_load(&j->claims);
+}
+
+/* Range r's tools: its backend, scratch and stash. */
 typedef struct conv_range {
     stk_backend *be;   /* the model's, or range r's view */
     float *col, *dcol; /* im2col's columns and their gradient; V and M */
-    int s0, s1;        /* samples [s0, s1) */
     float *stash;      /* NULL: units added to the gradient */
-    int first;         /* the unit at stash */
     bool bias;         /* the pieces add the bias gradient (one range) */
 } conv_range;
 
@@ -148,25 +164,18 @@ static conv_range range_of(const conv_job *j, int r, stk_backend *view)
 {
     stk_model *m = j->m;
     const layer *l = j->l;
-    int s1 = first_piece(l, j->n, r + 1, j->ranges) * l->piece;
     float *own = m->scratch + (size_t)r * m->scratch_stride;
-    conv_range c = {.be = view,
-                    .col = l->col ? l->col : own,
-                    .dcol = own + m->scratch_col,
-                    .s0 = first_piece(l, j->n, r, j->ranges) * l->piece,
-                    .s1 = s1 < j->n ? s1 : j->n,
-                    .bias = j->ranges == 1 && l->pb >= 0};
-    if (r > 0) {
-        c.stash = m->stash;
-        c.first = stash_first(l, j->n, j->ranges);
-    }
-    return c;
+    return (conv_range){.be = view,
+                        .col = l->col ? l->col : own,
+                        .dcol = own + m->scratch_col,
+                        .stash = r > 0 ? m->stash : NULL,
+                        .bias = j->ranges == 1 && l->pb >= 0};
 }
 
-/* Where a range after the first stashes unit k of the weight gradient. */
-static float *stash_unit(const conv_range *c, const units *u, int k)
+/* Where unit k of the weight gradient is stashed. */
+static float *stash_unit(float *stash, const units *u, int k)
 {
-    return c->stash + (size_t)(k - c->first) * u->points * u->stride;
+    return stash + (size_t)k * u->points * u->stride;
 }
 
 /* ---- forward -------------------------------------------------------------- */
@@ -219,14 +228,15 @@ static int im2col_forward_piece(const conv_job *j, const conv_range *c,
  * pooled convolution on each piece as it comes. */
 static int forward_range(void *arg, int r, stk_backend *view, stk_err *err)
 {
-    const conv_job *j = arg;
+    conv_job *j = arg;
     stk_model *m = j->m;
     const layer *l = j->l;
     const layer *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
     conv_range c = range_of(j, r, view);
     int rc = 0;
-    for (int s0 = c.s0; s0 < c.s1 && !rc; s0 += l->piece) {
-        int cn = c.s1 - s0 < l->piece ? c.s1 - s0 : l->piece;
+    for (int k; !rc && (k = claim(j, r)) >= 0;) {
+        int s0 = k * l->piece;
+        int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
         rc = l->wino ? wino_forward_piece(j, &c, s0, cn, err)
                      : im2col_forward_piece(j, &c, s0, cn, err);
         if (!rc && l->drop_at && j->train)
@@ -246,6 +256,7 @@ int model_conv_forward(stk_model *m, int i, const float *x, int n,
     conv_job j = {.m = m, .l = l, .x = x, .n = n, .train = train,
                   .key = key, .stream = stream,
                   .ranges = conv_ranges(m, l, n, false)};
+    atomic_init(&j.claims, 0);
     int rc = l->wino ? stk_wino_filter(m->be, param(m, l->pw), l->oc, l->c,
                                        l->u, err)
                      : 0;
@@ -270,7 +281,7 @@ static int wino_backward_piece(const conv_job *j, const conv_range *c,
     units u = units_of(l, j->n);
     size_t sv = stk_wino_stride((size_t)ch * nt),
            sm = stk_wino_stride((size_t)oc * nt);
-    float *du = c->stash ? stash_unit(c, &u, s0 / l->piece) : l->du;
+    float *du = c->stash ? stash_unit(c->stash, &u, s0 / l->piece) : l->du;
     float beta = c->stash || s0 == 0 ? 0.0f : 1.0f; /* the first, or apart */
     int rc = stk_wino_output_grad(c->be, j->dy + s0 * out_size(l), &l->cs, oc,
                                   cn, c->dcol, err);
@@ -311,7 +322,7 @@ static int im2col_weight_grad(const conv_job *j, const conv_range *c,
         units u = units_of(l, j->n);
         int rc = 0;
         for (int s = 0; s < cn && !rc; s++) {
-            float *to = c->stash ? stash_unit(c, &u, s0 + s) : dw;
+            float *to = c->stash ? stash_unit(c->stash, &u, s0 + s) : dw;
             rc = stk_gemm(c->be, false, true, l->oc, K, hw, 1.0f,
                           dy + s * out_size(l), hw, c->col + (size_t)s * hw,
                           nhw, c->stash ? 0.0f : 1.0f, to, K, err);
@@ -358,14 +369,15 @@ static int im2col_backward_piece(const conv_job *j, const conv_range *c,
  * dropout's) on each piece first, into pool_dy. */
 static int backward_range(void *arg, int r, stk_backend *view, stk_err *err)
 {
-    const conv_job *j = arg;
+    conv_job *j = arg;
     stk_model *m = j->m;
     const layer *l = j->l;
     const layer *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
     conv_range c = range_of(j, r, view);
     int rc = 0;
-    for (int s0 = c.s0; s0 < c.s1 && !rc; s0 += l->piece) {
-        int cn = c.s1 - s0 < l->piece ? c.s1 - s0 : l->piece;
+    for (int k; !rc && (k = claim(j, r)) >= 0;) {
+        int s0 = k * l->piece;
+        int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
         if (pool) {
             size_t at = out_size(pool) * s0;
             rc = stk_maxpool_bwd(c.be, j->pool_dy + at, pool->arg + at,
@@ -387,15 +399,14 @@ static int backward_range(void *arg, int r, stk_backend *view, stk_err *err)
  * gradient in order. */
 static int add_stash_range(void *arg, int r, stk_backend *view, stk_err *err)
 {
-    const conv_job *j = arg;
+    conv_job *j = arg;
     const layer *l = j->l;
     units u = units_of(l, j->n);
     size_t lo = u.len * r / j->ranges, hi = u.len * (r + 1) / j->ranges;
     float *grad = l->wino ? l->du : grad_of(j->m, l->pw);
-    int first = stash_first(l, j->n, j->ranges), rc = 0;
+    int first = l->wino ? front_of(j) : front_of(j) * l->piece, rc = 0;
     for (int k = first; k < u.count && !rc; k++) {
-        const float *from =
-            j->m->stash + (size_t)(k - first) * u.points * u.stride;
+        const float *from = stash_unit(j->m->stash, &u, k);
         for (int p = 0; p < u.points && !rc; p++) {
             size_t at = (size_t)p * u.stride + lo;
             rc = stk_axpy(view, hi - lo, 1.0f, from + at, grad + at, err);
@@ -431,6 +442,7 @@ int model_conv_backward(stk_model *m, int i, const float *x, const float *dy,
                   .pool_dy = dy, .dx = dx, .n = n, .train = m->train,
                   .key = key, .stream = stream,
                   .ranges = conv_ranges(m, l, n, true)};
+    atomic_init(&j.claims, 0);
     int rc = stk_backend_ranges(m->be, j.ranges, backward_range, &j, err);
     if (dx)
         l->col_kept = false; /* V's place now holds dV */

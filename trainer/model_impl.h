@@ -158,7 +158,7 @@ const char *model_label(const layer *l, int index, char *buf, size_t n);
 /* model_conv.c: a convolution's forward and backward over n samples; the
  * dropout and max-pool run piece by piece with it (on be, samples
  * [s0, s0 + cn)) also alone; the stash that backward of n samples in
- * `ranges` ranges needs (floats). */
+ * ranges needs (floats). */
 int model_conv_forward(stk_model *m, int i, const float *x, int n,
                        bool train, stk_philox_key key, uint64_t stream,
                        stk_err *err);
@@ -170,7 +170,15 @@ int model_dropout(stk_backend *be, const stk_model *m, int d, float *x,
                   stk_err *err);
 int model_maxpool(stk_backend *be, const layer *p, const float *x, int s0,
                   int cn, stk_err *err);
-size_t model_conv_stash(const layer *l, int n, int ranges);
+size_t model_conv_stash(const layer *l, int n);
+/* The next of `pieces` pieces for range r, or -1 when none is left, from
+ * `claims` (0 at the start). Range 0 takes pieces from the front, in
+ * order, and adds their units to the gradient as they come; the other
+ * ranges take them from the back (piece 0 left to range 0) and stash
+ * theirs. A range whose thread runs late or slow (a vCPU shared with
+ * another process, a layer's stash written to memory) takes fewer pieces,
+ * so the ranges finish within a piece of each other. */
+int model_conv_claim(_Atomic uint64_t *claims, int pieces, int r);
 
 /* Plans the built model's schedule (model_plan.c). */
 void model_plan(stk_model *m);

@@ -8,10 +8,12 @@
 
 #include "store/store.h"
 #include "trainer/checkpoint.h"
+#include "trainer/model_impl.h"
 #include "trainer/train_impl.h"
 #include "trainer/trainer.h"
 
 #include <math.h>
+#include <stdatomic.h>
 
 static stk_backend *be;
 
@@ -1201,6 +1203,37 @@ static void conv_ranges_match_one_thread(void **state)
     }
 }
 
+/* The ranges' claims on a convolution's pieces, in every order of turns
+ * (a bit per turn: range 0 or another range): each piece once, range 0's
+ * pieces a prefix taken in order (piece 0 always its own, even when the
+ * other ranges come first), the others' from the back down to it. */
+static void conv_claims_split_the_pieces(void **state)
+{
+    (void)state;
+    for (int pieces = 1; pieces <= 9; pieces++)
+        for (unsigned turns = 0; turns < 1u << 12; turns++) {
+            _Atomic uint64_t claims;
+            atomic_init(&claims, 0);
+            int seen[9] = {0}, front = 0, back = pieces, got = 0;
+            for (int t = 0; t < 24; t++) {
+                int r = t < 12 ? (int)(turns >> t & 1) * (1 + t % 3) : t % 2;
+                int k = model_conv_claim(&claims, pieces, r);
+                if (k < 0)
+                    continue;
+                assert_true(k < pieces && !seen[k]++);
+                got++;
+                if (r == 0)
+                    assert_int_equal(k, front++);
+                else
+                    assert_int_equal(k, --back);
+            }
+            assert_int_equal(got, pieces); /* both sides ran out */
+            assert_true(seen[0] && front >= 1 && front == back);
+            for (int r = 0; r < 3; r++)
+                assert_int_equal(model_conv_claim(&claims, pieces, r), -1);
+        }
+}
+
 /* A batchnorm fused with its ReLU computes what the two layers compute
  * apart (a dropout of p 0 between them, the identity, keeps them apart):
  * the same logits, gradients and running statistics, to the bit. */
@@ -1853,6 +1886,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(batchnorm_eval_uses_running_stats),
     cmocka_unit_test(graph_results_do_not_depend_on_threads),
     cmocka_unit_test(conv_ranges_match_one_thread),
+    cmocka_unit_test(conv_claims_split_the_pieces),
     cmocka_unit_test(bn_relu_fusion_matches_unfused),
     cmocka_unit_test(bn_add_relu_fusion_matches_unfused),
     cmocka_unit_test(backward_reports_last_layers_first),
