@@ -224,28 +224,43 @@ static int im2col_forward_piece(const conv_job *j, const conv_range *c,
     return rc;
 }
 
-/* A range's pieces, with the dropout and the max-pool that follow a
+/* One piece forward, with the dropout and the max-pool that follow a
  * pooled convolution on each piece as it comes. */
-static int forward_range(void *arg, int r, stk_backend *view, stk_err *err)
+static int forward_piece(const conv_job *j, const conv_range *c, int s0,
+                         int cn, stk_err *err)
 {
-    conv_job *j = arg;
     stk_model *m = j->m;
     const layer *l = j->l;
-    const layer *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
+    int rc = l->wino ? wino_forward_piece(j, c, s0, cn, err)
+                     : im2col_forward_piece(j, c, s0, cn, err);
+    if (!rc && l->drop_at && j->train)
+        rc = model_dropout(c->be, m, l->drop_at, l->y, s0, cn, j->key,
+                           j->stream, err);
+    if (!rc && l->pool_at)
+        rc = model_maxpool(c->be, &m->l[l->pool_at], l->y, s0, cn, err);
+    return rc;
+}
+
+typedef int (*piece_fn)(const conv_job *j, const conv_range *c, int s0,
+                        int cn, stk_err *err);
+
+/* Range r's pieces, each through `step`, as the range claims them. */
+static int run_range(conv_job *j, int r, stk_backend *view, piece_fn step,
+                     stk_err *err)
+{
     conv_range c = range_of(j, r, view);
     int rc = 0;
     for (int k; !rc && (k = claim(j, r)) >= 0;) {
-        int s0 = k * l->piece;
-        int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
-        rc = l->wino ? wino_forward_piece(j, &c, s0, cn, err)
-                     : im2col_forward_piece(j, &c, s0, cn, err);
-        if (!rc && l->drop_at && j->train)
-            rc = model_dropout(c.be, m, l->drop_at, l->y, s0, cn, j->key,
-                               j->stream, err);
-        if (!rc && pool)
-            rc = model_maxpool(c.be, pool, l->y, s0, cn, err);
+        int s0 = k * j->l->piece;
+        rc = step(j, &c, s0, j->n - s0 < j->l->piece ? j->n - s0 : j->l->piece,
+                  err);
     }
     return rc;
+}
+
+static int forward_range(void *arg, int r, stk_backend *view, stk_err *err)
+{
+    return run_range(arg, r, view, forward_piece, err);
 }
 
 int model_conv_forward(stk_model *m, int i, const float *x, int n,
@@ -365,34 +380,34 @@ static int im2col_backward_piece(const conv_job *j, const conv_range *c,
     return rc;
 }
 
-/* A range's pieces; a pooled conv runs the pool's backward (and its
- * dropout's) on each piece first, into pool_dy. */
-static int backward_range(void *arg, int r, stk_backend *view, stk_err *err)
+/* One piece backward; a pooled conv runs the pool's backward (and its
+ * dropout's) on the piece first, into pool_dy. */
+static int backward_piece(const conv_job *j, const conv_range *c, int s0,
+                          int cn, stk_err *err)
 {
-    conv_job *j = arg;
     stk_model *m = j->m;
     const layer *l = j->l;
-    const layer *pool = l->pool_at ? &m->l[l->pool_at] : NULL;
-    conv_range c = range_of(j, r, view);
     int rc = 0;
-    for (int k; !rc && (k = claim(j, r)) >= 0;) {
-        int s0 = k * l->piece;
-        int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
-        if (pool) {
-            size_t at = out_size(pool) * s0;
-            rc = stk_maxpool_bwd(c.be, j->pool_dy + at, pool->arg + at,
-                                 cn * pool->c, pool->h, pool->w, pool->s.k,
-                                 pool->s.stride, m->pool_dy + out_size(l) * s0,
-                                 err);
-        }
-        if (!rc && l->drop_at && m->train)
-            rc = model_dropout(c.be, m, l->drop_at, m->pool_dy, s0, cn,
-                               j->key, j->stream, err);
-        if (!rc)
-            rc = l->wino ? wino_backward_piece(j, &c, s0, cn, err)
-                         : im2col_backward_piece(j, &c, s0, cn, err);
+    if (l->pool_at) {
+        const layer *pool = &m->l[l->pool_at];
+        size_t at = out_size(pool) * s0;
+        rc = stk_maxpool_bwd(c->be, j->pool_dy + at, pool->arg + at,
+                             cn * pool->c, pool->h, pool->w, pool->s.k,
+                             pool->s.stride, m->pool_dy + out_size(l) * s0,
+                             err);
     }
+    if (!rc && l->drop_at && m->train)
+        rc = model_dropout(c->be, m, l->drop_at, m->pool_dy, s0, cn, j->key,
+                           j->stream, err);
+    if (!rc)
+        rc = l->wino ? wino_backward_piece(j, c, s0, cn, err)
+                     : im2col_backward_piece(j, c, s0, cn, err);
     return rc;
+}
+
+static int backward_range(void *arg, int r, stk_backend *view, stk_err *err)
+{
+    return run_range(arg, r, view, backward_piece, err);
 }
 
 /* Range r's slice of each point: the stashed units added to the weight
