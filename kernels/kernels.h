@@ -73,7 +73,8 @@ typedef int (*stk_range_fn)(void *arg, int r, stk_backend *view,
  * convolution's pieces in halves of the batch) instead of every op cut
  * across the threads, so that a range's data stays in its thread's cache.
  * Returns the error of the lowest failing r, 0 when all succeed. With one
- * thread, or on a GPU, the ranges run in turn on be itself. */
+ * thread, or on a GPU, the ranges run in turn on be itself. One call at a
+ * time per backend (the thread driving it), like every op. */
 int stk_backend_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
                        stk_err *err);
 

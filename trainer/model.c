@@ -422,8 +422,9 @@ static int scratch_buffers(stk_model *m, size_t col, size_t dcol,
     m->scratch_col = (col + 15) / 16 * 16; /* whole cache lines */
     m->scratch_stride = m->scratch_col + (dcol + 15) / 16 * 16;
     for (int i = 0; i < m->nl && m->ranges > 1; i++) {
-        size_t need = m->l[i].s.kind == STK_L_CONV
-                          ? model_conv_stash(&m->l[i], m->max_batch)
+        const layer *l = &m->l[i]; /* a layer of one piece never stashes */
+        size_t need = l->s.kind == STK_L_CONV && l->piece < m->max_batch
+                          ? model_conv_stash(l, m->max_batch)
                           : 0;
         if (need <= STASH_MAX_FLOATS && need > m->stash_floats)
             m->stash_floats = need;

@@ -30,9 +30,8 @@ static uint64_t layer_stream(uint64_t stream, int layer)
     return UINT64_C(1) << 63 | (stream * STK_MAX_LAYERS + (uint64_t)layer);
 }
 
-int model_dropout(stk_backend *be, const stk_model *m, int d, float *x,
-                  int s0, int cn, stk_philox_key key, uint64_t stream,
-                  stk_err *err)
+int model_dropout(stk_backend *be, const stk_model *m, int d, float *x, int s0,
+                  int cn, stk_philox_key key, uint64_t stream, stk_err *err)
 {
     const layer *l = &m->l[d];
     size_t per = out_size(l);
@@ -49,7 +48,7 @@ int model_maxpool(stk_backend *be, const layer *p, const float *x, int s0,
                            p->s.stride, p->y + out, p->arg + out, err);
 }
 
-/* ---- pieces, ranges and the stash --------------------------------------- */
+/* ---- pieces, ranges and the stash ---------------------------------------- */
 
 static int pieces(const layer *l, int n)
 {
@@ -96,14 +95,14 @@ static bool sum_cuts(stk_model *m, const layer *l, int n)
            stk_gemm_adds_once(m->be, false, true, l->oc, l->c, last * t);
 }
 
-/* The ranges a convolution of n samples runs in: the model's, where each
- * gets a piece at least and, backward, the weight gradient's sum can be
- * cut (same floats) with a stash large enough; else one, each op cut
- * across the threads. */
+/* The ranges a convolution of n samples runs in: the model's, at most
+ * one per piece, where there are two pieces at least and, backward, the
+ * weight gradient's sum can be cut (same floats) with a stash large
+ * enough; else one, each op cut across the threads. */
 static int conv_ranges(stk_model *m, const layer *l, int n, bool backward)
 {
-    int r = m->ranges;
-    if (r < 2 || pieces(l, n) < 2)
+    int r = m->ranges < pieces(l, n) ? m->ranges : pieces(l, n);
+    if (r < 2)
         return 1;
     if (backward &&
         (!sum_cuts(m, l, n) || model_conv_stash(l, n) > m->stash_floats))
@@ -114,7 +113,7 @@ static int conv_ranges(stk_model *m, const layer *l, int n, bool backward)
 typedef struct conv_job {
     stk_model *m;
     layer *l;
-    const float *x, *dy; /* dy: the conv's own output gradient */
+    const float *x, *dy;  /* dy: the conv's own output gradient */
     const float *pool_dy; /* a pooled conv: the pool's */
     float *dx;
     int n, ranges;
@@ -125,25 +124,27 @@ typedef struct conv_job {
     _Atomic uint64_t claims;
 } conv_job;
 
-int model_conv_claim(_Atomic uint64_t *claims, int pieces, int r)
+int model_conv_claim(_Atomic uint64_t *claims, int pieces, int front_max,
+                     int r)
 {
     uint64_t w = atomic_load_explicit(claims, memory_order_relaxed);
     for (;;) {
         int front = (int)(uint32_t)w, back = (int)(w >> 32);
         int next = r == 0 ? front : pieces - 1 - back;
-        if (next < front || next > pieces - 1 - back || (r > 0 && next == 0))
+        if (next < front || next > pieces - 1 - back ||
+            (r == 0 && next >= front_max) || (r > 0 && next == 0))
             return -1;
         uint64_t to = r == 0 ? w + 1 : w + (UINT64_C(1) << 32);
-        if (atomic_compare_exchange_weak_explicit(claims, &w, to,
-                                                  memory_order_relaxed,
-                                                  memory_order_relaxed))
+        if (atomic_compare_exchange_weak_explicit(
+                claims, &w, to, memory_order_relaxed, memory_order_relaxed))
             return next;
     }
 }
 
 static int claim(conv_job *j, int r)
 {
-    return model_conv_claim(&j->claims, pieces(j->l, j->n), r);
+    int p = pieces(j->l, j->n), most = j->m->front_max;
+    return model_conv_claim(&j->claims, p, most > 0 && most < p ? most : p, r);
 }
 
 /* The pieces range 0 took: the units from there on were stashed. */
@@ -178,7 +179,7 @@ static float *stash_unit(float *stash, const units *u, int k)
     return stash + (size_t)k * u->points * u->stride;
 }
 
-/* ---- forward -------------------------------------------------------------- */
+/* ---- forward ------------------------------------------------------------- */
 
 /* Winograd, one piece: V from the input, M_p = U_p V_p (U transformed
  * before the first piece), outputs (with the bias, if any) from M. */
@@ -195,8 +196,8 @@ static int wino_forward_piece(const conv_job *j, const conv_range *c, int s0,
         rc = stk_gemm_batched(c->be, false, false, oc, nt, ch, 1.0f, l->u, ch,
                               stk_wino_stride((size_t)oc * ch), c->col, nt,
                               stk_wino_stride((size_t)ch * nt), 0.0f, c->dcol,
-                              nt, stk_wino_stride((size_t)oc * nt),
-                              STK_WINO_P, err);
+                              nt, stk_wino_stride((size_t)oc * nt), STK_WINO_P,
+                              err);
     return rc ? rc
               : stk_wino_output(c->be, c->dcol, param(m, l->pb), &l->cs, oc,
                                 cn, l->y + s0 * out_size(l), err);
@@ -206,8 +207,8 @@ static int wino_forward_piece(const conv_job *j, const conv_range *c, int s0,
  * [K, HW] block is that sample's [cout, HW] output, in place in NCHW (no
  * swap), plus the bias (if any) while the piece is in cache (a pass over the
  * whole output afterwards would read it back from memory). */
-static int im2col_forward_piece(const conv_job *j, const conv_range *c,
-                                int s0, int cn, stk_err *err)
+static int im2col_forward_piece(const conv_job *j, const conv_range *c, int s0,
+                                int cn, stk_err *err)
 {
     stk_model *m = j->m;
     const layer *l = j->l;
@@ -241,8 +242,8 @@ static int forward_piece(const conv_job *j, const conv_range *c, int s0,
     return rc;
 }
 
-typedef int (*piece_fn)(const conv_job *j, const conv_range *c, int s0,
-                        int cn, stk_err *err);
+typedef int (*piece_fn)(const conv_job *j, const conv_range *c, int s0, int cn,
+                        stk_err *err);
 
 /* Range r's pieces, each through `step`, as the range claims them. */
 static int run_range(conv_job *j, int r, stk_backend *view, piece_fn step,
@@ -263,13 +264,17 @@ static int forward_range(void *arg, int r, stk_backend *view, stk_err *err)
     return run_range(arg, r, view, forward_piece, err);
 }
 
-int model_conv_forward(stk_model *m, int i, const float *x, int n,
-                       bool train, stk_philox_key key, uint64_t stream,
-                       stk_err *err)
+int model_conv_forward(stk_model *m, int i, const float *x, int n, bool train,
+                       stk_philox_key key, uint64_t stream, stk_err *err)
 {
     layer *l = &m->l[i];
-    conv_job j = {.m = m, .l = l, .x = x, .n = n, .train = train,
-                  .key = key, .stream = stream,
+    conv_job j = {.m = m,
+                  .l = l,
+                  .x = x,
+                  .n = n,
+                  .train = train,
+                  .key = key,
+                  .stream = stream,
                   .ranges = conv_ranges(m, l, n, false)};
     atomic_init(&j.claims, 0);
     int rc = l->wino ? stk_wino_filter(m->be, param(m, l->pw), l->oc, l->c,
@@ -281,13 +286,13 @@ int model_conv_forward(stk_model *m, int i, const float *x, int n,
     return rc;
 }
 
-/* ---- backward ------------------------------------------------------------- */
+/* ---- backward ------------------------------------------------------------ */
 
 /* Winograd, one piece: dM from dy; dU_p (+)= dM_p V_p^T (V rebuilt unless
  * forward left the whole batch's); dV_p = U_p^T dM_p into V's place, then
  * back to pixels; db += the piece's sums (if it has a bias). */
-static int wino_backward_piece(const conv_job *j, const conv_range *c,
-                               int s0, int cn, stk_err *err)
+static int wino_backward_piece(const conv_job *j, const conv_range *c, int s0,
+                               int cn, stk_err *err)
 {
     stk_model *m = j->m;
     const layer *l = j->l;
@@ -316,8 +321,8 @@ static int wino_backward_piece(const conv_job *j, const conv_range *c,
                                      j->dx + s0 * in_size(l), err);
     }
     if (!rc && c->bias)
-        rc = stk_bias_grad(c->be, j->dy + s0 * out_size(l),
-                           grad_of(m, l->pb), cn, oc, l->oh * l->ow, err);
+        rc = stk_bias_grad(c->be, j->dy + s0 * out_size(l), grad_of(m, l->pb),
+                           cn, oc, l->oh * l->ow, err);
     return rc;
 }
 
@@ -325,8 +330,8 @@ static int wino_backward_piece(const conv_job *j, const conv_range *c,
  * sample by sample (each a [cout, HW] block against its [K, HW] columns);
  * CUDA, with the whole batch as one piece, swaps dy to [cout, n*HW] for
  * one GEMM instead of n small ones. */
-static int im2col_weight_grad(const conv_job *j, const conv_range *c,
-                              int s0, int cn, stk_err *err)
+static int im2col_weight_grad(const conv_job *j, const conv_range *c, int s0,
+                              int cn, stk_err *err)
 {
     stk_model *m = j->m;
     const layer *l = j->l;
@@ -362,12 +367,12 @@ static int im2col_backward_piece(const conv_job *j, const conv_range *c,
     const layer *l = j->l;
     int K = im2col_k(l), hw = l->oh * l->ow;
     const float *dy = j->dy + s0 * out_size(l);
-    int rc = c->bias ? stk_bias_grad(c->be, dy, grad_of(m, l->pb), cn, l->oc, hw,
-                                 err)
-                 : 0;
+    int rc = c->bias ? stk_bias_grad(c->be, dy, grad_of(m, l->pb), cn, l->oc,
+                                     hw, err)
+                     : 0;
     if (!rc && !l->col_kept)
-        rc = stk_im2col(c->be, j->x + s0 * in_size(l), &l->cs, cn, c->col,
-                        err);
+        rc =
+            stk_im2col(c->be, j->x + s0 * in_size(l), &l->cs, cn, c->col, err);
     if (!rc)
         rc = im2col_weight_grad(j, c, s0, cn, err);
     if (!rc && j->dx)
@@ -437,9 +442,9 @@ static int bias_grads(const conv_job *j, stk_err *err)
     int rc = 0;
     for (int s0 = 0; s0 < j->n && !rc && l->pb >= 0; s0 += l->piece) {
         int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
-        rc = stk_bias_grad(j->m->be, j->dy + s0 * out_size(l),
-                           grad_of(j->m, l->pb), cn, l->oc, l->oh * l->ow,
-                           err);
+        rc =
+            stk_bias_grad(j->m->be, j->dy + s0 * out_size(l),
+                          grad_of(j->m, l->pb), cn, l->oc, l->oh * l->ow, err);
     }
     return rc;
 }
@@ -453,15 +458,22 @@ int model_conv_backward(stk_model *m, int i, const float *x, const float *dy,
 {
     layer *l = &m->l[i];
     bool pooled = l->pool_at > 0;
-    conv_job j = {.m = m, .l = l, .x = x, .dy = pooled ? m->pool_dy : dy,
-                  .pool_dy = dy, .dx = dx, .n = n, .train = m->train,
-                  .key = key, .stream = stream,
+    conv_job j = {.m = m,
+                  .l = l,
+                  .x = x,
+                  .dy = pooled ? m->pool_dy : dy,
+                  .pool_dy = dy,
+                  .dx = dx,
+                  .n = n,
+                  .train = m->train,
+                  .key = key,
+                  .stream = stream,
                   .ranges = conv_ranges(m, l, n, true)};
     atomic_init(&j.claims, 0);
     int rc = stk_backend_ranges(m->be, j.ranges, backward_range, &j, err);
     if (dx)
         l->col_kept = false; /* V's place now holds dV */
-    if (!rc && j.ranges > 1)
+    if (!rc && j.ranges > 1 && front_of(&j) < pieces(l, n))
         rc = stk_backend_ranges(m->be, j.ranges, add_stash_range, &j, err);
     if (!rc && j.ranges > 1)
         rc = bias_grads(&j, err);

@@ -97,6 +97,8 @@ struct stk_model {
     size_t scratch_col, scratch_stride;
     float *stash;
     size_t stash_floats;
+    int front_max; /* tests: range 0 takes at most this many pieces (0: no
+                      limit), so that the other ranges surely stash */
     float *dlogits;
     const float *x;           /* the last forward input */
     int n;                    /* and its batch size */
@@ -173,12 +175,14 @@ int model_maxpool(stk_backend *be, const layer *p, const float *x, int s0,
 size_t model_conv_stash(const layer *l, int n);
 /* The next of `pieces` pieces for range r, or -1 when none is left, from
  * `claims` (0 at the start). Range 0 takes pieces from the front, in
- * order, and adds their units to the gradient as they come; the other
- * ranges take them from the back (piece 0 left to range 0) and stash
- * theirs. A range whose thread runs late or slow (a vCPU shared with
- * another process, a layer's stash written to memory) takes fewer pieces,
- * so the ranges finish within a piece of each other. */
-int model_conv_claim(_Atomic uint64_t *claims, int pieces, int r);
+ * order, at most front_max (1 to pieces) of them, and adds their units to
+ * the gradient as they come; the other ranges take them from the back
+ * (piece 0 left to range 0) and stash theirs. A range whose thread runs
+ * late or slow (a vCPU shared with another process, a layer's stash
+ * written to memory) takes fewer pieces, so the ranges finish within a
+ * piece of each other. */
+int model_conv_claim(_Atomic uint64_t *claims, int pieces, int front_max,
+                     int r);
 
 /* Plans the built model's schedule (model_plan.c). */
 void model_plan(stk_model *m);

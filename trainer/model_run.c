@@ -1,6 +1,7 @@
 /* model_run.c - forward (in list order) and backward (in reverse) of a
- * planned model (model_plan.c): convolutions (model_conv.c), batchnorm on batch or running statistics, gradients handed
- * to each input's buffer as the plan says, fan-out gradients added. */
+ * planned model (model_plan.c): convolutions (model_conv.c), batchnorm on
+ * batch or running statistics, gradients handed to each input's buffer as
+ * the plan says, fan-out gradients added. */
 #include "model_impl.h"
 
 #include <stdio.h>

@@ -940,16 +940,20 @@ static void residual_backward_matches_fd(void **state)
 /* One training step of the model in `text` (forward in training mode,
  * backward of the double cross-entropy) on b: logits and gradients; the
  * parameter count. */
-static size_t graph_step(stk_backend *b, const char *text, int c, int hw,
-                         int n, float *logits_out, float *grads_out,
-                         float *buffers_out)
+/* graph_step on a model made for batches of up to max_batch, its
+ * convolutions' range 0 taking at most front_max pieces (0: no limit). */
+static size_t graph_step_at(stk_backend *b, const char *text, int c, int hw,
+                            int n, int max_batch, int front_max,
+                            float *logits_out, float *grads_out,
+                            float *buffers_out)
 {
     stk_model_spec spec;
     stk_err err;
     stk_model *m;
     assert_int_equal(stk_model_parse(text, "t", &spec, &err), 0);
-    assert_int_equal(stk_model_create(b, &spec, c, hw, hw, 5, n, 11, &m, &err),
-                     0);
+    assert_int_equal(
+        stk_model_create(b, &spec, c, hw, hw, 5, max_batch, 11, &m, &err), 0);
+    m->front_max = front_max;
     float *x = malloc((size_t)n * c * hw * hw * sizeof *x), dl[64 * 5];
     int32_t y[64];
     for (int i = 0; i < n * c * hw * hw; i++)
@@ -973,6 +977,14 @@ static size_t graph_step(stk_backend *b, const char *text, int c, int hw,
     free(x);
     stk_model_destroy(m);
     return np;
+}
+
+static size_t graph_step(stk_backend *b, const char *text, int c, int hw,
+                         int n, float *logits_out, float *grads_out,
+                         float *buffers_out)
+{
+    return graph_step_at(b, text, c, hw, n, n, 0, logits_out, grads_out,
+                         buffers_out);
 }
 
 /* An output read by two layers gets the sum of their gradients: with the
@@ -1159,16 +1171,19 @@ static void graph_results_do_not_depend_on_threads(void **state)
 
 /* On several threads a convolution runs its pieces in ranges, one per
  * thread, the weight gradient's units of the later ranges stashed and
- * added in order (model_conv.c): a batch of 40 makes 4 to 40 pieces per
- * layer here, so 2, 3 and 4 ranges each get several, for Winograd and
- * im2col (strided, 1x1), with and without a bias, a max-pool and a
- * dropout run piece by piece: the same bytes as one thread. */
+ * added in order (model_conv.c): the same bytes as one thread. ranges_net
+ * on 48x48 inputs and graph_net on 24x24 split every convolution into 2
+ * to 40 pieces at 40 samples: Winograd with and without a bias, im2col
+ * strided and 1x1 with and without one, a max-pool and a dropout run
+ * piece by piece. Range 0 taking as many pieces as it can, or one only
+ * (so that the others surely stash theirs); a batch of 40, and of 27 on a
+ * model made for 40 (a short last piece). */
 static const char ranges_net[] =
     "conv1: conv 16 3 pad=1\n"
     "dropout2d 0.25\n"
     "pool 2\n"
     "relu\n"
-    "conv2: conv 16 3 pad=1 bias=false\n"
+    "conv2: conv 16 3 pad=1\n"
     "bn1: batchnorm\n"
     "relu\n"
     "conv3: conv 24 3 stride=2 pad=1\n"
@@ -1181,43 +1196,49 @@ static const char ranges_net[] =
 static void conv_ranges_match_one_thread(void **state)
 {
     (void)state;
-    enum { N = 40, HW = 24, MAXP = 40000 };
-    static float l[4][N * 5], g[4][MAXP], b[4][512];
+    enum { N = 40, MAXP = 40000 };
+    static float l[2][N * 5], g[2][MAXP], b[2][512];
     const char *nets[] = {ranges_net, graph_net};
-    for (int k = 0; k < 2; k++) {
-        size_t np = 0;
-        for (int t = 0; t < 4; t++) {
-            stk_backend *bt;
-            stk_err err;
-            assert_int_equal(
-                stk_backend_create(STK_DEV_CPU, 0, t + 1, &bt, &err), 0);
-            np = graph_step(bt, nets[k], 3, HW, N, l[t], g[t], b[t]);
-            stk_backend_destroy(bt);
+    const int hws[] = {48, 24};
+    for (int k = 0; k < 2; k++)
+        for (int n = N; n >= 27; n -= 13) {
+            size_t np = graph_step_at(be, nets[k], 3, hws[k], n, N, 0, l[0],
+                                      g[0], b[0]);
             assert_true(np <= MAXP);
+            for (int t = 2; t <= 4; t++)
+                for (int most = 0; most <= 1; most++) {
+                    stk_backend *bt;
+                    stk_err err;
+                    assert_int_equal(
+                        stk_backend_create(STK_DEV_CPU, 0, t, &bt, &err), 0);
+                    graph_step_at(bt, nets[k], 3, hws[k], n, N, most, l[1],
+                                  g[1], b[1]);
+                    stk_backend_destroy(bt);
+                    assert_memory_equal(l[0], l[1], (size_t)n * 5 * 4);
+                    assert_memory_equal(g[0], g[1], np * sizeof(float));
+                    assert_memory_equal(b[0], b[1], sizeof b[0]);
+                }
         }
-        for (int t = 1; t < 4; t++) {
-            assert_memory_equal(l[0], l[t], sizeof l[0]);
-            assert_memory_equal(g[0], g[t], np * sizeof(float));
-            assert_memory_equal(b[0], b[t], sizeof b[0]);
-        }
-    }
 }
 
 /* The ranges' claims on a convolution's pieces, in every order of turns
- * (a bit per turn: range 0 or another range): each piece once, range 0's
- * pieces a prefix taken in order (piece 0 always its own, even when the
- * other ranges come first), the others' from the back down to it. */
+ * (a bit per turn: range 0 or another range), range 0 with and without a
+ * limit of one piece: each piece once, range 0's pieces a prefix taken in
+ * order (piece 0 always its own, even when the other ranges come first),
+ * the others' from the back down to it. */
 static void conv_claims_split_the_pieces(void **state)
 {
     (void)state;
     for (int pieces = 1; pieces <= 9; pieces++)
-        for (unsigned turns = 0; turns < 1u << 12; turns++) {
+        for (unsigned turns = 0; turns < 1u << 13; turns++) {
+            /* the 13th bit: range 0 limited to one piece */
+            int most = turns >> 12 ? 1 : pieces;
             _Atomic uint64_t claims;
             atomic_init(&claims, 0);
             int seen[9] = {0}, front = 0, back = pieces, got = 0;
-            for (int t = 0; t < 24; t++) {
+            for (int t = 0; t < 36; t++) { /* 12 set turns, 24 alternate */
                 int r = t < 12 ? (int)(turns >> t & 1) * (1 + t % 3) : t % 2;
-                int k = model_conv_claim(&claims, pieces, r);
+                int k = model_conv_claim(&claims, pieces, most, r);
                 if (k < 0)
                     continue;
                 assert_true(k < pieces && !seen[k]++);
@@ -1229,8 +1250,10 @@ static void conv_claims_split_the_pieces(void **state)
             }
             assert_int_equal(got, pieces); /* both sides ran out */
             assert_true(seen[0] && front >= 1 && front == back);
+            assert_true(front <= most);
             for (int r = 0; r < 3; r++)
-                assert_int_equal(model_conv_claim(&claims, pieces, r), -1);
+                assert_int_equal(model_conv_claim(&claims, pieces, most, r),
+                                 -1);
         }
 }
 
