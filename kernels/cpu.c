@@ -80,6 +80,8 @@ static bool cpu_avx512(void) { return false; }
 typedef struct cpu_state {
     stk_pool *pool;
     bool wide;
+    double *bn_part; /* batchnorm sums' chunks (bn_chunks), bn_len */
+    size_t bn_len;
     /* stk_cpu_ranges: a view per thread (no pool of its own: its ops run
      * on the thread calling them), each range's return code and error */
     struct cpu_views *views;
@@ -109,6 +111,8 @@ int stk_cpu_threads(const stk_backend *be)
 
 static void views_free(cpu_views *v)
 {
+    for (int r = 0; v && v->st && r < v->n; r++)
+        free(v->st[r].bn_part);
     if (v) {
         free(v->be);
         free(v->st);
@@ -124,6 +128,7 @@ static void cpu_destroy(stk_backend *be)
     if (st) {
         stk_pool_destroy(st->pool);
         views_free(st->views);
+        free(st->bn_part);
     }
     free(st);
     be->impl = NULL;
@@ -2167,6 +2172,7 @@ typedef struct bn_job {
     const float *x, *dy, *shift, *mean, *var, *gamma, *beta, *sums;
     const float *res; /* bn_apply's residual (stk_bn_add1), or NULL */
     float *out;
+    double *part; /* the sums' chunks: [BN_CHUNKS][2][c] (hw > 1) */
     int n, c, hw, relu;
     float eps, inv_count;
     double scale;
@@ -2221,36 +2227,50 @@ static void bn_sums_rows(const bn_job *j, size_t b, size_t e)
     }
 }
 
-/* Channels [b, e) of the sums over planes (hw > 1) go through memory in
- * blocks of BN_CH_BLOCK channels, a sample's planes of the block (one
- * contiguous run) after another, each channel's lanes adding its planes in
- * sample order as a channel at a time would (the same floats): a channel
- * at a time read short runs a sample apart, which the hardware prefetcher
- * picks up late, and the passes waited on memory. */
-enum { BN_CH_BLOCK = 32 };
+/* The sums over planes (hw > 1) go through memory in blocks of
+ * BN_CH_BLOCK channels, a sample's planes of the block (one contiguous
+ * run) after another, each channel's lanes adding its planes in sample
+ * order (a channel at a time read short runs a sample apart, which the
+ * hardware prefetcher picks up late, and the passes waited on memory).
+ * The batch is cut into BN_CHUNKS fixed chunks of samples, whose lane
+ * totals are added in chunk order: a thread takes whole chunks, the
+ * samples its own convolution range wrote (model_conv.c), where a split
+ * by channel had every thread read every sample (2 threads: 2x the
+ * gradient sums' time on resnet20). The chunks follow the batch, not the
+ * threads, so neither do the floats. */
+enum { BN_CH_BLOCK = 32, BN_CHUNKS = 8 };
 
-/* Channels [b, e). */
+/* Samples [*r0, *r1) of chunk k. */
+static void bn_chunk(const bn_job *j, size_t k, int *r0, int *r1)
+{
+    *r0 = (int)((size_t)j->n * k / BN_CHUNKS);
+    *r1 = (int)((size_t)j->n * (k + 1) / BN_CHUNKS);
+}
+
+/* Chunks [b, e) of the sums (or of (x - shift)^2) into part[k][0][ch]. */
 CPU_HOT3 static void bn_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
-    if (j->hw == 1) {
-        bn_sums_rows(j, b, e);
-        return;
-    }
     double lane[BN_CH_BLOCK][BN_LANES];
-    for (size_t c0 = b; c0 < e; c0 += BN_CH_BLOCK) {
-        size_t nc = e - c0 < BN_CH_BLOCK ? e - c0 : BN_CH_BLOCK;
-        memset(lane, 0, sizeof lane);
-        for (int r = 0; r < j->n; r++)
-            for (size_t k = 0; k < nc; k++)
-                lanes_add(lane[k], j->x + ((size_t)r * j->c + c0 + k) * j->hw,
-                          j->hw, j->shift, j->shift ? j->shift[c0 + k] : 0.0f);
-        for (size_t k = 0; k < nc; k++)
-            j->out[c0 + k] = (float)(lanes_total(lane[k]) * j->scale);
+    for (size_t q = b; q < e; q++) {
+        int r0, r1;
+        bn_chunk(j, q, &r0, &r1);
+        for (int c0 = 0; c0 < j->c; c0 += BN_CH_BLOCK) {
+            int nc = j->c - c0 < BN_CH_BLOCK ? j->c - c0 : BN_CH_BLOCK;
+            memset(lane, 0, sizeof lane);
+            for (int r = r0; r < r1; r++)
+                for (int k = 0; k < nc; k++)
+                    lanes_add(lane[k],
+                              j->x + ((size_t)r * j->c + c0 + k) * j->hw,
+                              j->hw, j->shift,
+                              j->shift ? j->shift[c0 + k] : 0.0f);
+            for (int k = 0; k < nc; k++)
+                j->part[q * 2 * j->c + c0 + k] = lanes_total(lane[k]);
+        }
     }
 }
 
-/* Channels in parallel, each at least about GRAIN elements. */
+/* Channels in parallel, each at least about GRAIN elements (hw = 1). */
 static void bn_channels(stk_backend *be, const bn_job *j, stk_pool_fn part)
 {
     size_t per = (size_t)j->n * j->hw;
@@ -2258,7 +2278,34 @@ static void bn_channels(stk_backend *be, const bn_job *j, stk_pool_fn part)
                  (void *)j);
 }
 
-/* Planes (hw > 1) or rows (hw = 1) in parallel. */
+/* The BN_CHUNKS chunks in parallel (hw > 1), into the backend's scratch
+ * of 2 * BN_CHUNKS * c doubles; NULL where it cannot be had. */
+static double *bn_chunks(stk_backend *be, bn_job *j, stk_pool_fn part)
+{
+    cpu_state *st = be->impl;
+    size_t need = (size_t)2 * BN_CHUNKS * j->c;
+    if (need > st->bn_len) {
+        double *p = realloc(st->bn_part, need * sizeof *p);
+        if (!p)
+            return NULL;
+        st->bn_part = p;
+        st->bn_len = need;
+    }
+    j->part = st->bn_part;
+    size_t per = ((size_t)j->n * j->c * j->hw + BN_CHUNKS - 1) / BN_CHUNKS;
+    stk_pool_for(pool(be), BN_CHUNKS, (GRAIN + per - 1) / per, part, j);
+    return j->part;
+}
+
+/* Sum w of channel ch over the chunks, in chunk order. */
+static double bn_chunks_total(const bn_job *j, int w, int ch)
+{
+    double t = 0.0;
+    for (size_t q = 0; q < BN_CHUNKS; q++)
+        t += j->part[(q * 2 + (size_t)w) * j->c + ch];
+    return t;
+}
+
 static void bn_planes(stk_backend *be, const bn_job *j, stk_pool_fn part)
 {
     size_t units = (size_t)j->n * (j->hw == 1 ? 1 : (size_t)j->c);
@@ -2266,11 +2313,22 @@ static void bn_planes(stk_backend *be, const bn_job *j, stk_pool_fn part)
     stk_pool_for(pool(be), units, (GRAIN + per - 1) / per, part, (void *)j);
 }
 
+static int bn_nomem(int c, stk_err *err)
+{
+    return stk_fail(err, STK_ENOMEM,
+                    "cpu: cannot allocate a batchnorm's sums of %d channels",
+                    c);
+}
+
+CPU_HOT3 static void bn_sums_rows_part(void *v, size_t b, size_t e)
+{
+    bn_sums_rows(v, b, e);
+}
+
 static int cpu_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                        const float *shift, double scale, float *sums,
                        stk_err *err)
 {
-    (void)err;
     bn_job j = {.x = x,
                 .shift = shift,
                 .out = sums,
@@ -2278,7 +2336,14 @@ static int cpu_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
                 .c = c,
                 .hw = hw,
                 .scale = scale};
-    bn_channels(be, &j, bn_sums_part);
+    if (hw == 1) {
+        bn_channels(be, &j, bn_sums_rows_part);
+        return 0;
+    }
+    if (!bn_chunks(be, &j, bn_sums_part))
+        return bn_nomem(c, err);
+    for (int ch = 0; ch < c; ch++)
+        sums[ch] = (float)(bn_chunks_total(&j, 0, ch) * scale);
     return 0;
 }
 
@@ -2434,34 +2499,39 @@ static void grad_lanes_add(double *sg, double *sgx, const bn_job *j, size_t at,
     }
 }
 
-/* Channels [b, e): sum g and sum g (x - mean) in lanes, as bn_sums_part. */
+/* Chunks [b, e) of sum g and sum g (x - mean) in lanes, as bn_sums_part,
+ * into part[k][0][ch] and part[k][1][ch]. */
 CPU_HOT3 static void bn_grad_sums_part(void *v, size_t b, size_t e)
 {
     const bn_job *j = v;
-    if (j->hw == 1) {
-        bn_grad_sums_rows(j, b, e);
-        return;
-    }
     double sg[BN_CH_BLOCK][BN_LANES], sgx[BN_CH_BLOCK][BN_LANES];
     stk_bn_fwd_coef f[BN_CH_BLOCK];
-    for (size_t c0 = b; c0 < e; c0 += BN_CH_BLOCK) { /* as bn_sums_part */
-        size_t nc = e - c0 < BN_CH_BLOCK ? e - c0 : BN_CH_BLOCK;
-        memset(sg, 0, sizeof sg);
-        memset(sgx, 0, sizeof sgx);
-        for (size_t k = 0; j->relu && k < nc; k++)
-            f[k] = bn_fwd_coef(j, c0 + k);
-        for (int r = 0; r < j->n; r++)
-            for (size_t k = 0; k < nc; k++)
-                grad_lanes_add(sg[k], sgx[k], j,
-                               ((size_t)r * j->c + c0 + k) * j->hw,
-                               j->mean[c0 + k], j->relu ? &f[k] : NULL);
-        for (size_t k = 0; k < nc; k++) {
-            size_t ch = c0 + k;
-            j->out[ch] = (float)lanes_total(sg[k]);
-            j->out[j->c + ch] = (float)(lanes_total(sgx[k]) *
-                                        stk_bn_invstd(j->var[ch], j->eps));
+    for (size_t q = b; q < e; q++) {
+        int r0, r1;
+        bn_chunk(j, q, &r0, &r1);
+        double *part = j->part + q * 2 * j->c;
+        for (int c0 = 0; c0 < j->c; c0 += BN_CH_BLOCK) {
+            int nc = j->c - c0 < BN_CH_BLOCK ? j->c - c0 : BN_CH_BLOCK;
+            memset(sg, 0, sizeof sg);
+            memset(sgx, 0, sizeof sgx);
+            for (int k = 0; j->relu && k < nc; k++)
+                f[k] = bn_fwd_coef(j, (size_t)(c0 + k));
+            for (int r = r0; r < r1; r++)
+                for (int k = 0; k < nc; k++)
+                    grad_lanes_add(sg[k], sgx[k], j,
+                                   ((size_t)r * j->c + c0 + k) * j->hw,
+                                   j->mean[c0 + k], j->relu ? &f[k] : NULL);
+            for (int k = 0; k < nc; k++) {
+                part[c0 + k] = lanes_total(sg[k]);
+                part[j->c + c0 + k] = lanes_total(sgx[k]);
+            }
         }
     }
+}
+
+CPU_HOT3 static void bn_grad_sums_rows_part(void *v, size_t b, size_t e)
+{
+    bn_grad_sums_rows(v, b, e);
 }
 
 static int cpu_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
@@ -2470,7 +2540,6 @@ static int cpu_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
                             const float *beta, bool relu, float *sums,
                             stk_err *err)
 {
-    (void)err;
     bn_job j = {.dy = dy,
                 .x = x,
                 .n = n,
@@ -2483,7 +2552,17 @@ static int cpu_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
                 .beta = beta,
                 .relu = relu,
                 .out = sums};
-    bn_channels(be, &j, bn_grad_sums_part);
+    if (hw == 1) {
+        bn_channels(be, &j, bn_grad_sums_rows_part);
+        return 0;
+    }
+    if (!bn_chunks(be, &j, bn_grad_sums_part))
+        return bn_nomem(c, err);
+    for (int ch = 0; ch < c; ch++) {
+        sums[ch] = (float)bn_chunks_total(&j, 0, ch);
+        sums[c + ch] = (float)(bn_chunks_total(&j, 1, ch) *
+                               stk_bn_invstd(var[ch], eps));
+    }
     return 0;
 }
 

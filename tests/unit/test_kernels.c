@@ -1284,23 +1284,29 @@ static void batchnorm_training_matches_fd(void **state)
     }
 }
 
-/* A channel's sum as the CPU forms it: 16 double lanes (element i of a
- * plane in lane i % 16, the planes in sample order) added by the halving
- * tree (kernels/cpu.c, lanes_total). term(src, i, at) is element i's
- * term, `at` the shift or mean it uses. */
+/* A channel's sum as the CPU forms it: the batch in 8 chunks (chunk k
+ * the samples [n k / 8, n (k + 1) / 8)), each chunk's in 16 double lanes
+ * (element i of a plane in lane i % 16, the planes in sample order) added
+ * by the halving tree (kernels/cpu.c, lanes_total), the chunks' added in
+ * order. term(src, i, at) is element i's term, `at` the shift or mean it
+ * uses. */
 typedef double (*bn_term)(const float *const *src, size_t i, float at);
 
 static double bn_lane_sum(const float *const *src, int n, int c, int hw,
                           int ch, bn_term term, float at)
 {
-    double lane[16] = {0.0};
-    for (int r = 0; r < n; r++)
-        for (int i = 0; i < hw; i++)
-            lane[i % 16] += term(src, ((size_t)r * c + ch) * hw + i, at);
-    for (int w = 8; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            lane[l] += lane[l + w];
-    return lane[0];
+    double total = 0.0;
+    for (int k = 0; k < 8; k++) {
+        double lane[16] = {0.0};
+        for (int r = n * k / 8; r < n * (k + 1) / 8; r++)
+            for (int i = 0; i < hw; i++)
+                lane[i % 16] += term(src, ((size_t)r * c + ch) * hw + i, at);
+        for (int w = 8; w > 0; w /= 2)
+            for (int l = 0; l < w; l++)
+                lane[l] += lane[l + w];
+        total += lane[0];
+    }
+    return total;
 }
 
 static double term_x(const float *const *src, size_t i, float at)
@@ -1326,8 +1332,9 @@ static double term_gx(const float *const *src, size_t i, float at)
     return stk_bn_gx1((float)term_g(src, i, at), src[0][i], at);
 }
 
-/* The sums exactly as that order gives them, planes with tails of 5, 1 and
- * 4 past the lanes, values off 0 (a lane past a plane's end that added
+/* The sums exactly as that order gives them, planes with tails of 5, 1, 4,
+ * 5 and 9 past the lanes, batches of fewer samples than chunks and of 2-5
+ * samples a chunk, values off 0 (a lane past a plane's end that added
  * anything shows), with and without the ReLU's mask (the op recomputes the
  * ReLU's output from x, gamma and beta; here it is stk_bn_apply1's, the
  * body stk_bn_apply runs, and about half of it is 0); on a CPU with
@@ -1335,8 +1342,9 @@ static double term_gx(const float *const *src, size_t i, float at)
 static void bn_sums_follow_the_lanes(void **state)
 {
     (void)state;
-    static const int shapes[][3] = {{3, 5, 37}, {2, 4, 49}, {2, 3, 196}};
-    for (int t = 0; t < 3; t++) {
+    static const int shapes[][3] = {
+        {3, 5, 37}, {2, 4, 49}, {2, 3, 196}, {19, 3, 21}, {40, 2, 9}};
+    for (int t = 0; t < 5; t++) {
         int n = shapes[t][0], c = shapes[t][1], hw = shapes[t][2];
         size_t total = (size_t)n * c * hw;
         float *x = filled(total, 111), *g = filled(total, 112),
@@ -1532,10 +1540,11 @@ static void bn_same_on_1_2_3_threads(void **state)
 {
     (void)state;
     /* 70 channels of 150: the sums' blocks of 32 channels, whole and
-     * part, split among the threads */
+     * part; 19 samples: the sums' 8 chunks of 2 and 3 samples split among
+     * the threads */
     static const int shapes[][3] = {
-        {4, 7, 50 * 60}, {3000, 300, 1}, {3, 70, 50 * 3}};
-    for (int s = 0; s < 3; s++) {
+        {4, 7, 50 * 60}, {3000, 300, 1}, {3, 70, 50 * 3}, {19, 40, 50 * 4}};
+    for (int s = 0; s < 4; s++) {
         int n = shapes[s][0], c = shapes[s][1], hw = shapes[s][2];
         size_t total = (size_t)n * c * hw;
         float *x = filled(total, 101), *g = filled(total, 102),
