@@ -2159,13 +2159,15 @@ static int cpu_copy_dev(stk_backend *be, float *dst, const float *src,
 /* ---- batch normalisation -------------------------------------------------
  */
 
-/* x [n, c, hw] channel by channel. Each channel's sums are taken by one
- * thread in an order fixed by the shape alone, so they do not depend on
- * the thread count: with hw > 1 the planes in sample order, each in
- * BN_LANES double lanes (independent chains the compiler vectorises, as in
- * bias_grad) added up by a fixed tree; with hw = 1 (BatchNorm1d) the rows
- * in order, BN_BLOCK channels side by side along memory. The element-wise
- * passes (apply, input gradient) split planes, or rows when hw = 1. */
+/* x [n, c, hw] channel by channel. Each channel's sums are taken in an
+ * order fixed by the shape alone, so they do not depend on the thread
+ * count: with hw > 1 in BN_CHUNKS chunks of the batch (bn_chunks), each
+ * chunk's planes in sample order in BN_LANES double lanes (independent
+ * chains the compiler vectorises, as in bias_grad) added up by a fixed
+ * tree, the chunks' totals added in order; with hw = 1 (BatchNorm1d) by
+ * one thread a channel, the rows in order, BN_BLOCK channels side by side
+ * along memory. The element-wise passes (apply, input gradient) split
+ * planes, or rows when hw = 1. */
 enum { BN_LANES = 16, BN_BLOCK = 256 };
 
 typedef struct bn_job {

@@ -1536,6 +1536,56 @@ static void bn_outs_free(bn_outs *o)
     free(o->pool), free(o->dpool);
 }
 
+/* The chunks' order, with values whose sums cancel (from helper-39's
+ * review): 16 samples of 3 planes of 4096 (enough for the chunks to be
+ * split among the threads), zero but for element 0 of some planes.
+ * Channel 0: 2^60 in chunk 0, then -2^60 and 1 in chunk 1: 0 chunk by
+ * chunk (1 is lost beside -2^60 within chunk 1), 1 as one flat sum.
+ * Channel 1: 2^60, -2^60, 1 in chunks 3, 4, 5: 1 in chunk order, 0 in
+ * halves or in reverse. Channel 2: 0. The same at 1, 2 and 3 threads,
+ * for the statistics' sum and the gradient's sum of g; and 5 samples (3
+ * chunks empty) of ones summing to 5. */
+static void bn_sums_keep_the_chunks_order(void **state)
+{
+    (void)state;
+    enum { N = 16, C = 3, HW = 4096 };
+    size_t total = (size_t)N * C * HW;
+    float *x = calloc(total, 4), *ones = malloc(total * 4), zero[C] = {0},
+          one[C] = {1, 1, 1}, mean[C], sums[2 * C];
+    assert_non_null(x);
+    assert_non_null(ones);
+    const float big = 1152921504606846976.0f; /* 2^60 */
+    x[(0 * C + 0) * HW] = big;                /* chunk 0 */
+    x[(2 * C + 0) * HW] = -big;               /* chunk 1 */
+    x[(3 * C + 0) * HW] = 1.0f;               /* chunk 1 */
+    x[(6 * C + 1) * HW] = big;                /* chunk 3 */
+    x[(8 * C + 1) * HW] = -big;               /* chunk 4 */
+    x[(10 * C + 1) * HW] = 1.0f;              /* chunk 5 */
+    for (size_t i = 0; i < total; i++)
+        ones[i] = 1.0f;
+    for (int t = 1; t <= 3; t++) {
+        stk_backend *b;
+        stk_err err;
+        assert_int_equal(stk_backend_create(STK_DEV_CPU, 0, t, &b, &err), 0);
+        assert_int_equal(stk_bn_sums(b, x, N, C, HW, NULL, 1.0, mean, &err),
+                         0);
+        assert_true(mean[0] == 0.0f && mean[1] == 1.0f && mean[2] == 0.0f);
+        /* g = x, no ReLU: the sums of g as above */
+        assert_int_equal(stk_bn_grad_sums(b, x, ones, N, C, HW, zero, one,
+                                          1e-5f, one, zero, false, sums, &err),
+                         0);
+        assert_true(sums[0] == 0.0f && sums[1] == 1.0f && sums[2] == 0.0f);
+        assert_int_equal(stk_bn_sums(b, ones, 5, C, 1, NULL, 1.0, mean, &err),
+                         0);
+        assert_true(mean[0] == 5.0f && mean[2] == 5.0f);
+        assert_int_equal(stk_bn_sums(b, ones, 5, C, 16, NULL, 1.0, mean, &err),
+                         0);
+        assert_true(mean[0] == 80.0f && mean[2] == 80.0f);
+        stk_backend_destroy(b);
+    }
+    free(x), free(ones);
+}
+
 static void bn_same_on_1_2_3_threads(void **state)
 {
     (void)state;
@@ -2002,6 +2052,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(batchnorm_training_matches_fd),
     cmocka_unit_test(bn_sums_follow_the_lanes),
     cmocka_unit_test(bn_running_follows_pytorch),
+    cmocka_unit_test(bn_sums_keep_the_chunks_order),
     cmocka_unit_test(bn_same_on_1_2_3_threads),
     cmocka_unit_test(pool_runs_every_range_once),
     cmocka_unit_test(bn_cuda_ranges_cover_the_batch),
