@@ -57,7 +57,7 @@ int stk_conv_chunk(const stk_backend *be, size_t per_sample, int n)
 int stk_backend_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
                        stk_err *err)
 {
-    if (be->kind == STK_DEV_CPU && n > 1)
+    if (be->kind == STK_DEV_CPU && n > 1 && n <= stk_cpu_threads(be))
         return stk_cpu_ranges(be, n, fn, arg, err);
     int rc = 0;
     for (int r = 0; r < n && !rc; r++)

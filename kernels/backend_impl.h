@@ -146,7 +146,8 @@ extern const backend_ops stk_cpu_ops;
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err);
 /* A CPU backend's compute threads. */
 int stk_cpu_threads(const stk_backend *be);
-/* stk_backend_ranges on a CPU backend (each range on its own view). */
+/* stk_backend_ranges on a CPU backend of 1 < n <= its threads (each
+ * range on its own view). */
 int stk_cpu_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
                    stk_err *err);
 /* The address of element x of p, x outside p's array included (the

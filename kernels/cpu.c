@@ -170,13 +170,7 @@ static void ranges_part(void *p, size_t b, size_t e)
 int stk_cpu_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
                    stk_err *err)
 {
-    cpu_state *st = be->impl;
-    if (!st->views || n > st->views->n) {
-        int rc = 0;
-        for (int r = 0; r < n && !rc; r++)
-            rc = fn(arg, r, be, err);
-        return rc;
-    }
+    cpu_state *st = be->impl; /* views: one per thread, made with it */
     ranges_job j = {fn, arg, st->views};
     stk_pool_for(st->pool, (size_t)n, 1, ranges_part, &j);
     for (int r = 0; r < n; r++)
@@ -2281,22 +2275,26 @@ static void bn_channels(stk_backend *be, const bn_job *j, stk_pool_fn part)
 }
 
 /* The BN_CHUNKS chunks in parallel (hw > 1), into the backend's scratch
- * of 2 * BN_CHUNKS * c doubles; NULL where it cannot be had. */
-static double *bn_chunks(stk_backend *be, bn_job *j, stk_pool_fn part)
+ * of 2 * BN_CHUNKS * c doubles (grown as needed). */
+static int bn_chunks(stk_backend *be, bn_job *j, stk_pool_fn part,
+                     stk_err *err)
 {
     cpu_state *st = be->impl;
     size_t need = (size_t)2 * BN_CHUNKS * j->c;
     if (need > st->bn_len) {
         double *p = realloc(st->bn_part, need * sizeof *p);
         if (!p)
-            return NULL;
+            return stk_fail(err, STK_ENOMEM,
+                            "cpu: cannot allocate a batchnorm's sums of %d "
+                            "channels",
+                            j->c);
         st->bn_part = p;
         st->bn_len = need;
     }
     j->part = st->bn_part;
     size_t per = ((size_t)j->n * j->c * j->hw + BN_CHUNKS - 1) / BN_CHUNKS;
     stk_pool_for(pool(be), BN_CHUNKS, (GRAIN + per - 1) / per, part, j);
-    return j->part;
+    return 0;
 }
 
 /* Sum w of channel ch over the chunks, in chunk order. */
@@ -2313,13 +2311,6 @@ static void bn_planes(stk_backend *be, const bn_job *j, stk_pool_fn part)
     size_t units = (size_t)j->n * (j->hw == 1 ? 1 : (size_t)j->c);
     size_t per = j->hw == 1 ? (size_t)j->c : (size_t)j->hw;
     stk_pool_for(pool(be), units, (GRAIN + per - 1) / per, part, (void *)j);
-}
-
-static int bn_nomem(int c, stk_err *err)
-{
-    return stk_fail(err, STK_ENOMEM,
-                    "cpu: cannot allocate a batchnorm's sums of %d channels",
-                    c);
 }
 
 CPU_HOT3 static void bn_sums_rows_part(void *v, size_t b, size_t e)
@@ -2342,11 +2333,10 @@ static int cpu_bn_sums(stk_backend *be, const float *x, int n, int c, int hw,
         bn_channels(be, &j, bn_sums_rows_part);
         return 0;
     }
-    if (!bn_chunks(be, &j, bn_sums_part))
-        return bn_nomem(c, err);
-    for (int ch = 0; ch < c; ch++)
+    int rc = bn_chunks(be, &j, bn_sums_part, err);
+    for (int ch = 0; ch < c && !rc; ch++)
         sums[ch] = (float)(bn_chunks_total(&j, 0, ch) * scale);
-    return 0;
+    return rc;
 }
 
 static stk_bn_fwd_coef bn_fwd_coef(const bn_job *j, size_t ch)
@@ -2558,14 +2548,13 @@ static int cpu_bn_grad_sums(stk_backend *be, const float *dy, const float *x,
         bn_channels(be, &j, bn_grad_sums_rows_part);
         return 0;
     }
-    if (!bn_chunks(be, &j, bn_grad_sums_part))
-        return bn_nomem(c, err);
-    for (int ch = 0; ch < c; ch++) {
+    int rc = bn_chunks(be, &j, bn_grad_sums_part, err);
+    for (int ch = 0; ch < c && !rc; ch++) {
         sums[ch] = (float)bn_chunks_total(&j, 0, ch);
         sums[c + ch] = (float)(bn_chunks_total(&j, 1, ch) *
                                stk_bn_invstd(var[ch], eps));
     }
-    return 0;
+    return rc;
 }
 
 static stk_bn_bwd_coef bn_bwd_coef(const bn_job *j, size_t ch)

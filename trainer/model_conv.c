@@ -173,6 +173,12 @@ static conv_range range_of(const conv_job *j, int r, stk_backend *view)
                         .bias = j->ranges == 1 && l->pb >= 0};
 }
 
+/* The samples of the piece from sample s0: a piece's, or the rest. */
+static int piece_len(const conv_job *j, int s0)
+{
+    return j->n - s0 < j->l->piece ? j->n - s0 : j->l->piece;
+}
+
 /* Where unit k of the weight gradient is stashed. */
 static float *stash_unit(float *stash, const units *u, int k)
 {
@@ -253,8 +259,7 @@ static int run_range(conv_job *j, int r, stk_backend *view, piece_fn step,
     int rc = 0;
     for (int k; !rc && (k = claim(j, r)) >= 0;) {
         int s0 = k * j->l->piece;
-        rc = step(j, &c, s0, j->n - s0 < j->l->piece ? j->n - s0 : j->l->piece,
-                  err);
+        rc = step(j, &c, s0, piece_len(j, s0), err);
     }
     return rc;
 }
@@ -401,7 +406,7 @@ static int backward_piece(const conv_job *j, const conv_range *c, int s0,
                              pool->s.stride, m->pool_dy + out_size(l) * s0,
                              err);
     }
-    if (!rc && l->drop_at && m->train)
+    if (!rc && l->drop_at && j->train)
         rc = model_dropout(c->be, m, l->drop_at, m->pool_dy, s0, cn, j->key,
                            j->stream, err);
     if (!rc)
@@ -440,12 +445,10 @@ static int bias_grads(const conv_job *j, stk_err *err)
 {
     const layer *l = j->l;
     int rc = 0;
-    for (int s0 = 0; s0 < j->n && !rc && l->pb >= 0; s0 += l->piece) {
-        int cn = j->n - s0 < l->piece ? j->n - s0 : l->piece;
-        rc =
-            stk_bias_grad(j->m->be, j->dy + s0 * out_size(l),
-                          grad_of(j->m, l->pb), cn, l->oc, l->oh * l->ow, err);
-    }
+    for (int s0 = 0; s0 < j->n && !rc && l->pb >= 0; s0 += l->piece)
+        rc = stk_bias_grad(j->m->be, j->dy + s0 * out_size(l),
+                           grad_of(j->m, l->pb), piece_len(j, s0), l->oc,
+                           l->oh * l->ow, err);
     return rc;
 }
 
