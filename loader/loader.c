@@ -52,7 +52,8 @@ typedef struct fetch_ops {
     int (*open)(stk_loader *l, void **ctx, stk_err *err);
     int (*get)(stk_loader *l, void *ctx, uint64_t index, sample *out,
                int32_t *label, stk_err *err);
-    void (*prefetch)(void *ctx, uint64_t index); /* may be NULL */
+    /* starts loading a record's first `bytes`; may be NULL */
+    void (*prefetch)(void *ctx, uint64_t index, size_t bytes);
     void (*close)(void *ctx);
 } fetch_ops;
 
@@ -103,6 +104,11 @@ struct stk_loader {
                                    batch's parts to take */
     slot *slots;
     int nslots;
+    /* Slots freed since the idle workers were last woken, and how many
+     * wake them (half the ring): a worker sleeps only when the ring is
+     * full, so waking one per release made every batch a futex call while
+     * half the ring still waited to be taken. */
+    int freed, wake_at;
     size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
                                             indices, 64-byte aligned */
     shard *shards;
@@ -165,9 +171,9 @@ static int store_get(stk_loader *l, void *ctx, uint64_t index, sample *out,
     return 0;
 }
 
-static void store_prefetch(void *ctx, uint64_t index)
+static void store_prefetch(void *ctx, uint64_t index, size_t bytes)
 {
-    stk_view_prefetch(ctx, index);
+    stk_view_prefetch(ctx, index, bytes);
 }
 
 static void store_close(void *ctx) { (void)ctx; }
@@ -518,19 +524,28 @@ static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
     return stk_centre_crop(&v, 0, 0, l->c, &st->xs, dst); /* HWC -> CHW */
 }
 
+/* How fill prefetches: every record's first lines at once (its header, so
+ * the lookups' misses overlap), and the rest of the record AHEAD samples
+ * before it is copied, up to WHOLE bytes (longer records stream, and the
+ * CPU's own prefetcher follows them). Both stages doubled the loader's
+ * rate on Fashion-MNIST's 784-byte records (docs/benchmarks.md), where
+ * each copy had waited on a miss every few lines. */
+enum { PREFETCH_HEAD = 128, PREFETCH_WHOLE = 2048, PREFETCH_AHEAD = 8 };
+
 /* Fills samples [from, to) of sl's batch. */
 static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
                 stk_err *err)
 {
     uint64_t epoch, batch;
     seq_pos(l, sl->seq, &epoch, &batch);
-    /* Start every record's cache misses before the first copy waits on
-     * one: lookups are already done, so the batch's loads overlap. */
-    for (int i = from; l->ops->prefetch && i < to; i++)
-        l->ops->prefetch(st->ctx, sl->indices[i]);
+    void (*prefetch)(void *, uint64_t, size_t) = l->ops->prefetch;
+    for (int i = from; prefetch && i < to; i++)
+        prefetch(st->ctx, sl->indices[i], PREFETCH_HEAD);
     for (int i = from; i < to; i++) {
         if (stopping(l))
             return stk_fail(err, STK_ECANCELED, "the loader is stopped");
+        if (prefetch && i + PREFETCH_AHEAD < to)
+            prefetch(st->ctx, sl->indices[i + PREFETCH_AHEAD], PREFETCH_WHOLE);
         sample in;
         uint8_t *dst = sl->data + (size_t)i * l->sample_bytes;
         int rc = l->ops->get(l, st->ctx, sl->indices[i], &in, &sl->labels[i],
@@ -694,7 +709,7 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
         return stk_fail(err, STK_EINVAL, "rank %d is not in a world of %d",
                         o->rank, o->world);
     if (o->prefetch == 0)
-        o->prefetch = o->workers * 2 > 2 ? o->workers * 2 : 2;
+        o->prefetch = o->workers * 2 > 4 ? o->workers * 2 : 4;
     if (o->prefetch < 1 || o->prefetch > 1024)
         return stk_fail(err, STK_EINVAL, "prefetch must be 1..1024, not %d",
                         o->prefetch);
@@ -718,6 +733,7 @@ static void set_block(const stk_loader *l, slot *s, uint8_t *block)
 static int alloc_ring(stk_loader *l, stk_err *err)
 {
     l->nslots = l->o.prefetch;
+    l->wake_at = l->nslots / 2 > 1 ? l->nslots / 2 : 1;
     l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
     if (!l->slots)
         return stk_fail(err, STK_ENOMEM, "out of memory");
@@ -903,6 +919,14 @@ static int held_error(const stk_loader *l, stk_err *err)
                     l->nslots, l->nslots);
 }
 
+/* Wakes the idle workers for the slots freed since they were last woken
+ * (mu held). */
+static void wake_workers(stk_loader *l)
+{
+    l->freed = 0;
+    pthread_cond_broadcast(&l->work);
+}
+
 /* Waits (until `deadline` on stk_now's clock; 0: for ever) for slot sl
  * to hold batch seq, filling it here when there are no workers (mu held);
  * STK_ETIMEDOUT, with no message, when the deadline passed. */
@@ -936,6 +960,8 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
     while (!(sl->state == SLOT_READY && sl->seq == seq)) {
         if (sl->state == SLOT_HELD)
             return held_error(l, err);
+        if (l->freed) /* the consumer waits: no freed slot may stay idle */
+            wake_workers(l);
         if (l->stop) /* stk_loader_stop: nothing would fill it */
             return stk_fail(err, STK_ECANCELED, "the loader is stopped");
         if (!deadline) {
@@ -1033,7 +1059,8 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
      * its buffer went on to (workers may be filling it) */
     if (sl->state == SLOT_HELD && sl->data == b->data) {
         sl->state = SLOT_FREE;
-        pthread_cond_signal(&l->work); /* one slot: one worker claims it */
+        if (++l->freed >= l->wake_at)
+            wake_workers(l);
     }
     pthread_mutex_unlock(&l->mu);
     b->data = NULL;

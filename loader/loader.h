@@ -102,8 +102,8 @@ typedef struct stk_loader_opts {
     const char *split;    /* default "train" */
     int batch_size;       /* >= 1 */
     int workers;          /* 0 = load in the caller's thread */
-    int prefetch;         /* batches in flight (ring size); 0 = 2*workers,
-                             at least 2 */
+    int prefetch;         /* batches in flight (ring size); 0 =
+                             max(4, 2*workers) */
     bool shuffle;
     uint64_t seed;
     bool drop_last;       /* sampler trims and the last short batch is dropped */

@@ -1001,12 +1001,14 @@ int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
                              v->e[index].len, v->meta, rec, err);
 }
 
-void stk_view_prefetch(const stk_view *v, uint64_t index)
+void stk_view_prefetch(const stk_view *v, uint64_t index, size_t bytes)
 {
-    if (index < v->count) {
-        __builtin_prefetch(v->e[index].data);
-        __builtin_prefetch(v->e[index].data + 64);
-    }
+    if (index >= v->count)
+        return;
+    const uint8_t *p = v->e[index].data;
+    size_t n = bytes < v->e[index].len ? bytes : v->e[index].len;
+    for (size_t o = 0; o < n; o += 64)
+        __builtin_prefetch(p + o);
 }
 
 void stk_view_close(stk_view *v)

@@ -304,8 +304,9 @@ uint64_t stk_view_count(const stk_view *v);
 int stk_view_get(const stk_view *v, uint64_t index, stk_record *rec,
                  stk_err *err);
 
-/* Hints that record index is read soon: starts loading its first bytes. */
-void stk_view_prefetch(const stk_view *v, uint64_t index);
+/* Hints that record index is read soon: starts loading its first `bytes`
+ * bytes (at most the record's), one cache line at a time. */
+void stk_view_prefetch(const stk_view *v, uint64_t index, size_t bytes);
 
 /* NULL is a no-op. */
 void stk_view_close(stk_view *v);

@@ -183,7 +183,7 @@ static void store_bytes_round_trip_with_map_growth(void **state)
     assert_int_equal(stk_view_count(v), 5000);
     for (uint64_t i = 0; i < 5000; i += 7) {
         stk_record rr;
-        stk_view_prefetch(v, i);
+        stk_view_prefetch(v, i, i % 2 ? 128 : SIZE_MAX); /* clamped to the record */
         assert_int_equal(stk_view_get(v, i, &rr, &err), 0);
         fill(px, 0, i, n);
         assert_int_equal(rr.label, (int32_t)(i % 3));
@@ -191,7 +191,7 @@ static void store_bytes_round_trip_with_map_growth(void **state)
     }
     stk_record rr;
     assert_int_equal(stk_view_get(v, 5000, &rr, &err), STK_ERANGE);
-    stk_view_prefetch(v, 5000); /* out of range: ignored */
+    stk_view_prefetch(v, 5000, 64); /* out of range: ignored */
     stk_view_close(v);
     assert_int_equal(stk_view_open(s, "val", &v, &err), STK_ENOENT);
     assert_null(v);
