@@ -791,7 +791,13 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
                         l->split, l->o.rank, (unsigned long long)l->shard_len,
                         (unsigned long long)n, l->o.batch_size);
     l->first_abs = l->o.start_epoch * l->nbatches + l->o.start_batch;
-    pthread_mutex_init(&l->mu, NULL);
+    /* mu is taken twice a batch by every worker and the consumer, for a
+     * few instructions: adaptive, a waiter spins briefly before it sleeps */
+    pthread_mutexattr_t adaptive;
+    pthread_mutexattr_init(&adaptive);
+    pthread_mutexattr_settype(&adaptive, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&l->mu, &adaptive);
+    pthread_mutexattr_destroy(&adaptive);
     pthread_condattr_t monotonic; /* stk_loader_next_for's deadline */
     pthread_condattr_init(&monotonic);
     pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);

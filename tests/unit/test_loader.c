@@ -670,6 +670,36 @@ static void close_mid_epoch_and_held_buffers(void **state)
     stk_store_close(s);
 }
 
+/* A consumer that holds the whole ring and then frees one buffer at a
+ * time: the workers sleep on the full ring and a single release is fewer
+ * than the half ring that wakes them, so the consumer's wait must wake
+ * them itself (else each next would hang). Same batches as no workers. */
+static void holding_the_whole_ring_still_turns(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 10, .shuffle = true, .seed = 3,
+                         .prefetch = 6};
+    trace ref = run(s, o, 36), t = {0};
+    o.workers = 2;
+    stk_loader *l;
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    stk_batch held[6];
+    for (int i = 0; i < 36; i++) {
+        if (i >= 6)
+            stk_loader_release(l, &held[i % 6]);
+        assert_int_equal(stk_loader_next_for(l, &held[i % 6], 10.0, &err), 1);
+        check_batch(&held[i % 6], &t);
+    }
+    stk_loader_close(l);
+    assert_int_equal(t.len, ref.len);
+    assert_memory_equal(t.bytes, ref.bytes, ref.len);
+    free(ref.bytes), free(t.bytes);
+    stk_store_close(s);
+}
+
 /* A detached batch keeps its buffer while the ring runs on through a new
  * one: its bytes stay as delivered; every buffer is freed once. */
 typedef struct alloc_count {
@@ -1177,6 +1207,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(a_batch_reports_its_first_error),
     cmocka_unit_test(a_stale_release_is_ignored),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),
+    cmocka_unit_test(holding_the_whole_ring_still_turns),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stop_keeps_held_batches),
     cmocka_unit_test(stats_count_what_was_delivered),
