@@ -3,11 +3,13 @@
  * cuBLAS SGEMM peak beside which training's FLOP/s is read.
  *
  *   gpu_bench --db DB [--batch 128] [--workers 1,2,4,8] [--epochs 2]
- *             [--gpu 0] [--gemm 8192]
+ *             [--gpu 0] [--gemm 8192] [--inflight 2] [--prefetch 0]
  *
  * Every upload runs as the trainer's do (trainer/upload.c): on the copy
- * stream, two in flight, a buffer reused once its event completed. Prints
- * one JSON line (GB/s are 1e9 bytes per second, bytes counted once):
+ * stream, two in flight (--inflight K: K, for the baseline too), a buffer
+ * reused once its event completed; --prefetch P: the loader's ring (0: its
+ * default). Prints one JSON line (GB/s are 1e9
+ * bytes per second, bytes counted once):
  *   copy_gbs       one batch's bytes copied again and again from one
  *                  pinned buffer: the cudaMemcpyAsync peak for batches of
  *                  this size, the ceiling for uploading them
@@ -18,6 +20,13 @@
  *                  back once its copy is done
  *   workers, loader_gbs, loader_share   the best count, its GB/s and
  *                  loader_gbs / copy_gbs (issue 15's target: >= 0.8)
+ *   consumer       {workers: [next, stall, release, settle, issue, busy]}:
+ *                  the shares of the uploading thread's time spent in
+ *                  stk_loader_next (stall: of that, waiting for a batch
+ *                  to be filled, the loader's own count), in
+ *                  stk_loader_release, waiting for a buffer's earlier
+ *                  copy, and queueing the copy and its event; and the
+ *                  workers' mean share of time spent filling batches
  *   sgemm_tflops   the best of 5 N x N x N stk_gemm calls on the GPU
  *                  (cuBLAS, its default math: no TF32), 2 N^3 flops each */
 #include "kernels/kernels.h"
@@ -29,11 +38,11 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_COUNTS = 16 };
+enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8 };
 
 typedef struct opts {
     const char *db;
-    int batch, epochs, gpu, gemm_n;
+    int batch, epochs, gpu, gemm_n, inflight, prefetch;
     int workers[MAX_COUNTS], nworkers;
 } opts;
 
@@ -72,19 +81,21 @@ static int die(const char *what, const stk_err *err)
 
 static int parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, 128, 2, 0, 8192, {1, 2, 4, 8}, 4};
+    *o = (opts){NULL, 128, 2, 0, 8192, 2, 0, {1, 2, 4, 8}, 4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int *num = !strcmp(a, "--batch")    ? &o->batch
                    : !strcmp(a, "--epochs") ? &o->epochs
                    : !strcmp(a, "--gpu")    ? &o->gpu
                    : !strcmp(a, "--gemm")   ? &o->gemm_n
+                   : !strcmp(a, "--inflight") ? &o->inflight
+                   : !strcmp(a, "--prefetch") ? &o->prefetch
                                             : NULL;
         bool known = num || !strcmp(a, "--db") || !strcmp(a, "--workers");
         if (!v || !known) {
             fprintf(stderr, "gpu_bench: unknown or incomplete option '%s' "
                             "(expected --db DB, --batch, --workers N,N,..., "
-                            "--epochs, --gpu, --gemm N)\n", a);
+                            "--epochs, --gpu, --gemm N, --inflight K, --prefetch P)\n", a);
             return 2;
         }
         if (num)
@@ -99,29 +110,35 @@ static int parse(int argc, char **argv, opts *o)
         }
         i++;
     }
-    if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 1) {
-        fprintf(stderr, "gpu_bench: needs --db DB and positive sizes\n");
+    if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 1 ||
+        o->inflight < 1 || o->inflight > MAX_INFLIGHT || o->prefetch < 0) {
+        fprintf(stderr, "gpu_bench: needs --db DB, positive sizes and "
+                        "--inflight 1..%d\n", MAX_INFLIGHT);
         return 2;
     }
     return 0;
 }
 
-/* Two uploads in flight, as the trainer keeps them (trainer/upload.c):
- * each on the copy stream, an event behind it; a buffer is reused (and
- * its batch's slot handed back) once its event completed. */
+/* k uploads in flight (the trainer keeps two, trainer/upload.c): each on
+ * the copy stream, an event behind it; a buffer is reused (and its batch's
+ * slot handed back) once its event completed. The seconds spent waiting
+ * for buffers and queueing copies are summed for the report. */
 typedef struct flight {
-    void *dev[2];
-    stk_event *ev[2];
-    stk_batch held[2];
-    bool busy[2];
-    int next;
+    void *dev[MAX_INFLIGHT];
+    stk_event *ev[MAX_INFLIGHT];
+    stk_batch held[MAX_INFLIGHT];
+    bool busy[MAX_INFLIGHT];
+    int next, k;
+    double settle_s, issue_s, release_s;
 } flight;
 
-static int flight_open(stk_backend *be, flight *f, size_t bytes, stk_err *err)
+static int flight_open(stk_backend *be, flight *f, int k, size_t bytes,
+                       stk_err *err)
 {
     memset(f, 0, sizeof *f);
+    f->k = k;
     int rc = 0;
-    for (int i = 0; i < 2 && !rc; i++) {
+    for (int i = 0; i < k && !rc; i++) {
         f->dev[i] = stk_dev_alloc(be, bytes, err);
         rc = f->dev[i] ? stk_event_create(be, &f->ev[i], err) : STK_ENOMEM;
     }
@@ -130,7 +147,7 @@ static int flight_open(stk_backend *be, flight *f, size_t bytes, stk_err *err)
 
 static void flight_close(stk_backend *be, flight *f)
 {
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < f->k; i++) {
         stk_event_destroy(be, f->ev[i]);
         stk_dev_free(be, f->dev[i]);
     }
@@ -142,10 +159,14 @@ static int flight_settle(stk_backend *be, flight *f, int i, stk_loader *l,
 {
     if (!f->busy[i])
         return 0;
+    double t0 = now();
     int rc = stk_event_wait(be, f->ev[i], err);
+    f->settle_s += now() - t0;
     f->busy[i] = false;
+    t0 = now();
     if (!rc && l)
         stk_loader_release(l, &f->held[i]);
+    f->release_s += now() - t0;
     return rc;
 }
 
@@ -155,12 +176,14 @@ static int flight_put(stk_backend *be, flight *f, const void *src, size_t n,
                       const stk_batch *b, stk_loader *l, stk_err *err)
 {
     int i = f->next;
-    f->next ^= 1;
+    f->next = (i + 1) % f->k;
     int rc = flight_settle(be, f, i, l, err);
+    double t0 = now();
     if (!rc)
         rc = stk_upload(be, f->dev[i], src, n, err);
     if (!rc)
         rc = stk_event_record(be, f->ev[i], STK_STREAM_COPY, err);
+    f->issue_s += now() - t0;
     if (!rc && b)
         f->held[i] = *b;
     f->busy[i] = !rc;
@@ -169,19 +192,22 @@ static int flight_put(stk_backend *be, flight *f, const void *src, size_t n,
 
 static int flight_drain(stk_backend *be, flight *f, stk_loader *l, stk_err *err)
 {
-    int rc = flight_settle(be, f, 0, l, err);
-    int rc1 = flight_settle(be, f, 1, l, err);
-    return rc ? rc : rc1;
+    int rc = 0;
+    for (int i = 0; i < f->k; i++) {
+        int rci = flight_settle(be, f, i, l, err);
+        rc = rc ? rc : rci;
+    }
+    return rc;
 }
 
-/* GB/s of `reps` uploads of `bytes` from one pinned buffer, two in flight:
+/* GB/s of `reps` uploads of `bytes` from one pinned buffer, k in flight:
  * the cudaMemcpyAsync peak for copies of this size. */
-static int copy_rate(stk_backend *be, size_t bytes, int reps, double *gbs,
-                     stk_err *err)
+static int copy_rate(stk_backend *be, size_t bytes, int k, int reps,
+                     double *gbs, stk_err *err)
 {
     void *host = stk_pinned_alloc(be, bytes);
     flight f;
-    int rc = flight_open(be, &f, bytes, err);
+    int rc = flight_open(be, &f, k, bytes, err);
     if (!host && !rc)
         rc = stk_fail(err, STK_ENOMEM, "pinned buffer of %zu bytes", bytes);
     if (!rc) {
@@ -204,29 +230,37 @@ static int copy_rate(stk_backend *be, size_t bytes, int reps, double *gbs,
 static void *pin(size_t n, void *ctx) { return stk_pinned_alloc(ctx, n); }
 static void unpin(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 
+/* The uploading thread's time: waiting in stk_loader_next, for a buffer,
+ * queueing copies (shares of the whole). */
+typedef struct consumer_time {
+    double next, stall, release, settle, issue, busy;
+} consumer_time;
+
 /* The loader with `workers` threads into its pinned ring, each batch (of
  * at most batch_bytes) uploaded from its slot, which goes back once the
  * copy is done. */
 static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
                        size_t batch_bytes, int workers, double *gbs,
-                       stk_err *err)
+                       consumer_time *ct, stk_err *err)
 {
     stk_loader *l = NULL;
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
-                          .workers = workers, .shuffle = true, .seed = 1,
+                          .workers = workers, .prefetch = o->prefetch,
+                          .shuffle = true, .seed = 1,
                           .host = {pin, unpin, be}};
     flight f;
-    int rc = flight_open(be, &f, batch_bytes, err);
+    int rc = flight_open(be, &f, o->inflight, batch_bytes, err);
     if (!rc)
         rc = stk_loader_open(st, &lo, &l, err);
     size_t bytes = 0;
-    double t0 = now();
+    double t0 = now(), next_s = 0, t1;
     for (int e = 0; e < o->epochs && !rc; e++) {
         stk_batch b;
         /* the buffer's last batch goes back before the next is asked for,
          * so that a ring of 2 (one worker) can make progress */
         while (!(rc = flight_settle(be, &f, f.next, l, err)) &&
-               (rc = stk_loader_next(l, &b, err)) == 1) {
+               (t1 = now(), rc = stk_loader_next(l, &b, err),
+                next_s += now() - t1, rc == 1)) {
             size_t n = (size_t)b.n * b.sample_bytes;
             rc = flight_put(be, &f, b.data, n, &b, l, err);
             if (rc) /* the copy may still read it: the close frees it */
@@ -237,7 +271,16 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     }
     if (!rc)
         rc = flight_drain(be, &f, l, err);
-    *gbs = (double)bytes / (now() - t0) / 1e9;
+    double s = now() - t0;
+    *gbs = (double)bytes / s / 1e9;
+    stk_loader_stats ls = {0};
+    if (l)
+        stk_loader_stats_get(l, &ls);
+    double busy = 0;
+    for (int w = 0; w < ls.workers; w++)
+        busy += ls.busy[w] / s / ls.workers;
+    *ct = (consumer_time){next_s / s,      ls.wait / s,   f.release_s / s,
+                          f.settle_s / s,  f.issue_s / s, busy};
     stk_loader_close(l); /* after an error too: cudaFreeHost waits for the
                             copies still reading its blocks */
     flight_close(be, &f);
@@ -275,8 +318,8 @@ static int gemm_peak(stk_backend *be, int n, double *tflops, stk_err *err)
 /* The loader's rate at each worker count, as JSON pairs into json; the
  * best count and rate. */
 static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
-                        char *json, size_t cap, int *best_w, double *best,
-                        stk_err *err)
+                        char *json, char *cjson, size_t cap, int *best_w,
+                        double *best, stk_err *err)
 {
     stk_store *st = NULL;
     int rc = stk_store_open(o->db, 0, &st, err);
@@ -285,16 +328,25 @@ static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
     const stk_meta *meta = stk_store_meta(st);
     *batch_bytes = (size_t)meta->channels * meta->height * meta->width *
                    (size_t)o->batch;
-    size_t at = 0;
+    size_t at = 0, cat = 0;
     *best = -1;
     for (int i = 0; i < o->nworkers && !rc; i++) {
         double gbs = 0;
-        rc = loader_rate(be, st, o, *batch_bytes, o->workers[i], &gbs, err);
+        consumer_time ct = {0};
+        rc = loader_rate(be, st, o, *batch_bytes, o->workers[i], &gbs, &ct,
+                         err);
         if (!rc && gbs > *best)
             *best = gbs, *best_w = o->workers[i];
         if (!rc && at < cap)
             at += (size_t)snprintf(json + at, cap - at, "%s\"%d\": %.3f",
                                    i ? ", " : "", o->workers[i], gbs);
+        if (!rc && cat < cap)
+            cat += (size_t)snprintf(cjson + cat, cap - cat,
+                                    "%s\"%d\": [%.3f, %.3f, %.3f, %.3f, "
+                                    "%.3f, %.3f]",
+                                    i ? ", " : "", o->workers[i], ct.next,
+                                    ct.stall, ct.release, ct.settle,
+                                    ct.issue, ct.busy);
     }
     stk_store_close(st);
     return rc;
@@ -314,23 +366,24 @@ int main(int argc, char **argv)
     size_t batch_bytes = 0;
     double loader = 0, copy = 0, big = 0, tflops = 0;
     int best_w = 0;
-    char rates[512] = "";
-    if (loader_rates(be, &o, &batch_bytes, rates, sizeof rates, &best_w,
-                     &loader, &err))
+    char rates[512] = "", times[1024] = "";
+    if (loader_rates(be, &o, &batch_bytes, rates, times, sizeof rates,
+                     &best_w, &loader, &err))
         rc = die(o.db, &err);
-    else if (copy_rate(be, batch_bytes, 4000, &copy, &err) ||
-             copy_rate(be, (size_t)64 << 20, 40, &big, &err))
+    else if (copy_rate(be, batch_bytes, o.inflight, 4000, &copy, &err) ||
+             copy_rate(be, (size_t)64 << 20, o.inflight, 40, &big, &err))
         rc = die("pinned copy", &err);
     else if (gemm_peak(be, o.gemm_n, &tflops, &err))
         rc = die("sgemm", &err);
     if (!rc)
         printf("{\"device\": \"%s\", \"batch_bytes\": %zu, "
-               "\"loader\": {%s}, \"workers\": %d, "
+               "\"inflight\": %d, \"loader\": {%s}, \"workers\": %d, "
                "\"copy_gbs\": %.3f, \"copy_big_gbs\": %.3f, "
                "\"loader_gbs\": %.3f, \"loader_share\": %.3f, "
+               "\"consumer\": {%s}, "
                "\"sgemm_n\": %d, \"sgemm_tflops\": %.2f}\n",
-               stk_backend_name(be), batch_bytes, rates, best_w, copy, big,
-               loader, loader / copy, o.gemm_n, tflops);
+               stk_backend_name(be), batch_bytes, o.inflight, rates, best_w,
+               copy, big, loader, loader / copy, times, o.gemm_n, tflops);
     stk_backend_destroy(be);
     return rc;
 }

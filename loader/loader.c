@@ -26,7 +26,11 @@
 enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_HELD };
 
 typedef struct slot {
-    int state;
+    /* under mu, except that the consumer takes a ready batch and gives a
+     * held one back without it (take_ready, stk_loader_release): a
+     * worker's READY store publishes the batch (seq, n, rc, the bytes),
+     * a release's FREE store the consumer's last reads of it */
+    _Atomic int state;
     uint64_t seq;
     int n;
     int parts, parts_left; /* parts handed out in turn; not yet filled */
@@ -108,24 +112,29 @@ struct stk_loader {
      * wake them (half the ring): a worker sleeps only when the ring is
      * full, so waking one per release made every batch a futex call while
      * half the ring still waited to be taken. */
-    int freed, wake_at;
+    atomic_int freed;
+    int wake_at;
     size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
                                             indices, 64-byte aligned */
     shard *shards;
-    uint64_t claim_seq, take_seq;
+    uint64_t claim_seq;
+    /* The consumer's; atomic for stk_loader_position and stats_get, which
+     * may read them from another thread while next takes batches without
+     * mu. */
+    _Atomic uint64_t take_seq, batches, samples;
+    _Atomic double t_first;
     slot *open;    /* the batch whose parts are being handed out */
     int open_next; /* its next part */
     atomic_bool stop; /* read by workers mid-batch, without mu */
-    bool ended, started;
+    bool ended, started; /* ended: the consumer's */
     bool joined; /* stk_loader_stop: the workers are gone */
-    int failed;
+    atomic_int failed; /* written under mu; next reads it without */
     stk_err fail_err;
     worker *workers;
     int nworkers;
     wstate inline_st;   /* workers == 0: the caller's */
 
-    double t_open, t_first, wait;
-    uint64_t batches, samples;
+    double t_open, wait;
     double busy[STK_LOADER_MAX_WORKERS];
 };
 
@@ -725,7 +734,8 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
 /* Points slot s at block (samples, then labels and indices). */
 static void set_block(const stk_loader *l, slot *s, uint8_t *block)
 {
-    s->data = block;
+    __atomic_store_n(&s->data, block, __ATOMIC_RELAXED); /* a stale
+                                                 release compares it */
     s->labels = (int32_t *)(block + l->at_labels);
     s->indices = (uint64_t *)(block + l->at_indices);
 }
@@ -999,10 +1009,30 @@ static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
     b->labels = sl->labels;
     b->indices = sl->indices;
     b->slot = (int)(sl - l->slots);
-    l->batches++;
     l->samples += (uint64_t)sl->n;
-    if (l->batches == 1)
+    if (l->batches++ == 0)
         l->t_first = stk_now() - l->t_open;
+}
+
+/* The next batch when it is ready and there is nothing else to say (no
+ * error, no epoch end, not stopped), taken without mu: the consumer took
+ * mu twice a batch, and on 16 cores its waits behind the workers were half
+ * of an upload's time (docs/benchmarks.md). false: take the locked way. */
+static bool take_ready(stk_loader *l, stk_batch *b)
+{
+    uint64_t seq = l->take_seq, abs = l->first_abs + seq;
+    if (l->failed || !l->nbatches ||
+        (abs % l->nbatches == 0 && seq > 0 && !l->ended))
+        return false;
+    slot *sl = &l->slots[seq % (uint64_t)l->nslots];
+    /* READY (the acquire) before seq and rc: a worker wrote them first */
+    if (sl->state != SLOT_READY || sl->seq != seq || sl->rc)
+        return false;
+    sl->state = SLOT_HELD; /* no one else moves a READY slot */
+    l->ended = false;
+    l->take_seq = seq + 1;
+    hand_out(l, sl, b);
+    return true;
 }
 
 int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
@@ -1013,6 +1043,8 @@ int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err)
 int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
                         stk_err *err)
 {
+    if (take_ready(l, b))
+        return 1;
     double deadline = seconds > 0 ? stk_now() + seconds : 0;
     pthread_mutex_lock(&l->mu);
     int rc = l->failed;
@@ -1059,16 +1091,19 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
 {
     if (!b->data || b->slot < 0 || b->slot >= l->nslots)
         return; /* none, or detached: not the ring's */
-    pthread_mutex_lock(&l->mu);
     slot *sl = &l->slots[b->slot];
     /* a stale copy of a batch released twice must not free the slot that
-     * its buffer went on to (workers may be filling it) */
-    if (sl->state == SLOT_HELD && sl->data == b->data) {
-        sl->state = SLOT_FREE;
-        if (++l->freed >= l->wake_at)
-            wake_workers(l);
+     * its buffer went on to (workers may be filling it); without mu, as
+     * the consumer takes batches (take_ready) */
+    int held = SLOT_HELD;
+    if (__atomic_load_n(&sl->data, __ATOMIC_RELAXED) == b->data &&
+        atomic_compare_exchange_strong(&sl->state, &held, SLOT_FREE) &&
+        atomic_fetch_add(&l->freed, 1) + 1 >= l->wake_at) {
+        pthread_mutex_lock(&l->mu); /* a worker between its look at the
+                                       ring and its wait hears this */
+        wake_workers(l);
+        pthread_mutex_unlock(&l->mu);
     }
-    pthread_mutex_unlock(&l->mu);
     b->data = NULL;
 }
 

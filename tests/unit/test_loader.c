@@ -700,6 +700,96 @@ static void holding_the_whole_ring_still_turns(void **state)
     stk_store_close(s);
 }
 
+/* Batches handed from the consumer to another thread that releases them
+ * (as an upload's completion would): the consumer takes ready batches
+ * without the lock while releases land from the other thread. */
+typedef struct handoff {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    stk_batch q[4];
+    int head, tail; /* q[head % 4] .. q[tail % 4] */
+    bool done;
+    stk_loader *l;
+} handoff;
+
+static void *release_in_turn(void *arg)
+{
+    handoff *h = arg;
+    pthread_mutex_lock(&h->mu);
+    for (;;) {
+        while (h->head == h->tail && !h->done)
+            pthread_cond_wait(&h->cv, &h->mu);
+        if (h->head == h->tail)
+            break;
+        stk_batch b = h->q[h->head % 4];
+        h->head++;
+        pthread_cond_broadcast(&h->cv);
+        pthread_mutex_unlock(&h->mu);
+        stk_loader_release(h->l, &b);
+        pthread_mutex_lock(&h->mu);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return NULL;
+}
+
+static void releases_from_another_thread(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 7, .shuffle = true, .seed = 9};
+    trace ref = run(s, o, 300);
+    int workers[] = {1, 3, 8}, prefetch[] = {0, 5};
+    for (int k = 0; k < 6; k++) {
+        o.workers = workers[k / 2];
+        o.prefetch = prefetch[k % 2];
+        handoff h = {.l = NULL};
+        pthread_mutex_init(&h.mu, NULL);
+        pthread_cond_init(&h.cv, NULL);
+        assert_int_equal(stk_loader_open(s, &o, &h.l, &err), 0);
+        int held_max = stk_loader_slots(h.l) - 1 < 4 ? stk_loader_slots(h.l) - 1
+                                                      : 4;
+        pthread_t t;
+        assert_int_equal(pthread_create(&t, NULL, release_in_turn, &h), 0);
+        trace tr = {0};
+        for (int got = 0; got < 300;) {
+            pthread_mutex_lock(&h.mu); /* at most held_max in the queue */
+            while (h.tail - h.head >= held_max)
+                pthread_cond_wait(&h.cv, &h.mu);
+            pthread_mutex_unlock(&h.mu);
+            stk_batch b;
+            int rc = stk_loader_next(h.l, &b, &err);
+            assert_true(rc >= 0);
+            if (rc == 0)
+                continue;
+            check_batch(&b, &tr);
+            got++;
+            pthread_mutex_lock(&h.mu);
+            h.q[h.tail % 4] = b;
+            h.tail++;
+            pthread_cond_broadcast(&h.cv);
+            pthread_mutex_unlock(&h.mu);
+        }
+        pthread_mutex_lock(&h.mu);
+        h.done = true;
+        pthread_cond_broadcast(&h.cv);
+        pthread_mutex_unlock(&h.mu);
+        assert_int_equal(pthread_join(t, NULL), 0);
+        stk_loader_stats st;
+        stk_loader_stats_get(h.l, &st);
+        assert_int_equal(st.batches, 300);
+        stk_loader_close(h.l);
+        pthread_cond_destroy(&h.cv);
+        pthread_mutex_destroy(&h.mu);
+        assert_int_equal(tr.len, ref.len);
+        assert_memory_equal(tr.bytes, ref.bytes, ref.len);
+        free(tr.bytes);
+    }
+    free(ref.bytes);
+    stk_store_close(s);
+}
+
 /* A detached batch keeps its buffer while the ring runs on through a new
  * one: its bytes stay as delivered; every buffer is freed once. */
 typedef struct alloc_count {
@@ -1208,6 +1298,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(a_stale_release_is_ignored),
     cmocka_unit_test(close_mid_epoch_and_held_buffers),
     cmocka_unit_test(holding_the_whole_ring_still_turns),
+    cmocka_unit_test(releases_from_another_thread),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stop_keeps_held_batches),
     cmocka_unit_test(stats_count_what_was_delivered),
