@@ -621,10 +621,6 @@ static slot *take_part(stk_loader *l, int *p, int *rc)
      * busy and looks for work before it sleeps) */
     for (int k = 1; k < sl->parts; k++)
         pthread_cond_signal(&l->work);
-    /* and one for the next free slot: the consumer wakes one worker for
-     * half a ring of them (wake_workers), the workers wake each other */
-    if (l->slots[l->claim_seq % (uint64_t)l->nslots].state == SLOT_FREE)
-        pthread_cond_signal(&l->work);
     return sl;
 }
 
@@ -944,11 +940,7 @@ static int held_error(const stk_loader *l, stk_err *err)
 static void wake_workers(stk_loader *l)
 {
     l->freed = 0;
-    /* one: each wake-up costs the waker an interrupt to the sleeper's
-     * CPU, and a broadcast to 8-16 workers made the consumer's release a
-     * third of its upload time on 16 vCPUs; take_part passes the wake-up
-     * on while free slots remain */
-    pthread_cond_signal(&l->work);
+    pthread_cond_broadcast(&l->work);
 }
 
 /* Waits (until `deadline` on stk_now's clock; 0: for ever) for slot sl
