@@ -25,13 +25,20 @@
 
 enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_HELD };
 
+static uint64_t tag(uint64_t seq, int state)
+{
+    return seq << 2 | (uint64_t)state;
+}
+
 typedef struct slot {
-    /* under mu, except that the consumer takes a ready batch and gives a
+    /* The batch's sequence number and the slot's state in one word
+     * (tag()), so that a release compares both at once: a stale copy of an
+     * older batch in the same buffer must not free a newer one. Moved
+     * under mu, except that the consumer takes a ready batch and gives a
      * held one back without it (take_ready, stk_loader_release): a
-     * worker's READY store publishes the batch (seq, n, rc, the bytes),
-     * a release's FREE store the consumer's last reads of it */
-    _Atomic int state;
-    uint64_t seq;
+     * worker's READY store publishes the batch (n, rc, the bytes), a
+     * release's FREE store the consumer's last reads of it. */
+    _Atomic uint64_t tag;
     int n;
     int parts, parts_left; /* parts handed out in turn; not yet filled */
     uint8_t *data;
@@ -40,6 +47,13 @@ typedef struct slot {
     int rc, rc_part; /* the error of the lowest failed part */
     stk_err err;
 } slot;
+
+static int slot_state(const slot *sl) { return (int)(sl->tag & 3); }
+static uint64_t slot_seq(const slot *sl) { return sl->tag >> 2; }
+static void set_state(slot *sl, int state)
+{
+    sl->tag = tag(slot_seq(sl), state);
+}
 
 /* A fetched sample: its pixels, or a JPEG record (jpeg non-NULL, v.w x
  * v.h its size from the record's header) that the transform decodes,
@@ -297,6 +311,12 @@ static void seq_pos(const stk_loader *l, uint64_t seq, uint64_t *epoch,
     *batch = abs % l->nbatches;
 }
 
+/* seq_pos's inverse: the sequence number of a batch handed out. */
+static uint64_t batch_seq(const stk_loader *l, const stk_batch *b)
+{
+    return b->epoch * l->nbatches + b->index - l->first_abs;
+}
+
 /* How many parts a batch of n samples is cut into: one per worker, but
  * where samples are only copied, no part under PART_MIN_BYTES: a handoff
  * costs a lock round and a wake-up. On 16 cores (an H100's host), with
@@ -320,8 +340,7 @@ static int claim(stk_loader *l, uint64_t seq, slot *sl)
 {
     uint64_t epoch, batch;
     seq_pos(l, seq, &epoch, &batch);
-    sl->state = SLOT_FILLING;
-    sl->seq = seq;
+    sl->tag = tag(seq, SLOT_FILLING);
     sl->rc = 0;
     sl->parts = sl->parts_left = 1;
     uint64_t first = batch * (uint64_t)l->o.batch_size;
@@ -357,7 +376,7 @@ static void part_done(stk_loader *l, slot *sl, int p, int rc,
         sl->err = *e;
     }
     if (--sl->parts_left == 0) {
-        sl->state = SLOT_READY;
+        set_state(sl, SLOT_READY);
         pthread_cond_broadcast(&l->ready);
     }
 }
@@ -546,10 +565,11 @@ static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
                 stk_err *err)
 {
     uint64_t epoch, batch;
-    seq_pos(l, sl->seq, &epoch, &batch);
+    seq_pos(l, slot_seq(sl), &epoch, &batch);
     void (*prefetch)(void *, uint64_t, size_t) = l->ops->prefetch;
-    for (int i = from; prefetch && i < to; i++)
-        prefetch(st->ctx, sl->indices[i], PREFETCH_HEAD);
+    for (int i = from; prefetch && i < to; i++) /* the first AHEAD whole */
+        prefetch(st->ctx, sl->indices[i],
+                 i < from + PREFETCH_AHEAD ? PREFETCH_WHOLE : PREFETCH_HEAD);
     for (int i = from; i < to; i++) {
         if (stopping(l))
             return stk_fail(err, STK_ECANCELED, "the loader is stopped");
@@ -609,7 +629,7 @@ static slot *take_part(stk_loader *l, int *p, int *rc)
         return l->open;
     }
     slot *sl = &l->slots[l->claim_seq % (uint64_t)l->nslots];
-    if (sl->state != SLOT_FREE)
+    if (slot_state(sl) != SLOT_FREE)
         return NULL;
     *rc = claim(l, l->claim_seq++, sl);
     l->open = sl;
@@ -734,8 +754,7 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
 /* Points slot s at block (samples, then labels and indices). */
 static void set_block(const stk_loader *l, slot *s, uint8_t *block)
 {
-    __atomic_store_n(&s->data, block, __ATOMIC_RELAXED); /* a stale
-                                                 release compares it */
+    s->data = block;
     s->labels = (int32_t *)(block + l->at_labels);
     s->indices = (uint64_t *)(block + l->at_indices);
 }
@@ -805,7 +824,8 @@ static int open_common(stk_loader *l, uint64_t n, stk_err *err)
      * few instructions: adaptive, a waiter spins briefly before it sleeps */
     pthread_mutexattr_t adaptive;
     pthread_mutexattr_init(&adaptive);
-    pthread_mutexattr_settype(&adaptive, PTHREAD_MUTEX_ADAPTIVE_NP);
+    (void)pthread_mutexattr_settype(&adaptive, PTHREAD_MUTEX_ADAPTIVE_NP);
+    /* (refused: a normal mutex, the same but for the spinning) */
     pthread_mutex_init(&l->mu, &adaptive);
     pthread_mutexattr_destroy(&adaptive);
     pthread_condattr_t monotonic; /* stk_loader_next_for's deadline */
@@ -951,8 +971,9 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
 {
     if (l->stop) /* stk_loader_stop: nothing would fill it */
         return stk_fail(err, STK_ECANCELED, "the loader is stopped");
-    if (sl->state == SLOT_HELD || (sl->state != SLOT_FREE && sl->seq != seq &&
-                                   !l->o.workers))
+    int state = slot_state(sl);
+    if (state == SLOT_HELD || (state != SLOT_FREE && slot_seq(sl) != seq &&
+                               !l->o.workers))
         return held_error(l, err);
     if (!l->o.workers) {
         /* a claim that fails is the batch's error, as in a worker: the
@@ -973,10 +994,12 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
         return 0;
     }
     double t0 = stk_now();
-    while (!(sl->state == SLOT_READY && sl->seq == seq)) {
-        if (sl->state == SLOT_HELD)
+    while (sl->tag != tag(seq, SLOT_READY)) {
+        if (slot_state(sl) == SLOT_HELD)
             return held_error(l, err);
-        if (l->freed) /* the consumer waits: no freed slot may stay idle */
+        /* the consumer waits: no freed slot may stay idle (a release may
+         * have freed this one and not yet counted it) */
+        if (l->freed || slot_state(sl) == SLOT_FREE)
             wake_workers(l);
         if (l->stop) /* stk_loader_stop: nothing would fill it */
             return stk_fail(err, STK_ECANCELED, "the loader is stopped");
@@ -1002,7 +1025,7 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
 
 static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
 {
-    seq_pos(l, sl->seq, &b->epoch, &b->index);
+    seq_pos(l, slot_seq(sl), &b->epoch, &b->index);
     b->n = sl->n;
     b->sample_bytes = l->sample_bytes;
     b->data = sl->data;
@@ -1010,8 +1033,9 @@ static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
     b->indices = sl->indices;
     b->slot = (int)(sl - l->slots);
     l->samples += (uint64_t)sl->n;
-    if (l->batches++ == 0)
+    if (l->batches == 0) /* before the count: stats_get may read both */
         l->t_first = stk_now() - l->t_open;
+    l->batches++;
 }
 
 /* The next batch when it is ready and there is nothing else to say (no
@@ -1026,9 +1050,9 @@ static bool take_ready(stk_loader *l, stk_batch *b)
         return false;
     slot *sl = &l->slots[seq % (uint64_t)l->nslots];
     /* READY (the acquire) before seq and rc: a worker wrote them first */
-    if (sl->state != SLOT_READY || sl->seq != seq || sl->rc)
+    if (sl->tag != tag(seq, SLOT_READY) || sl->rc)
         return false;
-    sl->state = SLOT_HELD; /* no one else moves a READY slot */
+    sl->tag = tag(seq, SLOT_HELD); /* no one else moves a READY slot */
     l->ended = false;
     l->take_seq = seq + 1;
     hand_out(l, sl, b);
@@ -1075,12 +1099,12 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
         l->fail_err = sl->err;
         if (err)
             *err = sl->err;
-        sl->state = SLOT_FREE;
+        set_state(sl, SLOT_FREE);
     }
     if (!rc) {
         l->ended = false;
         l->take_seq++;
-        sl->state = SLOT_HELD;
+        set_state(sl, SLOT_HELD);
         hand_out(l, sl, b);
     }
     pthread_mutex_unlock(&l->mu);
@@ -1092,12 +1116,13 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
     if (!b->data || b->slot < 0 || b->slot >= l->nslots)
         return; /* none, or detached: not the ring's */
     slot *sl = &l->slots[b->slot];
-    /* a stale copy of a batch released twice must not free the slot that
-     * its buffer went on to (workers may be filling it); without mu, as
-     * the consumer takes batches (take_ready) */
-    int held = SLOT_HELD;
-    if (__atomic_load_n(&sl->data, __ATOMIC_RELAXED) == b->data &&
-        atomic_compare_exchange_strong(&sl->state, &held, SLOT_FREE) &&
+    /* only b's batch, held: a stale copy of a batch released twice must
+     * not free the slot that its buffer went on to (workers may be
+     * filling it, the consumer may hold a newer batch in it); without mu,
+     * as the consumer takes batches (take_ready) */
+    uint64_t seq = batch_seq(l, b), held = tag(seq, SLOT_HELD);
+    if (atomic_compare_exchange_strong(&sl->tag, &held,
+                                       tag(seq, SLOT_FREE)) &&
         atomic_fetch_add(&l->freed, 1) + 1 >= l->wake_at) {
         pthread_mutex_lock(&l->mu); /* a worker between its look at the
                                        ring and its wait hears this */
@@ -1107,13 +1132,19 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
     b->data = NULL;
 }
 
+/* b's batch is in its slot, held (or, under mu, released meanwhile: the
+ * slot is then free and no worker has claimed it yet). */
+static bool holds(const stk_loader *l, const stk_batch *b, bool or_freed)
+{
+    if (!b->data || b->slot < 0 || b->slot >= l->nslots)
+        return false;
+    uint64_t t = l->slots[b->slot].tag, seq = batch_seq(l, b);
+    return t == tag(seq, SLOT_HELD) || (or_freed && t == tag(seq, SLOT_FREE));
+}
+
 int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
 {
-    pthread_mutex_lock(&l->mu);
-    bool held = b->data && b->slot >= 0 && b->slot < l->nslots &&
-                l->slots[b->slot].state == SLOT_HELD &&
-                l->slots[b->slot].data == b->data;
-    pthread_mutex_unlock(&l->mu);
+    bool held = holds(l, b, false);
     if (!held)
         return stk_fail(err, STK_EINVAL, "detach: not a batch the consumer "
                         "holds");
@@ -1124,8 +1155,14 @@ int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
                         l->block);
     pthread_mutex_lock(&l->mu);
     slot *sl = &l->slots[b->slot];
+    if (!holds(l, b, true)) { /* released and refilled meanwhile: misuse */
+        pthread_mutex_unlock(&l->mu);
+        stk_loader_free_detached(l, &(stk_batch){.data = fresh, .slot = -1});
+        return stk_fail(err, STK_EINVAL, "detach: the batch was released "
+                        "while it was being detached");
+    }
     set_block(l, sl, fresh);
-    sl->state = SLOT_FREE;
+    set_state(sl, SLOT_FREE);
     pthread_cond_signal(&l->work);
     pthread_mutex_unlock(&l->mu);
     b->slot = -1;
@@ -1161,9 +1198,9 @@ void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *st)
 {
     memset(st, 0, sizeof *st);
     pthread_mutex_lock((pthread_mutex_t *)&l->mu);
-    st->batches = l->batches;
+    st->batches = l->batches; /* each read once: next updates them */
     st->samples = l->samples;
-    st->bytes = l->samples * l->sample_bytes;
+    st->bytes = st->samples * l->sample_bytes;
     st->elapsed = stk_now() - l->t_open;
     st->first_batch = l->t_first;
     st->wait = l->wait;

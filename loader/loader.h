@@ -164,7 +164,8 @@ int stk_loader_open_raw(const stk_source *src, int split,
 
 /* Next batch in order: returns 1 and fills b, 0 at the end of an epoch (the
  * following call starts the next one), or a negative code with err naming
- * the split and key of the sample that failed. */
+ * the split and key of the sample that failed. One thread at a time calls
+ * next (and next_for): a ready batch is taken without the loader's lock. */
 int stk_loader_next(stk_loader *l, stk_batch *b, stk_err *err);
 
 /* stk_loader_next waiting at most `seconds` (> 0) for the workers:

@@ -1007,8 +1007,11 @@ void stk_view_prefetch(const stk_view *v, uint64_t index, size_t bytes)
         return;
     const uint8_t *p = v->e[index].data;
     size_t n = bytes < v->e[index].len ? bytes : v->e[index].len;
-    for (size_t o = 0; o < n; o += 64)
-        __builtin_prefetch(p + o);
+    /* from p's line on: a record is rarely line-aligned, and steps from p
+     * itself could miss its last line */
+    uintptr_t line = (uintptr_t)p & ~(uintptr_t)63;
+    for (; line < (uintptr_t)p + n; line += 64)
+        __builtin_prefetch((const void *)line);
 }
 
 void stk_view_close(stk_view *v)
