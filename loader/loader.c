@@ -1049,7 +1049,7 @@ static bool take_ready(stk_loader *l, stk_batch *b)
         (abs % l->nbatches == 0 && seq > 0 && !l->ended))
         return false;
     slot *sl = &l->slots[seq % (uint64_t)l->nslots];
-    /* READY (the acquire) before seq and rc: a worker wrote them first */
+    /* the tag (the acquire) before rc and n: a worker wrote them first */
     if (sl->tag != tag(seq, SLOT_READY) || sl->rc)
         return false;
     sl->tag = tag(seq, SLOT_HELD); /* no one else moves a READY slot */
