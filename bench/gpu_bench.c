@@ -38,7 +38,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8 };
+enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8, JSON_CAP = 1024 };
 
 typedef struct opts {
     const char *db;
@@ -315,11 +315,12 @@ static int gemm_peak(stk_backend *be, int n, double *tflops, stk_err *err)
     return rc;
 }
 
-/* The loader's rate at each worker count, as JSON pairs into json; the
- * best count and rate. */
+/* The loader's rate at each worker count, as JSON pairs into json, and
+ * the uploading thread's time into cjson (JSON_CAP bytes each); the best
+ * count and rate. */
 static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
-                        char *json, char *cjson, size_t cap, int *best_w,
-                        double *best, stk_err *err)
+                        char *json, char *cjson, int *best_w, double *best,
+                        stk_err *err)
 {
     stk_store *st = NULL;
     int rc = stk_store_open(o->db, 0, &st, err);
@@ -328,7 +329,7 @@ static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
     const stk_meta *meta = stk_store_meta(st);
     *batch_bytes = (size_t)meta->channels * meta->height * meta->width *
                    (size_t)o->batch;
-    size_t at = 0, cat = 0;
+    size_t at = 0, cat = 0, cap = JSON_CAP;
     *best = -1;
     for (int i = 0; i < o->nworkers && !rc; i++) {
         double gbs = 0;
@@ -366,9 +367,9 @@ int main(int argc, char **argv)
     size_t batch_bytes = 0;
     double loader = 0, copy = 0, big = 0, tflops = 0;
     int best_w = 0;
-    char rates[512] = "", times[1024] = "";
-    if (loader_rates(be, &o, &batch_bytes, rates, times, sizeof rates,
-                     &best_w, &loader, &err))
+    char rates[JSON_CAP] = "", times[JSON_CAP] = "";
+    if (loader_rates(be, &o, &batch_bytes, rates, times, &best_w, &loader,
+                     &err))
         rc = die(o.db, &err);
     else if (copy_rate(be, batch_bytes, o.inflight, 4000, &copy, &err) ||
              copy_rate(be, (size_t)64 << 20, o.inflight, 40, &big, &err))

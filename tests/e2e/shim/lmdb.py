@@ -244,20 +244,23 @@ class Cursor:
         self.txn = txn  # keeps the transaction alive
         cur = _P()
         _check(_lib.mdb_cursor_open(txn._txn, dbi, ctypes.byref(cur)), "mdb_cursor_open")
-        self._cur, self._k, self._v, self._ok = cur, _Val(), _Val(), False
+        self._cur, self._k, self._v = cur, _Val(), _Val()
+        self._ok = self._placed = False  # on a record; ever positioned
 
     def _op(self, op):
         rc = _lib.mdb_cursor_get(self._cur, ctypes.byref(self._k), ctypes.byref(self._v), op)
         if rc != MDB_NOTFOUND:
             _check(rc, "mdb_cursor_get")
-        self._ok = rc == 0
+        self._ok, self._placed = rc == 0, True
         return self._ok
 
     def first(self):
         return self._op(MDB_FIRST)
 
     def next(self):
-        return self._op(MDB_NEXT if self._ok else MDB_FIRST)
+        # as python3-lmdb: an unpositioned cursor starts at the first
+        # record, one past the last stays there
+        return self._op(MDB_NEXT if self._placed else MDB_FIRST)
 
     def key(self):
         return _bytes(self._k) if self._ok else b""
