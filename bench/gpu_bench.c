@@ -4,11 +4,15 @@
  *
  *   gpu_bench --db DB [--batch 128] [--workers 1,2,4,8] [--epochs 2]
  *             [--gpu 0] [--gemm 8192] [--inflight 2] [--prefetch 0]
+ *             [--spin US] [--device cuda | --device cpu [--link G]]
  *
  * Every upload runs as the trainer's do (trainer/upload.c): on the copy
  * stream, two in flight (--inflight K: K, for the baseline too), a buffer
  * reused once its event completed; --prefetch P: the loader's ring (0: its
- * default). Prints one JSON line (GB/s are 1e9
+ * default); --spin US: the loader's spin_us (0: its default, -1: none); --device cpu: the same loop on the CPU backend, where an upload
+ * is a memcpy (a stand-in for the uploading thread's costs on machines
+ * without a GPU), and --link G makes each last as long as a copy at G GB/s
+ * (a GPU's link) by spinning after it; --gemm 0: no SGEMM. Prints one JSON line (GB/s are 1e9
  * bytes per second, bytes counted once):
  *   copy_gbs       one batch's bytes copied again and again from one
  *                  pinned buffer: the cudaMemcpyAsync peak for batches of
@@ -20,13 +24,16 @@
  *                  back once its copy is done
  *   workers, loader_gbs, loader_share   the best count, its GB/s and
  *                  loader_gbs / copy_gbs (issue 15's target: >= 0.8)
- *   consumer       {workers: [next, stall, release, settle, issue, busy]}:
+ *   consumer       {workers: [next, stall, release, settle, issue, busy,
+ *                  wakes]}:
  *                  the shares of the uploading thread's time spent in
  *                  stk_loader_next (stall: of that, waiting for a batch
  *                  to be filled, the loader's own count), in
  *                  stk_loader_release, waiting for a buffer's earlier
  *                  copy, and queueing the copy and its event; and the
- *                  workers' mean share of time spent filling batches
+ *                  workers' mean share of time spent filling batches;
+ *                  wakes: the times per batch the uploading thread woke
+ *                  idle workers (a futex call each)
  *   sgemm_tflops   the best of 5 N x N x N stk_gemm calls on the GPU
  *                  (cuBLAS, its default math: no TF32), 2 N^3 flops each */
 #include "kernels/kernels.h"
@@ -42,7 +49,9 @@ enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8, JSON_CAP = 1024 };
 
 typedef struct opts {
     const char *db;
-    int batch, epochs, gpu, gemm_n, inflight, prefetch;
+    stk_device_kind device;
+    int batch, epochs, gpu, gemm_n, inflight, prefetch, spin;
+    double link_gbs; /* --device cpu: the emulated link's rate */
     int workers[MAX_COUNTS], nworkers;
 } opts;
 
@@ -81,7 +90,7 @@ static int die(const char *what, const stk_err *err)
 
 static int parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, 128, 2, 0, 8192, 2, 0, {1, 2, 4, 8}, 4};
+    *o = (opts){NULL, STK_DEV_CUDA, 128, 2, 0, 8192, 2, 0, 0, 0, {1, 2, 4, 8}, 4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int *num = !strcmp(a, "--batch")    ? &o->batch
@@ -90,18 +99,38 @@ static int parse(int argc, char **argv, opts *o)
                    : !strcmp(a, "--gemm")   ? &o->gemm_n
                    : !strcmp(a, "--inflight") ? &o->inflight
                    : !strcmp(a, "--prefetch") ? &o->prefetch
+                   : !strcmp(a, "--spin")   ? &o->spin
                                             : NULL;
-        bool known = num || !strcmp(a, "--db") || !strcmp(a, "--workers");
+        bool known = num || !strcmp(a, "--db") || !strcmp(a, "--workers") ||
+                     !strcmp(a, "--device") || !strcmp(a, "--link");
         if (!v || !known) {
             fprintf(stderr, "gpu_bench: unknown or incomplete option '%s' "
                             "(expected --db DB, --batch, --workers N,N,..., "
-                            "--epochs, --gpu, --gemm N, --inflight K, --prefetch P)\n", a);
+                            "--epochs, --gpu, --gemm N, --inflight K, --prefetch P, "
+                            "--spin US, --device cuda|cpu, --link GB/s)\n", a);
             return 2;
         }
         if (num)
             *num = atoi(v);
         else if (!strcmp(a, "--db"))
             o->db = v;
+        else if (!strcmp(a, "--link")) {
+            char *end;
+            o->link_gbs = strtod(v, &end);
+            if (end == v || *end || !(o->link_gbs > 0)) {
+                fprintf(stderr, "gpu_bench: --link '%s': expected GB/s > "
+                                "0\n", v);
+                return 2;
+            }
+        }
+        else if (!strcmp(a, "--device")) {
+            if (strcmp(v, "cuda") && strcmp(v, "cpu")) {
+                fprintf(stderr, "gpu_bench: --device '%s': expected cuda or "
+                                "cpu\n", v);
+                return 2;
+            }
+            o->device = strcmp(v, "cpu") ? STK_DEV_CUDA : STK_DEV_CPU;
+        }
         else if (parse_workers(v, o)) {
             fprintf(stderr, "gpu_bench: --workers '%s': expected a list of "
                             "distinct counts 0..%d such as 1,2,4,8\n", v,
@@ -110,10 +139,12 @@ static int parse(int argc, char **argv, opts *o)
         }
         i++;
     }
-    if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 1 ||
-        o->inflight < 1 || o->inflight > MAX_INFLIGHT || o->prefetch < 0) {
-        fprintf(stderr, "gpu_bench: needs --db DB, positive sizes and "
-                        "--inflight 1..%d\n", MAX_INFLIGHT);
+    if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 0 ||
+        o->inflight < 1 || o->inflight > MAX_INFLIGHT || o->prefetch < 0 ||
+        o->link_gbs < 0 || (o->link_gbs && o->device != STK_DEV_CPU)) {
+        fprintf(stderr, "gpu_bench: needs --db DB, positive sizes, "
+                        "--inflight 1..%d and --link only with --device "
+                        "cpu\n", MAX_INFLIGHT);
         return 2;
     }
     return 0;
@@ -129,14 +160,16 @@ typedef struct flight {
     stk_batch held[MAX_INFLIGHT];
     bool busy[MAX_INFLIGHT];
     int next, k;
+    double link_gbs; /* > 0: each copy lasts as long as on such a link */
     double settle_s, issue_s, release_s;
 } flight;
 
-static int flight_open(stk_backend *be, flight *f, int k, size_t bytes,
-                       stk_err *err)
+static int flight_open(stk_backend *be, flight *f, int k, double link_gbs,
+                       size_t bytes, stk_err *err)
 {
     memset(f, 0, sizeof *f);
     f->k = k;
+    f->link_gbs = link_gbs;
     int rc = 0;
     for (int i = 0; i < k && !rc; i++) {
         f->dev[i] = stk_dev_alloc(be, bytes, err);
@@ -181,6 +214,10 @@ static int flight_put(stk_backend *be, flight *f, const void *src, size_t n,
     double t0 = now();
     if (!rc)
         rc = stk_upload(be, f->dev[i], src, n, err);
+    /* the CPU's copy is done when it returns; a GPU's queued copy keeps
+     * its thread in the CUDA calls for about as long (at two in flight) */
+    while (!rc && f->link_gbs && now() - t0 < (double)n / f->link_gbs / 1e9)
+        stk_cpu_relax();
     if (!rc)
         rc = stk_event_record(be, f->ev[i], STK_STREAM_COPY, err);
     f->issue_s += now() - t0;
@@ -202,12 +239,12 @@ static int flight_drain(stk_backend *be, flight *f, stk_loader *l, stk_err *err)
 
 /* GB/s of `reps` uploads of `bytes` from one pinned buffer, k in flight:
  * the cudaMemcpyAsync peak for copies of this size. */
-static int copy_rate(stk_backend *be, size_t bytes, int k, int reps,
+static int copy_rate(stk_backend *be, const opts *o, size_t bytes, int reps,
                      double *gbs, stk_err *err)
 {
     void *host = stk_pinned_alloc(be, bytes);
     flight f;
-    int rc = flight_open(be, &f, k, bytes, err);
+    int rc = flight_open(be, &f, o->inflight, o->link_gbs, bytes, err);
     if (!host && !rc)
         rc = stk_fail(err, STK_ENOMEM, "pinned buffer of %zu bytes", bytes);
     if (!rc) {
@@ -233,7 +270,7 @@ static void unpin(void *p, void *ctx) { stk_pinned_free(ctx, p); }
 /* The uploading thread's time: waiting in stk_loader_next, for a buffer,
  * queueing copies (shares of the whole). */
 typedef struct consumer_time {
-    double next, stall, release, settle, issue, busy;
+    double next, stall, release, settle, issue, busy, wakes;
 } consumer_time;
 
 /* The loader with `workers` threads into its pinned ring, each batch (of
@@ -246,10 +283,11 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     stk_loader *l = NULL;
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
                           .workers = workers, .prefetch = o->prefetch,
+                          .spin_us = o->spin,
                           .shuffle = true, .seed = 1,
                           .host = {pin, unpin, be}};
     flight f;
-    int rc = flight_open(be, &f, o->inflight, batch_bytes, err);
+    int rc = flight_open(be, &f, o->inflight, o->link_gbs, batch_bytes, err);
     if (!rc)
         rc = stk_loader_open(st, &lo, &l, err);
     size_t bytes = 0;
@@ -280,7 +318,8 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     for (int w = 0; w < ls.workers; w++)
         busy += ls.busy[w] / s / ls.workers;
     *ct = (consumer_time){next_s / s,      ls.wait / s,   f.release_s / s,
-                          f.settle_s / s,  f.issue_s / s, busy};
+                          f.settle_s / s,  f.issue_s / s, busy,
+                          ls.batches ? (double)ls.wakes / ls.batches : 0};
     stk_loader_close(l); /* after an error too: cudaFreeHost waits for the
                             copies still reading its blocks */
     flight_close(be, &f);
@@ -344,10 +383,10 @@ static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
         if (!rc && cat < cap)
             cat += (size_t)snprintf(cjson + cat, cap - cat,
                                     "%s\"%d\": [%.3f, %.3f, %.3f, %.3f, "
-                                    "%.3f, %.3f]",
+                                    "%.3f, %.3f, %.3f]",
                                     i ? ", " : "", o->workers[i], ct.next,
                                     ct.stall, ct.release, ct.settle,
-                                    ct.issue, ct.busy);
+                                    ct.issue, ct.busy, ct.wakes);
     }
     stk_store_close(st);
     return rc;
@@ -361,7 +400,7 @@ int main(int argc, char **argv)
         return rc;
     stk_err err = {0};
     stk_backend *be = NULL;
-    if (stk_backend_create(STK_DEV_CUDA, o.gpu, 1, &be, &err))
+    if (stk_backend_create(o.device, o.gpu, 1, &be, &err))
         return err.code == STK_ENODEV ? (printf("SKIP: %s\n", err.msg), 77)
                                       : die("cuda", &err);
     size_t batch_bytes = 0;
@@ -371,10 +410,10 @@ int main(int argc, char **argv)
     if (loader_rates(be, &o, &batch_bytes, rates, times, &best_w, &loader,
                      &err))
         rc = die(o.db, &err);
-    else if (copy_rate(be, batch_bytes, o.inflight, 4000, &copy, &err) ||
-             copy_rate(be, (size_t)64 << 20, o.inflight, 40, &big, &err))
+    else if (copy_rate(be, &o, batch_bytes, 4000, &copy, &err) ||
+             copy_rate(be, &o, (size_t)64 << 20, 40, &big, &err))
         rc = die("pinned copy", &err);
-    else if (gemm_peak(be, o.gemm_n, &tflops, &err))
+    else if (o.gemm_n && gemm_peak(be, o.gemm_n, &tflops, &err))
         rc = die("sgemm", &err);
     if (!rc)
         printf("{\"device\": \"%s\", \"batch_bytes\": %zu, "

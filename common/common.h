@@ -121,6 +121,20 @@ int stk_fsync_dir(const char *path, stk_err *err);
 /* Monotonic clock in seconds. */
 double stk_now(void);
 
+/* The CPUs this process may run on (its affinity mask; 1 at least). */
+int stk_usable_cpus(void);
+
+/* One step of a spin-wait: a pause that lets the core's other hardware
+ * thread run and tells the CPU the loop is a wait. */
+static inline void stk_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 /* Joins dir and name into out (size n); returns STK_ERANGE when too long. */
 int stk_path_join(char *out, size_t n, const char *dir, const char *name);
 

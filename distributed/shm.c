@@ -39,13 +39,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cpu_relax() _mm_pause()
-#else
-#define cpu_relax() ((void)0)
-#endif
-
 enum {
     SEGMENT_BYTES = 32 << 20, /* the slots' share of /dev/shm (64 MiB in Docker) */
     CHUNK_MIN = 1 << 18,      /* floats per slot, 1 to 4 MiB: small worlds */
@@ -189,7 +182,7 @@ static int barrier(shm_comm *s, stk_err *err)
     for (int i = 0; i < SPIN_ROUNDS; i++) {
         if (atomic_load_explicit(&h->gen, memory_order_acquire) != g)
             return passed(s, g, err);
-        cpu_relax();
+        stk_cpu_relax();
     }
     double started = stk_now();
     struct timespec ts = {0, CHECK_MS * 1000000L};

@@ -13,10 +13,8 @@
 #include "cpu_gemm.h"
 
 #include <cblas.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* OpenBLAS's own thread count control (not part of CBLAS proper). */
 void openblas_set_num_threads(int n);
@@ -181,16 +179,6 @@ int stk_cpu_ranges(stk_backend *be, int n, stk_range_fn fn, void *arg,
     return 0;
 }
 
-/* The CPUs this process may run on. */
-static int usable_cpus(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
-}
-
 int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
 {
     be->ops = &stk_cpu_ops;
@@ -199,7 +187,7 @@ int stk_cpu_backend_init(stk_backend *be, int threads, stk_err *err)
     if (!st)
         return stk_fail(err, STK_ENOMEM, "cpu: cannot allocate the backend");
     st->wide = cpu_avx512() && !getenv("STK_CPU_NO_AVX512");
-    st->pool = stk_pool_create(threads > 0 ? threads : usable_cpus(), err);
+    st->pool = stk_pool_create(threads > 0 ? threads : stk_usable_cpus(), err);
     if (!st->pool) {
         free(st);
         return STK_ENOMEM;

@@ -16,13 +16,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cpu_relax() _mm_pause()
-#else
-#define cpu_relax() ((void)0)
-#endif
-
 /* About 50-100 microseconds of pause instructions: longer than the gap
  * between two ops of a step, shorter than anything a user would notice as
  * a busy core. */
@@ -84,7 +77,7 @@ static uint32_t wait_job(stk_pool *p, uint32_t seen)
                                                   memory_order_relaxed));
         if (g != seen || atomic_load(&p->stop))
             return g;
-        cpu_relax();
+        stk_cpu_relax();
     }
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add(&p->sleepers, 1);
@@ -187,7 +180,7 @@ void stk_pool_for(stk_pool *p, size_t n, size_t grain, stk_pool_fn fn,
          atomic_load_explicit(&p->done, memory_order_acquire) < parts;
          spins++) {
         if (spins < SPIN_ROUNDS)
-            cpu_relax();
+            stk_cpu_relax();
         else
             sched_yield(); /* a worker was preempted: let it run */
     }

@@ -122,12 +122,9 @@ struct stk_loader {
                                    batch's parts to take */
     slot *slots;
     int nslots;
-    /* Slots freed since the idle workers were last woken, and how many
-     * wake them (half the ring): a worker sleeps only when the ring is
-     * full, so waking one per release made every batch a futex call while
-     * half the ring still waited to be taken. */
-    atomic_int freed;
-    int wake_at;
+    int wake_at; /* see freed */
+    int sleeping; /* workers waiting on `work` (mu) */
+    double spin_s; /* opts.spin_us; 0: idle workers only sleep */
     size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
                                             indices, 64-byte aligned */
     shard *shards;
@@ -150,6 +147,29 @@ struct stk_loader {
 
     double t_open, wait;
     double busy[STK_LOADER_MAX_WORKERS];
+
+    /* What a release touches, on a line of its own (mu's is the workers'):
+     *
+     * freed: slots freed since the idle workers were last woken, with no
+     * worker spinning; wake_at of them (half the ring) wake them. A worker
+     * sleeps only when the ring is full, so waking one per release made
+     * every batch a futex call while half the ring still waited to be taken.
+     *
+     * spinning: an idle worker watches `stir` (bumped by every release and
+     * every batch whose parts are shared) for up to spin_s before it
+     * sleeps, and takes a freed slot with no one woken: a wake-up costs the
+     * waker a futex call and the woken core's interrupt (bench/wake_cost.c:
+     * 5.6 us for one, 24-26 for eight on 2 vCPUs), which at 100 KB batches
+     * was a third of the uploading thread's time (docs/benchmarks.md).
+     *
+     * wakes: the wake-ups the consumer paid for, in releases and in
+     * waits (stk_loader_stats).
+     *
+     * Last, so that the struct's alignment pads the line's end. */
+    _Alignas(64) atomic_int freed;
+    atomic_bool spinning;
+    atomic_uint stir;
+    _Atomic uint64_t wakes;
 };
 
 /* ---- fetchers ---------------------------------------------------------- */
@@ -641,22 +661,74 @@ static slot *take_part(stk_loader *l, int *p, int *rc)
      * busy and looks for work before it sleeps) */
     for (int k = 1; k < sl->parts; k++)
         pthread_cond_signal(&l->work);
+    if (sl->parts > 1)
+        l->stir++; /* and the spinner */
     return sl;
+}
+
+/* Spins until stir moves from s0 or the loader stops (true), or for
+ * spin_s (false). */
+static bool spin(stk_loader *l, unsigned s0)
+{
+    double end = stk_now() + l->spin_s;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&l->stir, memory_order_relaxed) != s0 ||
+                l->stop)
+                return true;
+            stk_cpu_relax();
+        }
+        if (stk_now() > end)
+            return false;
+    }
+}
+
+/* An idle worker's wait (mu held): the first spins (when spin_s > 0 and
+ * it did not just spin for nothing) until stir moves from s0, its value
+ * before the worker looked at the ring; the others sleep until woken.
+ * *spun: it spun and nothing came. */
+static void idle(stk_loader *l, unsigned s0, bool *spun)
+{
+    if (!*spun && l->spin_s > 0 && !l->spinning) {
+        l->spinning = true;
+        pthread_mutex_unlock(&l->mu);
+        *spun = !spin(l, s0);
+        pthread_mutex_lock(&l->mu);
+        l->spinning = false; /* before the caller's look at the ring: a
+                                release that saw it spinning freed a slot
+                                that look finds */
+        return;
+    }
+    l->sleeping++;
+    pthread_cond_wait(&l->work, &l->mu);
+    l->sleeping--;
+    *spun = false;
 }
 
 static void *worker_main(void *arg)
 {
     worker *w = arg;
     stk_loader *l = w->l;
+    bool spun = false;
     pthread_mutex_lock(&l->mu);
     while (!l->stop) {
         int p, rc;
+        /* before the look: a slot freed after it moves stir (read after
+         * the look, a release in between was missed: the consumer, woken
+         * by this worker's last batch, frees a slot just then) */
+        unsigned s0 = l->stir;
         slot *sl = take_part(l, &p, &rc);
         if (!sl) {
-            pthread_cond_wait(&l->work, &l->mu);
+            idle(l, s0, &spun);
             continue;
         }
+        /* the watch goes on: a sleeper takes a freed slot or spins, so
+         * that releases find a spinner and wake no one */
+        bool pass = l->spin_s > 0 && l->sleeping && !l->spinning;
+        spun = false;
         pthread_mutex_unlock(&l->mu);
+        if (pass)
+            pthread_cond_signal(&l->work);
         double t0 = stk_now();
         stk_err e = {0};
         if (rc)
@@ -748,6 +820,14 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
                         o->aug_pad);
     if (!o->split)
         o->split = "train";
+    /* a spinner is a core taken from no one when the workers and the
+     * consumer have one each (on 2 cores, 2 workers delivered 30% less
+     * with a spinner than without) */
+    if (o->spin_us == 0)
+        o->spin_us = o->workers + 1 <= stk_usable_cpus() ? 50 : -1;
+    if (o->spin_us > 1000000)
+        return stk_fail(err, STK_EINVAL, "spin must be at most 1000000 "
+                        "microseconds, not %d", o->spin_us);
     return check_xform(o, err);
 }
 
@@ -763,6 +843,7 @@ static int alloc_ring(stk_loader *l, stk_err *err)
 {
     l->nslots = l->o.prefetch;
     l->wake_at = l->nslots / 2 > 1 ? l->nslots / 2 : 1;
+    l->spin_s = l->o.spin_us > 0 ? l->o.spin_us * 1e-6 : 0;
     l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
     if (!l->slots)
         return stk_fail(err, STK_ENOMEM, "out of memory");
@@ -869,7 +950,9 @@ static void set_shape(stk_loader *l, int c, int h, int w)
 static stk_loader *new_loader(const stk_loader_opts *opts, stk_err *err,
                               int *rc)
 {
-    stk_loader *l = calloc(1, sizeof *l);
+    stk_loader *l = aligned_alloc(_Alignof(stk_loader), sizeof *l);
+    if (l)
+        memset(l, 0, sizeof *l);
     if (!l) {
         *rc = stk_fail(err, STK_ENOMEM, "out of memory");
         return NULL;
@@ -956,10 +1039,12 @@ static int held_error(const stk_loader *l, stk_err *err)
 }
 
 /* Wakes the idle workers for the slots freed since they were last woken
- * (mu held). */
+ * (mu held); the consumer's calls count in stats' wakes. */
 static void wake_workers(stk_loader *l)
 {
     l->freed = 0;
+    if (l->sleeping)
+        l->wakes++;
     pthread_cond_broadcast(&l->work);
 }
 
@@ -1121,15 +1206,18 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
      * filling it, the consumer may hold a newer batch in it); without mu,
      * as the consumer takes batches (take_ready) */
     uint64_t seq = batch_seq(l, b), held = tag(seq, SLOT_HELD);
-    if (atomic_compare_exchange_strong(&sl->tag, &held,
-                                       tag(seq, SLOT_FREE)) &&
-        atomic_fetch_add(&l->freed, 1) + 1 >= l->wake_at) {
-        pthread_mutex_lock(&l->mu); /* a worker between its look at the
-                                       ring and its wait hears this */
-        wake_workers(l);
-        pthread_mutex_unlock(&l->mu);
-    }
     b->data = NULL;
+    if (!atomic_compare_exchange_strong(&sl->tag, &held, tag(seq, SLOT_FREE)))
+        return;
+    l->stir++;
+    /* a spinner takes the slot; if it stopped spinning meanwhile, it
+     * looks at the ring after it said so, and sees this slot free */
+    if (l->spinning || atomic_fetch_add(&l->freed, 1) + 1 < l->wake_at)
+        return;
+    pthread_mutex_lock(&l->mu); /* a worker between its look at the ring
+                                   and its wait hears this */
+    wake_workers(l);
+    pthread_mutex_unlock(&l->mu);
 }
 
 /* b's batch is in its slot, held (or, under mu, released meanwhile: the
@@ -1204,6 +1292,7 @@ void stk_loader_stats_get(const stk_loader *l, stk_loader_stats *st)
     st->elapsed = stk_now() - l->t_open;
     st->first_batch = l->t_first;
     st->wait = l->wait;
+    st->wakes = l->wakes;
     st->workers = l->o.workers;
     for (int i = 0; i < (l->o.workers ? l->o.workers : 1); i++)
         st->busy[i] = l->busy[i];

@@ -118,6 +118,11 @@ typedef struct stk_loader_opts {
                              (stk_loader_aug_key), stream the epoch, counter
                              the sample's index */
     stk_loader_xform xform; /* not with aug_pad or aug_flip */
+    int spin_us;          /* how long the one idle worker that watches
+                             for freed slots spins before it sleeps, so
+                             that releases need not wake it (docs/loader.md);
+                             0 = 50 where workers + 1 <= usable CPUs, else
+                             none; < 0: idle workers only sleep */
     uint64_t start_epoch; /* resume position (see stk_loader_position) */
     uint64_t start_batch;
     stk_host_alloc host;
@@ -143,6 +148,8 @@ typedef struct stk_loader_stats {
     double elapsed;           /* seconds since open */
     double first_batch;       /* seconds from open to the first batch */
     double wait;              /* seconds the consumer spent blocked in next */
+    uint64_t wakes;           /* times the consumer (its releases, its
+                                 waits) woke idle workers */
     double samples_per_s, bytes_per_s, stall; /* stall = wait / elapsed */
     int workers;
     double busy[STK_LOADER_MAX_WORKERS]; /* seconds each worker filled */

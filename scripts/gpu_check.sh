@@ -105,6 +105,9 @@ bench_json=$OUT/gpu_bench.json
 counts=$(for w in 1 2 4 8 12 16 24 32; do [ "$w" -le "$(nproc)" ] && echo "$w"; done | paste -sd,)
 check "gpu_bench (uploads, SGEMM peak)" 300 sh -c \
   "'$B/gpu_bench' --db '$W/db' --epochs 20 --workers $counts > '$bench_json'"
+nospin_json=$OUT/gpu_bench_nospin.json # the loader's idle workers only sleep
+check "gpu_bench --spin -1 (uploads)" 300 sh -c \
+  "'$B/gpu_bench' --db '$W/db' --epochs 20 --workers $counts --gemm 0 --spin -1 > '$nospin_json'"
 epoch_line() { grep '"type":"epoch"' "$1/metrics.jsonl" 2>/dev/null | tail -1; }
 rows=()
 for m in "cnn 128" "cnn 512" "resnet20 128" "resnet20 512" "resnet18 128"; do
@@ -143,7 +146,7 @@ else
 fi
 
 say ""
-printf '%s\n' "${rows[@]}" | "$PYTHON" "$SRC/scripts/gpu_report.py" "$bench_json" >>"$R" ||
+printf '%s\n' "${rows[@]}" | "$PYTHON" "$SRC/scripts/gpu_report.py" "$bench_json" "$nospin_json" >>"$R" ||
   { say "(the benchmark table could not be made: see $LOG)"; failed=1; }
 say ""
 say "Verdict: $([ $failed -eq 0 ] && echo 'every check passed' || echo '**some checks failed**') (log: $LOG)"

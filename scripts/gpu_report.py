@@ -1,7 +1,8 @@
-"""gpu_report.py BENCH_JSON < rows - the benchmark part of gpu_check.sh's
-report (markdown on stdout).
+"""gpu_report.py BENCH_JSON [NOSPIN_JSON] < rows - the benchmark part of
+gpu_check.sh's report (markdown on stdout).
 
-BENCH_JSON is gpu_bench's line; each stdin row is "MODEL BATCH GPUS
+BENCH_JSON is gpu_bench's line; NOSPIN_JSON, if given, its line with
+--spin -1 (idle workers only sleep), printed beside it; each stdin row is "MODEL BATCH GPUS
 EPOCH_JSON", EPOCH_JSON the last epoch line of that run's metrics.jsonl.
 FLOPs per sample come from bench/train_peers.py (conv and linear
 multiply-adds x 2, a training step 3 x forward)."""
@@ -11,6 +12,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from train_peers import forward_flops  # noqa: E402
+
+
+def wakes(bench):
+    """"w: wakes" for each worker count (the consumer's 7th field)."""
+    return ", ".join("%s: %.2f" % (w, c[6]) for w, c in
+                     bench.get("consumer", {}).items() if len(c) > 6)
 
 
 def main():
@@ -28,6 +35,18 @@ def main():
               bench["workers"], rates, bench["copy_gbs"], 100 * share,
               "met" if share >= 0.8 else "**not met**", bench["copy_big_gbs"],
               bench["sgemm_n"], bench["sgemm_tflops"]))
+    nospin = None  # its check may have failed: the rest is still reported
+    if len(sys.argv) > 2 and os.path.isfile(sys.argv[2]) and os.path.getsize(sys.argv[2]):
+        nospin = json.load(open(sys.argv[2]))
+    if nospin:
+        print()
+        print("The same without the spinning idle worker (`--spin -1`): "
+              "%.2f GB/s at %d workers, %.0f%% of %.2f GB/s of copies. "
+              "Wake-ups per batch paid by the uploading thread, by workers: "
+              "%s (spinning), %s (not)." % (
+                  nospin["loader_gbs"], nospin["workers"],
+                  100 * nospin["loader_share"], nospin["copy_gbs"],
+                  wakes(bench), wakes(nospin)))
     print()
     print("| model | batch per GPU | GPUs | samples/s | data wait (stall) | "
           "TFLOP/s | % of SGEMM peak | test acc | scaling |")

@@ -326,6 +326,14 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
 
 /* ---- evaluation ---------------------------------------------------------- */
 
+/* The loader's spin: where batches go to a GPU, an idle worker watches
+ * for the slots uploads free (the loader's default); on the CPU the step's
+ * own threads want every core, and a release per step is cheap to wake on. */
+static int loader_spin(const run_state *r)
+{
+    return r->o->device == STK_DEV_CUDA ? 0 : -1;
+}
+
 /* The test split in eval mode (batchnorm on running statistics, no
  * dropout). The test loss is the training criterion's, label smoothing
  * included, as PyTorch users compute it with the same CrossEntropyLoss. */
@@ -334,7 +342,8 @@ static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
     stk_loader_opts lo = {.split = r->eval_split, .batch_size = r->o->batch,
                           .workers = r->o->workers, .uneven = true,
                           .rank = r->rank.rank, .world = r->rank.world,
-                          .host = r->host, .xform = r->test_xf};
+                          .host = r->host, .xform = r->test_xf,
+                          .spin_us = loader_spin(r)};
     stk_loader *l;
     int rc = stk_loader_open(r->store, &lo, &l, err);
     if (rc)
@@ -571,7 +580,7 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
                               .seed = r->o->seed, .start_epoch = (uint64_t)r->epoch,
                               .start_batch = r->start_batch, .host = r->host,
                               .rank = r->rank.rank, .world = r->rank.world,
-                              .xform = r->train_xf};
+                              .xform = r->train_xf, .spin_us = loader_spin(r)};
         stk_loader *l;
         if ((rc = stk_loader_open(r->store, &lo, &l, err)))
             break;

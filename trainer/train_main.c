@@ -5,7 +5,6 @@
 
 #include <errno.h>
 #include <getopt.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -376,8 +375,7 @@ static int place_rank(stk_train_opts *o, const dist_opts *d,
         return -1;
     const char *lp = getenv("STOKE_LAUNCHER_PID");
     if (o->device == STK_DEV_CPU && !o->threads && ri->local_world > 1) {
-        cpu_set_t set; /* share this machine's CPUs between its ranks */
-        int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+        int cpus = stk_usable_cpus(); /* shared between this machine's ranks */
         /* srun -c N gave this task N CPUs of its own: use them all */
         const char *cpt = getenv("SLURM_CPUS_PER_TASK");
         int per_task = !lp && !strcmp(ri->source, "SLURM") && cpt ? atoi(cpt) : 0;

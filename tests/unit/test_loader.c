@@ -803,6 +803,89 @@ static void holding_the_whole_ring_still_turns(void **state)
     stk_store_close(s);
 }
 
+/* An idle worker spins for freed slots (spin_us) instead of sleeping:
+ * the batches are the same whether it spins for ever (1 s here), for a
+ * microsecond (it sleeps at once: the hand-over between the two) or
+ * never; a consumer that holds the ring full keeps the workers idle. */
+static trace run_holding(stk_store *s, stk_loader_opts o, int batches)
+{
+    stk_loader *l;
+    stk_err err = {0};
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    int k = o.prefetch - 1; /* held at once: all but the slot being filled */
+    stk_batch held[8];
+    trace t = {0};
+    for (int got = 0; got < batches;) {
+        if (got >= k && held[got % k].data)
+            stk_loader_release(l, &held[got % k]);
+        int rc = stk_loader_next(l, &held[got % k], &err);
+        assert_true(rc >= 0);
+        if (rc == 1)
+            check_batch(&held[got++ % k], &t);
+    }
+    stk_loader_close(l);
+    return t;
+}
+
+static void spinning_workers_deliver_the_same_batches(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 64, .shuffle = true, .seed = 9,
+                         .prefetch = 5};
+    trace ref = run(s, o, 40);
+    int workers[] = {1, 3}, spin[] = {1000000, 1, -1};
+    for (int w = 0; w < 2; w++)
+        for (int p = 0; p < 3; p++) {
+            o.workers = workers[w];
+            o.spin_us = spin[p];
+            trace t = run_holding(s, o, 40);
+            assert_int_equal(t.len, ref.len);
+            assert_memory_equal(t.bytes, ref.bytes, ref.len);
+            free(t.bytes);
+        }
+    free(ref.bytes);
+    stk_store_close(s);
+}
+
+/* A consumer slower than its worker: the worker idles on a full ring, and
+ * every second release (half the ring of 4) wakes it, unless it spins;
+ * then releases wake no one. A worker spinning when the loader closes
+ * stops at once. */
+static uint64_t wakes_of_a_slow_consumer(stk_store *s, int spin_us)
+{
+    stk_loader_opts o = {.batch_size = 64, .workers = 1, .prefetch = 4,
+                         .spin_us = spin_us};
+    stk_loader *l;
+    stk_err err = {0};
+    assert_int_equal(stk_loader_open(s, &o, &l, &err), 0);
+    for (int i = 0; i < 12; i++) {
+        stk_batch b;
+        assert_int_equal(stk_loader_next(l, &b, &err), 1);
+        usleep(2000); /* the worker fills the ring and idles */
+        stk_loader_release(l, &b);
+    }
+    stk_loader_stats st;
+    stk_loader_stats_get(l, &st);
+    double t0 = stk_now();
+    stk_loader_close(l);
+    assert_true(stk_now() - t0 < 0.5); /* not the spin's second */
+    return st.wakes;
+}
+
+static void releases_wake_no_one_while_a_worker_spins(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    assert_true(wakes_of_a_slow_consumer(s, -1) >= 4);
+    assert_int_equal(wakes_of_a_slow_consumer(s, 1000000), 0);
+    stk_store_close(s);
+}
+
 /* Batches handed from the consumer to another thread that releases them
  * (as an upload's completion would): the consumer takes ready batches
  * without the lock while releases land from the other thread. */
@@ -1404,6 +1487,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(a_stale_release_leaves_a_newer_batch_held),
     cmocka_unit_test(a_release_racing_next_is_never_lost),
     cmocka_unit_test(releases_from_another_thread),
+    cmocka_unit_test(spinning_workers_deliver_the_same_batches),
+    cmocka_unit_test(releases_wake_no_one_while_a_worker_spins),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stop_keeps_held_batches),
     cmocka_unit_test(stats_count_what_was_delivered),
