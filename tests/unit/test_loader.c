@@ -850,6 +850,26 @@ static void spinning_workers_deliver_the_same_batches(void **state)
     stk_store_close(s);
 }
 
+/* Workers make each next epoch's shard ahead, outside the lock, reusing
+ * older ones: twelve epochs (of 10 batches) from 4 workers equal the
+ * caller's own, which makes every shard in turn. */
+static void shards_made_ahead_give_the_same_epochs(void **state)
+{
+    (void)state;
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
+    stk_loader_opts o = {.batch_size = 100, .shuffle = true, .seed = 11,
+                         .start_batch = 3};
+    trace ref = run(s, o, 120);
+    o.workers = 4;
+    trace t = run(s, o, 120);
+    assert_int_equal(t.len, ref.len);
+    assert_memory_equal(t.bytes, ref.bytes, ref.len);
+    free(ref.bytes), free(t.bytes);
+    stk_store_close(s);
+}
+
 /* A consumer slower than its worker: the worker idles on a full ring, and
  * every second release (half the ring of 4) wakes it, unless it spins;
  * then releases wake no one. A worker spinning when the loader closes
@@ -1488,6 +1508,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(a_release_racing_next_is_never_lost),
     cmocka_unit_test(releases_from_another_thread),
     cmocka_unit_test(spinning_workers_deliver_the_same_batches),
+    cmocka_unit_test(shards_made_ahead_give_the_same_epochs),
     cmocka_unit_test(releases_wake_no_one_while_a_worker_spins),
     cmocka_unit_test(detached_batch_outlives_the_ring_turning),
     cmocka_unit_test(stop_keeps_held_batches),
