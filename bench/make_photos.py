@@ -27,13 +27,27 @@ from PIL import Image
 
 SK = "/usr/lib/python3/dist-packages/sklearn/datasets/images"
 SKI = "/usr/lib/python3/dist-packages/skimage/data"
+
+
+def photo_path(name):
+    """A sample photograph: Debian's python3-sklearn has china.jpg and
+    flower.jpg, python3-skimage the others; STK_PHOTOS, where set, is a
+    folder holding them by name (scripts/gpu_pack.sh packs one for GPU
+    machines without those packages). The tests use this too."""
+    folder = os.environ.get("STK_PHOTOS") or (
+        SK if name in ("china.jpg", "flower.jpg") else SKI)
+    return os.path.join(folder, name)
+
+
 SOURCES = [  # (class folder, photograph); sorted folder order = class order
-    ("0_china", f"{SK}/china.jpg"), ("1_flower", f"{SK}/flower.jpg"),
-    ("2_astronaut", f"{SKI}/astronaut.png"), ("3_chelsea", f"{SKI}/chelsea.png"),
-    ("4_coffee", f"{SKI}/coffee.png"), ("5_rocket", f"{SKI}/rocket.jpg"),
-    ("6_motorcycle_left", f"{SKI}/motorcycle_left.png"),
-    ("7_motorcycle_right", f"{SKI}/motorcycle_right.png"),
-    ("8_hubble", f"{SKI}/hubble_deep_field.jpg"), ("9_retina", f"{SKI}/retina.jpg"),
+    ("0_china", photo_path("china.jpg")), ("1_flower", photo_path("flower.jpg")),
+    ("2_astronaut", photo_path("astronaut.png")),
+    ("3_chelsea", photo_path("chelsea.png")), ("4_coffee", photo_path("coffee.png")),
+    ("5_rocket", photo_path("rocket.jpg")),
+    ("6_motorcycle_left", photo_path("motorcycle_left.png")),
+    ("7_motorcycle_right", photo_path("motorcycle_right.png")),
+    ("8_hubble", photo_path("hubble_deep_field.jpg")),
+    ("9_retina", photo_path("retina.jpg")),
 ]
 
 _photos = None  # each worker's decoded sources, loaded once

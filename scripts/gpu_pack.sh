@@ -9,11 +9,11 @@
 #   scripts/gpu_check.sh --build "$STK_PACK_BUILD"
 #
 # The pack holds the build's binaries, test files and CTest scripts (no
-# objects, no test scratch, debug info stripped), the shared libraries they need that are
-# not part of the C runtime or CUDA (LMDB, libuv, OpenBLAS, TurboJPEG,
-# spng, ...), and Fashion-MNIST's IDX files. CTest records absolute paths,
-# so env.sh links the build's old path to the unpacked one where that path
-# is free. The CUDA runtime, cuBLAS and NCCL come from the GPU machine.
+# objects, no test scratch, debug info stripped), the shared libraries they
+# need that are not part of the C runtime or CUDA (LMDB, libuv, OpenBLAS,
+# TurboJPEG, spng, ...), Fashion-MNIST's IDX files and Debian's sample
+# photographs. CTest records absolute paths, so env.sh links the build's
+# old path to the unpacked one where that path is free. The CUDA runtime, cuBLAS and NCCL come from the GPU machine.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$SRC/build-gpu OUT=gpu-pack.tar.gz
@@ -53,12 +53,24 @@ done | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
   { grep -v -E '/(libc|libm|libmvec|libdl|librt|libpthread|libresolv|libutil|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda[^/]*/|libcuda\.so|libnccl|libcublas|libcudart' || true; } |
   while read -r lib; do cp -L "$lib" "$P/lib/"; done
 cp "$FASHION"/*-ubyte* "$P/fashion-mnist/"
+# the sample photographs the photo tests crop, where this machine has them
+# (bench/make_photos.py's photo_path; env.sh points STK_PHOTOS at them)
+mkdir -p "$P/photos"
+/usr/bin/python3 - "$SRC/bench" "$P/photos" <<'PY' ||
+import os, shutil, sys
+sys.path.insert(0, sys.argv[1])
+from make_photos import SOURCES, photo_path
+for name in sorted({os.path.basename(p) for _, p in SOURCES} | {"camera.png"}):
+    shutil.copy(photo_path(name), sys.argv[2])
+PY
+  echo "gpu_pack.sh: the sample photographs were not packed (python3-sklearn, python3-skimage): the photo tests will fail there" >&2
 
 cat >"$P/env.sh" <<EOF
 # sourced where the pack was unpacked: the libraries, the data, the build
 here=\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)
 export LD_LIBRARY_PATH="\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export STK_FASHION="\$here/fashion-mnist"
+[ -z "\$(ls "\$here/photos" 2>/dev/null)" ] || export STK_PHOTOS="\$here/photos"
 export STK_PACK_BUILD="\$here/build"
 # CTest's absolute paths: the build and the sources as they were packed
 for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$BUILD:\$here/build"; do

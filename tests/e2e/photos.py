@@ -18,13 +18,12 @@ shutil.rmtree(tmp, ignore_errors=True)
 os.makedirs(tmp)
 os.chdir(tmp)
 
-# Real photographs from Debian packages (python3-sklearn, python3-skimage).
-SOURCES = {
-    "china": "/usr/lib/python3/dist-packages/sklearn/datasets/images/china.jpg",
-    "flower": "/usr/lib/python3/dist-packages/sklearn/datasets/images/flower.jpg",
-    "coffee": "/usr/lib/python3/dist-packages/skimage/data/coffee.png",
-    "rocket": "/usr/lib/python3/dist-packages/skimage/data/rocket.jpg",
-}
+# Real photographs from Debian packages (python3-sklearn, python3-skimage),
+# or STK_PHOTOS (bench/make_photos.py's photo_path)
+sys.path.insert(0, os.path.join(os.environ["STK_SRC"], "bench"))
+from make_photos import photo_path  # noqa: E402
+SOURCES = {c: photo_path(f) for c, f in (("china", "china.jpg"), ("flower", "flower.jpg"),
+                                         ("coffee", "coffee.png"), ("rocket", "rocket.jpg"))}
 for cls, path in SOURCES.items():
     if not os.path.exists(path):
         sys.exit(f"FAIL: {path} is missing (scripts/deps.sh test installs "

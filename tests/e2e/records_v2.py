@@ -21,10 +21,10 @@ os.makedirs(tmp)
 os.chdir(tmp)
 os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
 
-PHOTOS = ["/usr/lib/python3/dist-packages/skimage/data/" + n for n in
-          ("astronaut.png", "chelsea.png", "coffee.png", "camera.png", "rocket.jpg")] + \
-         ["/usr/lib/python3/dist-packages/sklearn/datasets/images/" + n for n in
-          ("china.jpg", "flower.jpg")]
+sys.path.insert(0, os.path.join(os.environ["STK_SRC"], "bench"))
+from make_photos import photo_path  # noqa: E402  (Debian's or STK_PHOTOS)
+PHOTOS = [photo_path(n) for n in ("astronaut.png", "chelsea.png", "coffee.png", "camera.png",
+                                  "rocket.jpg", "china.jpg", "flower.jpg")]
 PHOTOS = [p for p in PHOTOS if os.path.exists(p)]
 if len(PHOTOS) < 3:
     sys.exit("FAIL: the sample photos of python3-skimage / python3-sklearn are missing")
