@@ -78,7 +78,24 @@ for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$BUILD:\$here/build"; do
   [ "\$old" = "\$new" ] || [ -e "\$old" ] || { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
     echo "gpu-pack: cannot link \$old to \$new (CTest's paths)" >&2
 done
-unset here pair old new
+EOF
+cat >>"$P/env.sh" <<'EOF'
+# the Python the tests and the report run under: Debian's where it has
+# numpy, else the first python3 on PATH (STK_PYTHON, PYTHON: the caller's
+# choice); CTest's files name /usr/bin/python3
+py=/usr/bin/python3
+"$py" -c 'import numpy' 2>/dev/null || py=$(command -v python3 || echo "$py")
+export STK_PYTHON="${STK_PYTHON:-$py}" PYTHON="${PYTHON:-${STK_PYTHON:-$py}}"
+ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
+[ "$STK_PYTHON" = /usr/bin/python3 ] ||
+  sed -i "s#/usr/bin/python3#$STK_PYTHON#g" $ctest_files
+# python3-lmdb, the tests' independent reader: where that Python lacks it,
+# tests/e2e/shim/lmdb.py (its API over liblmdb) first on their PYTHONPATH
+shim=$(cd "$here/.." && pwd)/tests/e2e/shim
+"$STK_PYTHON" -c 'import lmdb' 2>/dev/null || grep -L "PYTHONPATH=$shim:" $ctest_files |
+  xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
+echo "gpu-pack: tests under $STK_PYTHON$("$STK_PYTHON" -c 'import lmdb' 2>/dev/null || echo ", python3-lmdb from tests/e2e/shim")"
+unset here pair old new py ctest_files shim
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
 echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"
