@@ -361,6 +361,14 @@ static trace run(stk_store *s, stk_loader_opts o, int batches)
     return run_waiting(s, o, batches, 0);
 }
 
+/* t holds ref's batches, byte for byte; t is freed. */
+static void expect_trace(const trace *ref, trace t)
+{
+    assert_int_equal(t.len, ref->len);
+    assert_memory_equal(t.bytes, ref->bytes, ref->len);
+    free(t.bytes);
+}
+
 /* Timed waits (a microsecond: most of them time out) take the same
  * batches as waiting for ever; the ring has `prefetch` buffers. */
 static void timed_waits_take_the_same_batches(void **state)
@@ -399,10 +407,7 @@ static void batches_identical_for_any_workers_and_prefetch(void **state)
             for (int p = 0; p < 2; p++) {
                 o.workers = workers[w];
                 o.prefetch = prefetch[p];
-                trace t = run(s, o, 40);
-                assert_int_equal(t.len, ref.len);
-                assert_memory_equal(t.bytes, ref.bytes, ref.len);
-                free(t.bytes);
+                expect_trace(&ref, run(s, o, 40));
             }
         free(ref.bytes);
     }
@@ -797,9 +802,8 @@ static void holding_the_whole_ring_still_turns(void **state)
         check_batch(&held[i % 6], &t);
     }
     stk_loader_close(l);
-    assert_int_equal(t.len, ref.len);
-    assert_memory_equal(t.bytes, ref.bytes, ref.len);
-    free(ref.bytes), free(t.bytes);
+    expect_trace(&ref, t);
+    free(ref.bytes);
     stk_store_close(s);
 }
 
@@ -841,10 +845,7 @@ static void spinning_workers_deliver_the_same_batches(void **state)
         for (int p = 0; p < 3; p++) {
             o.workers = workers[w];
             o.spin_us = spin[p];
-            trace t = run_holding(s, o, 40);
-            assert_int_equal(t.len, ref.len);
-            assert_memory_equal(t.bytes, ref.bytes, ref.len);
-            free(t.bytes);
+            expect_trace(&ref, run_holding(s, o, 40));
         }
     free(ref.bytes);
     stk_store_close(s);
@@ -863,10 +864,8 @@ static void shards_made_ahead_give_the_same_epochs(void **state)
                          .start_batch = 3};
     trace ref = run(s, o, 120);
     o.workers = 4;
-    trace t = run(s, o, 120);
-    assert_int_equal(t.len, ref.len);
-    assert_memory_equal(t.bytes, ref.bytes, ref.len);
-    free(ref.bytes), free(t.bytes);
+    expect_trace(&ref, run(s, o, 120));
+    free(ref.bytes);
     stk_store_close(s);
 }
 
