@@ -124,6 +124,7 @@ struct stk_loader {
     int nslots;
     int wake_at; /* see freed */
     int sleeping; /* workers waiting on `work` (mu) */
+    bool spinning; /* an idle worker spins (see stir; mu) */
     double spin_s; /* opts.spin_us; 0: idle workers only sleep */
     size_t at_labels, at_indices, block; /* a slot's block: samples, labels,
                                             indices, 64-byte aligned */
@@ -151,24 +152,24 @@ struct stk_loader {
 
     /* What a release touches, on a line of its own (mu's is the workers'):
      *
-     * freed: slots freed since the idle workers were last woken, with no
-     * worker spinning; wake_at of them (half the ring) wake them. A worker
-     * sleeps only when the ring is full, so waking one per release made
-     * every batch a futex call while half the ring still waited to be taken.
+     * freed: slots freed since the idle workers were last woken, less
+     * those claimed since; wake_at of them (half the ring) wake them. A
+     * worker idles only when the ring is full, so waking one per release
+     * made every batch a futex call while half the ring still waited.
      *
-     * spinning: an idle worker watches `stir` (bumped by every release and
-     * every batch whose parts are shared) for up to spin_s before it
-     * sleeps, and takes a freed slot with no one woken: a wake-up costs the
-     * waker a futex call and the woken core's interrupt (bench/wake_cost.c:
-     * 5.6 us for one, 24-26 for eight on 2 vCPUs), which at 100 KB batches
-     * was a third of the uploading thread's time (docs/benchmarks.md).
+     * stir: bumped by every release, a detach, a wake-up and every batch
+     * whose parts are shared. One idle worker (spinning) watches it for up
+     * to spin_s before it sleeps, and takes a freed slot with no one
+     * woken: a wake-up costs the waker a futex call and the woken core's
+     * interrupt (bench/wake_cost.c: 5.6 us for one, 24-26 for eight on 2
+     * vCPUs), which at 100 KB batches was a third of the uploading
+     * thread's time (docs/benchmarks.md).
      *
-     * wakes: the wake-ups the consumer paid for, in releases and in
-     * waits (stk_loader_stats).
+     * wakes: the wake-ups the consumer paid for (the lock and a
+     * broadcast), in releases and in waits (stk_loader_stats).
      *
      * Last, so that the struct's alignment pads the line's end. */
     _Alignas(64) atomic_int freed;
-    atomic_bool spinning;
     atomic_uint stir;
     _Atomic uint64_t wakes;
 };
@@ -686,6 +687,10 @@ static slot *take_part(stk_loader *l, int *p, int *rc)
     slot *sl = &l->slots[l->claim_seq % (uint64_t)l->nslots];
     if (slot_state(sl) != SLOT_FREE)
         return NULL;
+    /* one freed slot taken: no longer one to wake a worker for */
+    int f = l->freed;
+    while (f > 0 && !atomic_compare_exchange_weak(&l->freed, &f, f - 1))
+        ;
     *rc = claim(l, l->claim_seq++, sl);
     l->open = sl;
     l->open_next = 1;
@@ -729,9 +734,7 @@ static void idle(stk_loader *l, unsigned s0, bool *spun)
         pthread_mutex_unlock(&l->mu);
         *spun = !spin(l, s0);
         pthread_mutex_lock(&l->mu);
-        l->spinning = false; /* before the caller's look at the ring: a
-                                release that saw it spinning freed a slot
-                                that look finds */
+        l->spinning = false;
         return;
     }
     l->sleeping++;
@@ -1080,13 +1083,14 @@ static int held_error(const stk_loader *l, stk_err *err)
                     l->nslots, l->nslots);
 }
 
-/* Wakes the idle workers for the slots freed since they were last woken
- * (mu held); the consumer's calls count in stats' wakes. */
+/* Wakes the sleeping workers and stirs the spinning one for the slots
+ * freed since they were last woken (mu held; the consumer's, counted in
+ * stats' wakes). */
 static void wake_workers(stk_loader *l)
 {
     l->freed = 0;
-    if (l->sleeping)
-        l->wakes++;
+    l->stir++;
+    l->wakes++;
     pthread_cond_broadcast(&l->work);
 }
 
@@ -1251,10 +1255,11 @@ void stk_loader_release(stk_loader *l, stk_batch *b)
     b->data = NULL;
     if (!atomic_compare_exchange_strong(&sl->tag, &held, tag(seq, SLOT_FREE)))
         return;
+    /* a spinning worker takes the slot (and counts it taken) before half
+     * the ring is free; the sleepers are woken only when it is, or when
+     * the consumer must wait */
     l->stir++;
-    /* a spinner takes the slot; if it stopped spinning meanwhile, it
-     * looks at the ring after it said so, and sees this slot free */
-    if (l->spinning || atomic_fetch_add(&l->freed, 1) + 1 < l->wake_at)
+    if (atomic_fetch_add(&l->freed, 1) + 1 < l->wake_at)
         return;
     pthread_mutex_lock(&l->mu); /* a worker between its look at the ring
                                    and its wait hears this */
@@ -1293,6 +1298,7 @@ int stk_loader_detach(stk_loader *l, stk_batch *b, stk_err *err)
     }
     set_block(l, sl, fresh);
     set_state(sl, SLOT_FREE);
+    l->stir++; /* a spinning worker takes it */
     pthread_cond_signal(&l->work);
     pthread_mutex_unlock(&l->mu);
     b->slot = -1;

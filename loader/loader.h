@@ -149,7 +149,8 @@ typedef struct stk_loader_stats {
     double first_batch;       /* seconds from open to the first batch */
     double wait;              /* seconds the consumer spent blocked in next */
     uint64_t wakes;           /* times the consumer (its releases, its
-                                 waits) woke idle workers */
+                                 waits) took the lock to wake idle
+                                 workers */
     double samples_per_s, bytes_per_s, stall; /* stall = wait / elapsed */
     int workers;
     double busy[STK_LOADER_MAX_WORKERS]; /* seconds each worker filled */
