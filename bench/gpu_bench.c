@@ -9,15 +9,20 @@
  * Every upload runs as the trainer's do (trainer/upload.c): on the copy
  * stream, two in flight (--inflight K: K, for the baseline too), a buffer
  * reused once its event completed; --prefetch P: the loader's ring (0: its
- * default); --spin US: the loader's spin_us (0: its default, -1: none); --device cpu: the same loop on the CPU backend, where an upload
- * is a memcpy (a stand-in for the uploading thread's costs on machines
- * without a GPU), and --link G makes each last as long as a copy at G GB/s
- * (a GPU's link) by spinning after it; --gemm 0: no SGEMM. Prints one JSON line (GB/s are 1e9
- * bytes per second, bytes counted once):
+ * default); --spin US: the loader's spin_us (0: its default, -1: none);
+ * --device cpu: the same loop on the CPU backend, where an upload is a
+ * memcpy (a stand-in for the uploading thread's costs on machines without
+ * a GPU), and --link G makes each last as long as a copy at G GB/s (a
+ * GPU's link) by spinning after it; --gemm 0: no SGEMM. Prints one JSON
+ * line (GB/s are 1e9 bytes per second, bytes counted once):
  *   copy_gbs       one batch's bytes copied again and again from one
  *                  pinned buffer: the cudaMemcpyAsync peak for batches of
  *                  this size, the ceiling for uploading them
- *   copy_big_gbs   the same with 64 MiB copies: the link's peak
+ *   copy_ring_gbs  the same copies from `ring` pinned buffers in turn (the
+ *                  best count's ring): the same bytes as the loader's ring
+ *                  to read, past the host's caches for large batches
+ *   copy_big_gbs   the same as copy_gbs with 64 MiB copies: the link's
+ *                  peak
  *   loader         {workers: GB/s} for each --workers count: the stoke
  *                  loader over DB's train split into its pinned ring,
  *                  every batch uploaded from its slot, the slot handed
@@ -45,7 +50,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8, JSON_CAP = 1024 };
+enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8, MAX_RING = 1024, JSON_CAP = 1024 };
 
 typedef struct opts {
     const char *db;
@@ -141,6 +146,7 @@ static int parse(int argc, char **argv, opts *o)
     }
     if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 0 ||
         o->inflight < 1 || o->inflight > MAX_INFLIGHT || o->prefetch < 0 ||
+        o->prefetch > MAX_RING ||
         o->link_gbs < 0 || (o->link_gbs && o->device != STK_DEV_CPU)) {
         fprintf(stderr, "gpu_bench: needs --db DB, positive sizes, "
                         "--inflight 1..%d and --link only with --device "
@@ -237,30 +243,36 @@ static int flight_drain(stk_backend *be, flight *f, stk_loader *l, stk_err *err)
     return rc;
 }
 
-/* GB/s of `reps` uploads of `bytes` from one pinned buffer, k in flight:
- * the cudaMemcpyAsync peak for copies of this size. */
-static int copy_rate(stk_backend *be, const opts *o, size_t bytes, int reps,
-                     double *gbs, stk_err *err)
+/* GB/s of `reps` uploads of `bytes` from nbuf pinned buffers in turn, k
+ * in flight: from one, the cudaMemcpyAsync peak for copies of this size;
+ * from as many as the loader's ring, the same reading memory as the
+ * ring's footprint (past the caches where that is larger). */
+static int copy_rate(stk_backend *be, const opts *o, size_t bytes, int nbuf,
+                     int reps, double *gbs, stk_err *err)
 {
-    void *host = stk_pinned_alloc(be, bytes);
+    void *host[MAX_RING] = {0};
     flight f;
     int rc = flight_open(be, &f, o->inflight, o->link_gbs, bytes, err);
-    if (!host && !rc)
-        rc = stk_fail(err, STK_ENOMEM, "pinned buffer of %zu bytes", bytes);
-    if (!rc) {
-        memset(host, 1, bytes);
-        rc = flight_put(be, &f, host, bytes, NULL, NULL, err); /* warm-up */
+    for (int i = 0; i < nbuf && !rc; i++) {
+        if (!(host[i] = stk_pinned_alloc(be, bytes)))
+            rc = stk_fail(err, STK_ENOMEM, "%d pinned buffers of %zu bytes",
+                          nbuf, bytes);
+        else
+            memset(host[i], 1, bytes);
     }
+    if (!rc) /* a warm-up */
+        rc = flight_put(be, &f, host[0], bytes, NULL, NULL, err);
     if (!rc)
         rc = flight_drain(be, &f, NULL, err);
     double t0 = now();
     for (int i = 0; i < reps && !rc; i++)
-        rc = flight_put(be, &f, host, bytes, NULL, NULL, err);
+        rc = flight_put(be, &f, host[i % nbuf], bytes, NULL, NULL, err);
     if (!rc)
         rc = flight_drain(be, &f, NULL, err);
     *gbs = (double)bytes * reps / (now() - t0) / 1e9;
     flight_close(be, &f);
-    stk_pinned_free(be, host);
+    for (int i = 0; i < nbuf; i++)
+        stk_pinned_free(be, host[i]);
     return rc;
 }
 
@@ -404,26 +416,31 @@ int main(int argc, char **argv)
         return err.code == STK_ENODEV ? (printf("SKIP: %s\n", err.msg), 77)
                                       : die("cuda", &err);
     size_t batch_bytes = 0;
-    double loader = 0, copy = 0, big = 0, tflops = 0;
+    double loader = 0, copy = 0, ring = 0, big = 0, tflops = 0;
     int best_w = 0;
     char rates[JSON_CAP] = "", times[JSON_CAP] = "";
     if (loader_rates(be, &o, &batch_bytes, rates, times, &best_w, &loader,
                      &err))
         rc = die(o.db, &err);
-    else if (copy_rate(be, &o, batch_bytes, 4000, &copy, &err) ||
-             copy_rate(be, &o, (size_t)64 << 20, 40, &big, &err))
+    /* the best count's ring, as the loader sizes it (loader.h) */
+    int slots = o.prefetch ? o.prefetch : best_w * 2 > 4 ? best_w * 2 : 4;
+    if (!rc && (copy_rate(be, &o, batch_bytes, 1, 4000, &copy, &err) ||
+                copy_rate(be, &o, batch_bytes, slots, 4000, &ring, &err) ||
+                copy_rate(be, &o, (size_t)64 << 20, 1, 40, &big, &err)))
         rc = die("pinned copy", &err);
     else if (o.gemm_n && gemm_peak(be, o.gemm_n, &tflops, &err))
         rc = die("sgemm", &err);
     if (!rc)
         printf("{\"device\": \"%s\", \"batch_bytes\": %zu, "
                "\"inflight\": %d, \"loader\": {%s}, \"workers\": %d, "
-               "\"copy_gbs\": %.3f, \"copy_big_gbs\": %.3f, "
+               "\"copy_gbs\": %.3f, \"copy_ring_gbs\": %.3f, "
+               "\"ring\": %d, \"copy_big_gbs\": %.3f, "
                "\"loader_gbs\": %.3f, \"loader_share\": %.3f, "
                "\"consumer\": {%s}, "
                "\"sgemm_n\": %d, \"sgemm_tflops\": %.2f}\n",
                stk_backend_name(be), batch_bytes, o.inflight, rates, best_w,
-               copy, big, loader, loader / copy, times, o.gemm_n, tflops);
+               copy, ring, slots, big, loader, loader / copy, times, o.gemm_n,
+               tflops);
     stk_backend_destroy(be);
     return rc;
 }

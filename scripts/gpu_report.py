@@ -29,12 +29,14 @@ def main():
           "each batch uploaded from its slot on the copy stream, **%.2f GB/s** "
           "at its best, %d workers (GB/s by workers: %s), against %.2f GB/s for "
           "the same copies from one pinned buffer: **%.0f%%** (target >= 80%%: "
-          "%s); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM %d^3: **%.1f "
-          "TFLOP/s**." % (
+          "%s); the same copies from %d buffers in turn (the ring's bytes): "
+          "%.2f GB/s (%.0f%%); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM "
+          "%d^3: **%.1f TFLOP/s**." % (
               bench["device"], bench["batch_bytes"], bench["loader_gbs"],
               bench["workers"], rates, bench["copy_gbs"], 100 * share,
-              "met" if share >= 0.8 else "**not met**", bench["copy_big_gbs"],
-              bench["sgemm_n"], bench["sgemm_tflops"]))
+              "met" if share >= 0.8 else "**not met**", bench["ring"],
+              bench["copy_ring_gbs"], 100 * bench["loader_gbs"] / bench["copy_ring_gbs"],
+              bench["copy_big_gbs"], bench["sgemm_n"], bench["sgemm_tflops"]))
     nospin = None  # its check may have failed: the rest is still reported
     if len(sys.argv) > 2 and os.path.isfile(sys.argv[2]) and os.path.getsize(sys.argv[2]):
         nospin = json.load(open(sys.argv[2]))

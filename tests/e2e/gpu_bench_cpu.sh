@@ -20,7 +20,8 @@ for w, gbs in j["loader"].items():
     c = j["consumer"][w]
     assert len(c) == 7 and all(0 <= x <= 1.001 for x in c[:6]) and c[6] >= 0, c
     assert c[1] <= c[0] + 1e-3, c  # waiting for data is part of next
-assert 0 < j["copy_gbs"] <= 4 * 1.001 and 0 < j["copy_big_gbs"] <= 4 * 1.001, j
+assert all(0 < j[k] <= 4 * 1.001 for k in ("copy_gbs", "copy_ring_gbs", "copy_big_gbs")), j
+assert j["ring"] == max(4, 2 * j["workers"]), j  # the best count's ring
 best = max(j["loader"], key=lambda w: j["loader"][w])
 assert j["loader_gbs"] == j["loader"][best] and str(j["workers"]) == best, j
 assert abs(j["loader_share"] - j["loader_gbs"] / j["copy_gbs"]) < 2e-3, j
