@@ -761,13 +761,13 @@ static PyObject *ring_stats(RingObject *self, PyObject *unused)
     stk_loader_stats s;
     stk_loader_stats_get(self->loader, &s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:N}", "batches",
+        "{s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:d,s:K,s:i,s:N}", "batches",
         (unsigned long long)s.batches, "samples",
         (unsigned long long)s.samples, "bytes", (unsigned long long)s.bytes,
         "elapsed", s.elapsed, "first_batch", s.first_batch, "wait", s.wait,
         "samples_per_s", s.samples_per_s, "bytes_per_s", s.bytes_per_s,
-        "stall", s.stall, "workers", s.workers, "busy",
-        doubles(s.busy, s.workers));
+        "stall", s.stall, "wakes", (unsigned long long)s.wakes, "workers",
+        s.workers, "busy", doubles(s.busy, s.workers));
 }
 
 static PyObject *ring_info(RingObject *self, PyObject *unused)

@@ -540,8 +540,9 @@ class Loader:
     @property
     def stats(self):
         """samples/s, stall (the share of time the loop waited for a batch),
-        the time to the first batch and each worker's busy seconds, since
-        the ring was opened."""
+        the time to the first batch, each worker's busy seconds and the
+        times the loop woke idle workers (wakes), since the ring was
+        opened."""
         if self._ring is None:
             return {}
         return self._ring.stats()
