@@ -721,13 +721,15 @@ static void a_release_racing_next_is_never_lost(void **state)
         usleep(200); /* the workers fill the ring and sleep */
         r.b = held[k];
         atomic_store(&r.go, 1);
-        while ((rc = stk_loader_next_for(l, &held[k], 1.0, &err)) ==
+        /* 10 s: a lost wake-up waits for ever, and under valgrind, which
+         * runs one thread at a time, 1 s was sometimes too short */
+        while ((rc = stk_loader_next_for(l, &held[k], 10.0, &err)) ==
                    STK_EINVAL ||
                rc == 0)
             ; /* still held, or an epoch's end */
         if (rc == STK_ETIMEDOUT) {
             timeouts++;
-            rc = stk_loader_next_for(l, &held[k], 1.0, &err);
+            rc = stk_loader_next_for(l, &held[k], 10.0, &err);
         }
         assert_int_equal(rc, 1);
         while (atomic_load(&r.go))
