@@ -889,8 +889,10 @@ static void shards_made_ahead_give_the_same_epochs(void **state)
 /* A consumer slower than its worker: the worker idles on a full ring, and
  * every second release (half the ring of 4) takes the lock to wake it,
  * unless it spins; then releases wake no one. (The first next waits for
- * the first batch, a wake-up of its own, not counted.) A worker spinning
- * when the loader closes stops at once. */
+ * the first batch, a wake-up of its own, not counted; on a loaded machine
+ * a later next may find its batch not yet made, once, and wake the worker
+ * too: under TSan beside valgrind, 10 ms gaps, 2 of 5 runs saw one at
+ * 3 ms.) A worker spinning when the loader closes stops at once. */
 static uint64_t wakes_of_a_slow_consumer(stk_store *s, int spin_us)
 {
     stk_loader_opts o = {.batch_size = 64, .workers = 1, .prefetch = 4,
@@ -904,7 +906,7 @@ static uint64_t wakes_of_a_slow_consumer(stk_store *s, int spin_us)
         assert_int_equal(stk_loader_next(l, &b, &err), 1);
         if (i == 0)
             stk_loader_stats_get(l, &first);
-        usleep(3000); /* the worker fills the ring and idles */
+        usleep(10000); /* the worker fills the ring and idles */
         stk_loader_release(l, &b);
     }
     stk_loader_stats_get(l, &last);
@@ -920,9 +922,9 @@ static void releases_wake_no_one_while_a_worker_spins(void **state)
     stk_store *s;
     stk_err err = {0};
     assert_int_equal(stk_store_open(db_dir, 0, &s, &err), 0);
-    assert_true(wakes_of_a_slow_consumer(s, -1) >= 3); /* 6 on a quiet
+    assert_true(wakes_of_a_slow_consumer(s, -1) >= 4); /* 6 on a quiet
                                                             machine */
-    assert_int_equal(wakes_of_a_slow_consumer(s, 1000000), 0);
+    assert_true(wakes_of_a_slow_consumer(s, 1000000) <= 1); /* 0 there */
     stk_store_close(s);
 }
 
