@@ -1055,7 +1055,10 @@ static void peers_tell_a_reused_pid(void **state)
     pid_t child = fork();
     assert_true(child >= 0);
     if (child == 0) {
-        peer_id c = peer_self();
+        peer_id c, self = peer_self();
+        memset(&c, 0, sizeof c); /* the padding too: all of it is written */
+        c.pid = self.pid;
+        c.start = self.start;
         if (write(fd[1], &c, sizeof c) != (ssize_t)sizeof c)
             _exit(1);
         for (;;)
