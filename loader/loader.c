@@ -761,7 +761,7 @@ static void *worker_main(void *arg)
             continue;
         }
         /* the watch goes on: a sleeper takes a freed slot or spins, so
-         * that releases find a spinner and wake no one */
+         * that the next slot freed is taken as it comes, no one woken */
         bool pass = l->spin_s > 0 && l->sleeping && !l->spinning;
         spun = false;
         uint64_t epoch, batch;
@@ -865,9 +865,9 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
                         o->aug_pad);
     if (!o->split)
         o->split = "train";
-    /* a spinner is a core taken from no one when the workers and the
-     * consumer have one each (on 2 cores, 2 workers delivered 30% less
-     * with a spinner than without) */
+    /* a spinner takes a core from no one where the workers and the
+     * consumer have one each; beyond that it may hold up a worker that
+     * fills (on 2 vCPUs, 2 workers: no clear loss nor gain measured) */
     if (o->spin_us == 0)
         o->spin_us = o->workers + 1 <= stk_usable_cpus() ? 50 : -1;
     if (o->spin_us > 1000000)
