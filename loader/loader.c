@@ -867,7 +867,8 @@ static int check_opts(stk_loader_opts *o, stk_err *err)
         o->split = "train";
     /* a spinner takes a core from no one where the workers and the
      * consumer have one each; beyond that it may hold up a worker that
-     * fills (on 2 vCPUs, 2 workers: no clear loss nor gain measured) */
+     * fills (2 workers on 2 vCPUs: a gain with a slow consumer, no clear
+     * difference with a fast one; docs/benchmarks.md) */
     if (o->spin_us == 0)
         o->spin_us = o->workers + 1 <= stk_usable_cpus() ? 50 : -1;
     if (o->spin_us > 1000000)
