@@ -287,6 +287,18 @@ static const fetch_ops raw_ops = {raw_open, raw_get, NULL, raw_close};
 /* ---- shards ------------------------------------------------------------ */
 
 /* Returns the shard of epoch with a reference taken (mu held). */
+/* A shard's memory for this loader's shard length; NULL when out of it. */
+static shard *shard_new(const stk_loader *l)
+{
+    shard *s = calloc(1, sizeof *s);
+    if (s && !(s->idx = malloc((l->shard_len ? l->shard_len : 1) *
+                               sizeof(uint64_t)))) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
 static shard *shard_get(stk_loader *l, uint64_t epoch, int *rc)
 {
     shard **pp = &l->shards, *unused = NULL;
@@ -300,12 +312,7 @@ static shard *shard_get(stk_loader *l, uint64_t epoch, int *rc)
     }
     shard *s = unused;
     if (!s) {
-        s = calloc(1, sizeof *s);
-        if (s)
-            s->idx = malloc((l->shard_len ? l->shard_len : 1) * sizeof(uint64_t));
-        if (!s || !s->idx) {
-            if (s)
-                free(s);
+        if (!(s = shard_new(l))) {
             *rc = STK_ENOMEM;
             return NULL;
         }
@@ -339,10 +346,9 @@ static void shard_ahead(stk_loader *l, uint64_t epoch)
             break;
         }
     pthread_mutex_unlock(&l->mu);
-    if (!s && (s = calloc(1, sizeof *s)))
-        s->idx = malloc((l->shard_len ? l->shard_len : 1) * sizeof(uint64_t));
-    bool ok = s && s->idx &&
-              !stk_sampler_shard(&l->sampler, epoch, s->idx);
+    if (!s)
+        s = shard_new(l);
+    bool ok = s && !stk_sampler_shard(&l->sampler, epoch, s->idx);
     pthread_mutex_lock(&l->mu);
     if (ok) {
         s->epoch = epoch;
@@ -1155,9 +1161,21 @@ static int await_slot(stk_loader *l, slot *sl, uint64_t seq, double deadline,
     return 0;
 }
 
+/* The consumer's next batch, seq, starts an epoch that has not yet been
+ * reported ended (next returns 0 once between epochs). */
+static bool epoch_end_due(const stk_loader *l, uint64_t seq)
+{
+    return (l->first_abs + seq) % l->nbatches == 0 && seq > 0 && !l->ended;
+}
+
+/* Takes the ready batch in sl (the consumer's next) into b, held. */
 static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
 {
-    seq_pos(l, slot_seq(sl), &b->epoch, &b->index);
+    uint64_t seq = slot_seq(sl);
+    sl->tag = tag(seq, SLOT_HELD); /* no one else moves a READY slot */
+    l->ended = false;
+    l->take_seq = seq + 1; /* a store: only the consumer writes it */
+    seq_pos(l, seq, &b->epoch, &b->index);
     b->n = sl->n;
     b->sample_bytes = l->sample_bytes;
     b->data = sl->data;
@@ -1176,17 +1194,13 @@ static void hand_out(stk_loader *l, slot *sl, stk_batch *b)
  * of an upload's time (docs/benchmarks.md). false: take the locked way. */
 static bool take_ready(stk_loader *l, stk_batch *b)
 {
-    uint64_t seq = l->take_seq, abs = l->first_abs + seq;
-    if (l->failed || !l->nbatches ||
-        (abs % l->nbatches == 0 && seq > 0 && !l->ended))
+    uint64_t seq = l->take_seq;
+    if (l->failed || !l->nbatches || epoch_end_due(l, seq))
         return false;
     slot *sl = &l->slots[seq % (uint64_t)l->nslots];
     /* the tag (the acquire) before rc and n: a worker wrote them first */
     if (sl->tag != tag(seq, SLOT_READY) || sl->rc)
         return false;
-    sl->tag = tag(seq, SLOT_HELD); /* no one else moves a READY slot */
-    l->ended = false;
-    l->take_seq = seq + 1;
     hand_out(l, sl, b);
     return true;
 }
@@ -1214,8 +1228,7 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
         pthread_mutex_unlock(&l->mu);
         return 0;
     }
-    uint64_t abs = l->first_abs + l->take_seq;
-    if (abs % l->nbatches == 0 && l->take_seq > 0 && !l->ended) {
+    if (epoch_end_due(l, l->take_seq)) {
         l->ended = true; /* report the epoch boundary once */
         pthread_mutex_unlock(&l->mu);
         return 0;
@@ -1233,12 +1246,8 @@ int stk_loader_next_for(stk_loader *l, stk_batch *b, double seconds,
             *err = sl->err;
         set_state(sl, SLOT_FREE);
     }
-    if (!rc) {
-        l->ended = false;
-        l->take_seq++;
-        set_state(sl, SLOT_HELD);
+    if (!rc)
         hand_out(l, sl, b);
-    }
     pthread_mutex_unlock(&l->mu);
     return rc ? rc : 1;
 }
