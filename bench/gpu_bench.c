@@ -48,7 +48,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 enum { MAX_COUNTS = 16, MAX_INFLIGHT = 8, MAX_RING = 1024, JSON_CAP = 1024 };
 
@@ -80,12 +79,6 @@ static int parse_workers(const char *v, opts *o)
     }
 }
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int die(const char *what, const stk_err *err)
 {
@@ -95,7 +88,8 @@ static int die(const char *what, const stk_err *err)
 
 static int parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, STK_DEV_CUDA, 128, 2, 0, 8192, 2, 0, 0, 0, {1, 2, 4, 8}, 4};
+    *o = (opts){NULL, STK_DEV_CUDA, 128, 2, 0, 8192, 2, 0, 0, 0,
+                {1, 2, 4, 8}, 4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int *num = !strcmp(a, "--batch")    ? &o->batch
@@ -111,8 +105,9 @@ static int parse(int argc, char **argv, opts *o)
         if (!v || !known) {
             fprintf(stderr, "gpu_bench: unknown or incomplete option '%s' "
                             "(expected --db DB, --batch, --workers N,N,..., "
-                            "--epochs, --gpu, --gemm N, --inflight K, --prefetch P, "
-                            "--spin US, --device cuda|cpu, --link GB/s)\n", a);
+                            "--epochs, --gpu, --gemm N, --inflight K, "
+                            "--prefetch P, --spin US, --device cuda|cpu, "
+                            "--link GB/s)\n", a);
             return 2;
         }
         if (num)
@@ -198,14 +193,14 @@ static int flight_settle(stk_backend *be, flight *f, int i, stk_loader *l,
 {
     if (!f->busy[i])
         return 0;
-    double t0 = now();
+    double t0 = stk_now();
     int rc = stk_event_wait(be, f->ev[i], err);
-    f->settle_s += now() - t0;
+    f->settle_s += stk_now() - t0;
     f->busy[i] = false;
-    t0 = now();
+    t0 = stk_now();
     if (!rc && l)
         stk_loader_release(l, &f->held[i]);
-    f->release_s += now() - t0;
+    f->release_s += stk_now() - t0;
     return rc;
 }
 
@@ -217,16 +212,16 @@ static int flight_put(stk_backend *be, flight *f, const void *src, size_t n,
     int i = f->next;
     f->next = (i + 1) % f->k;
     int rc = flight_settle(be, f, i, l, err);
-    double t0 = now();
+    double t0 = stk_now();
     if (!rc)
         rc = stk_upload(be, f->dev[i], src, n, err);
     /* the CPU's copy is done when it returns; a GPU's queued copy keeps
      * its thread in the CUDA calls for about as long (at two in flight) */
-    while (!rc && f->link_gbs && now() - t0 < (double)n / f->link_gbs / 1e9)
+    while (!rc && f->link_gbs && stk_now() - t0 < (double)n / f->link_gbs / 1e9)
         stk_cpu_relax();
     if (!rc)
         rc = stk_event_record(be, f->ev[i], STK_STREAM_COPY, err);
-    f->issue_s += now() - t0;
+    f->issue_s += stk_now() - t0;
     if (!rc && b)
         f->held[i] = *b;
     f->busy[i] = !rc;
@@ -264,12 +259,12 @@ static int copy_rate(stk_backend *be, const opts *o, size_t bytes, int nbuf,
         rc = flight_put(be, &f, host[0], bytes, NULL, NULL, err);
     if (!rc)
         rc = flight_drain(be, &f, NULL, err);
-    double t0 = now();
+    double t0 = stk_now();
     for (int i = 0; i < reps && !rc; i++)
         rc = flight_put(be, &f, host[i % nbuf], bytes, NULL, NULL, err);
     if (!rc)
         rc = flight_drain(be, &f, NULL, err);
-    *gbs = (double)bytes * reps / (now() - t0) / 1e9;
+    *gbs = (double)bytes * reps / (stk_now() - t0) / 1e9;
     flight_close(be, &f);
     for (int i = 0; i < nbuf; i++)
         stk_pinned_free(be, host[i]);
@@ -290,7 +285,7 @@ typedef struct consumer_time {
  * copy is done. */
 static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
                        size_t batch_bytes, int workers, double *gbs,
-                       consumer_time *ct, stk_err *err)
+                       consumer_time *ct, int *slots, stk_err *err)
 {
     stk_loader *l = NULL;
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
@@ -303,14 +298,14 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     if (!rc)
         rc = stk_loader_open(st, &lo, &l, err);
     size_t bytes = 0;
-    double t0 = now(), next_s = 0, t1;
+    double t0 = stk_now(), next_s = 0, t1;
     for (int e = 0; e < o->epochs && !rc; e++) {
         stk_batch b;
         /* the buffer's last batch goes back before the next is asked for,
          * so that a ring of 2 (one worker) can make progress */
         while (!(rc = flight_settle(be, &f, f.next, l, err)) &&
-               (t1 = now(), rc = stk_loader_next(l, &b, err),
-                next_s += now() - t1, rc == 1)) {
+               (t1 = stk_now(), rc = stk_loader_next(l, &b, err),
+                next_s += stk_now() - t1, rc == 1)) {
             size_t n = (size_t)b.n * b.sample_bytes;
             rc = flight_put(be, &f, b.data, n, &b, l, err);
             if (rc) /* the copy may still read it: the close frees it */
@@ -321,11 +316,13 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     }
     if (!rc)
         rc = flight_drain(be, &f, l, err);
-    double s = now() - t0;
+    double s = stk_now() - t0;
     *gbs = (double)bytes / s / 1e9;
     stk_loader_stats ls = {0};
-    if (l)
+    if (l) {
         stk_loader_stats_get(l, &ls);
+        *slots = stk_loader_slots(l);
+    }
     double busy = 0;
     for (int w = 0; w < ls.workers; w++)
         busy += ls.busy[w] / s / ls.workers;
@@ -351,13 +348,13 @@ static int gemm_peak(stk_backend *be, int n, double *tflops, stk_err *err)
         rc = stk_memzero(be, a, bytes, err) || stk_memzero(be, b, bytes, err);
     double best = 1e30;
     for (int i = 0; i < 6 && !rc; i++) { /* the first is a warm-up */
-        double t0 = now();
+        double t0 = stk_now();
         rc = stk_gemm(be, false, false, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n,
                       err);
         if (!rc)
             rc = stk_sync(be, err);
-        if (i > 0 && now() - t0 < best)
-            best = now() - t0;
+        if (i > 0 && stk_now() - t0 < best)
+            best = stk_now() - t0;
     }
     *tflops = 2.0 * n * (double)n * n / best / 1e12;
     stk_dev_free(be, c);
@@ -370,8 +367,8 @@ static int gemm_peak(stk_backend *be, int n, double *tflops, stk_err *err)
  * the uploading thread's time into cjson (JSON_CAP bytes each); the best
  * count and rate. */
 static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
-                        char *json, char *cjson, int *best_w, double *best,
-                        stk_err *err)
+                        char *json, char *cjson, int *best_w, int *best_slots,
+                        double *best, stk_err *err)
 {
     stk_store *st = NULL;
     int rc = stk_store_open(o->db, 0, &st, err);
@@ -385,10 +382,11 @@ static int loader_rates(stk_backend *be, const opts *o, size_t *batch_bytes,
     for (int i = 0; i < o->nworkers && !rc; i++) {
         double gbs = 0;
         consumer_time ct = {0};
+        int slots = 0;
         rc = loader_rate(be, st, o, *batch_bytes, o->workers[i], &gbs, &ct,
-                         err);
+                         &slots, err);
         if (!rc && gbs > *best)
-            *best = gbs, *best_w = o->workers[i];
+            *best = gbs, *best_w = o->workers[i], *best_slots = slots;
         if (!rc && at < cap)
             at += (size_t)snprintf(json + at, cap - at, "%s\"%d\": %.3f",
                                    i ? ", " : "", o->workers[i], gbs);
@@ -417,13 +415,11 @@ int main(int argc, char **argv)
                                       : die("cuda", &err);
     size_t batch_bytes = 0;
     double loader = 0, copy = 0, ring = 0, big = 0, tflops = 0;
-    int best_w = 0;
+    int best_w = 0, slots = 0; /* the best count's ring */
     char rates[JSON_CAP] = "", times[JSON_CAP] = "";
-    if (loader_rates(be, &o, &batch_bytes, rates, times, &best_w, &loader,
-                     &err))
+    if (loader_rates(be, &o, &batch_bytes, rates, times, &best_w, &slots,
+                     &loader, &err))
         rc = die(o.db, &err);
-    /* the best count's ring, as the loader sizes it (loader.h) */
-    int slots = o.prefetch ? o.prefetch : best_w * 2 > 4 ? best_w * 2 : 4;
     if (!rc && (copy_rate(be, &o, batch_bytes, 1, 4000, &copy, &err) ||
                 copy_rate(be, &o, batch_bytes, slots, 4000, &ring, &err) ||
                 copy_rate(be, &o, (size_t)64 << 20, 1, 40, &big, &err)))
