@@ -13,7 +13,8 @@
 # need that are not part of the C runtime or CUDA (LMDB, libuv, OpenBLAS,
 # TurboJPEG, spng, ...), Fashion-MNIST's IDX files and Debian's sample
 # photographs. CTest records absolute paths, so env.sh links the build's
-# old path to the unpacked one where that path is free. The CUDA runtime, cuBLAS and NCCL come from the GPU machine.
+# old path to the unpacked one where that path is free. The CUDA runtime,
+# cuBLAS and NCCL come from the GPU machine.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$SRC/build-gpu OUT=gpu-pack.tar.gz
@@ -92,9 +93,12 @@ ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
 # python3-lmdb, the tests' independent reader: where that Python lacks it,
 # tests/e2e/shim/lmdb.py (its API over liblmdb) first on their PYTHONPATH
 shim=$(cd "$here/.." && pwd)/tests/e2e/shim
-"$STK_PYTHON" -c 'import lmdb' 2>/dev/null || grep -L "PYTHONPATH=$shim:" $ctest_files |
-  xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
-echo "gpu-pack: tests under $STK_PYTHON$("$STK_PYTHON" -c 'import lmdb' 2>/dev/null || echo ", python3-lmdb from tests/e2e/shim")"
+if "$STK_PYTHON" -c 'import lmdb' 2>/dev/null; then
+  echo "gpu-pack: tests under $STK_PYTHON"
+else
+  grep -L "PYTHONPATH=$shim:" $ctest_files | xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
+  echo "gpu-pack: tests under $STK_PYTHON, python3-lmdb from tests/e2e/shim"
+fi
 unset here pair old new py ctest_files shim
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
