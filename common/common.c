@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -436,6 +437,24 @@ int stk_usable_cpus(void)
         return CPU_COUNT(&set);
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
+                     const char *name)
+{
+    sigset_t stop, old;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGHUP);
+    sigaddset(&stop, SIGQUIT);
+    /* a new thread inherits its creator's mask: block, create, restore */
+    pthread_sigmask(SIG_BLOCK, &stop, &old);
+    int e = pthread_create(t, NULL, fn, arg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!e)
+        pthread_setname_np(*t, name); /* a name is a help, not a need */
+    return e;
 }
 
 int stk_path_join(char *out, size_t n, const char *dir, const char *name)

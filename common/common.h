@@ -8,6 +8,7 @@
 #ifndef STK_COMMON_H
 #define STK_COMMON_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -123,6 +124,16 @@ double stk_now(void);
 
 /* The CPUs this process may run on (its affinity mask; 1 at least). */
 int stk_usable_cpus(void);
+
+/* Starts fn(arg) on a new thread named name (15 characters at most: what
+ * top -H, gdb and /proc/PID/task/TID/comm show, and what the Python tests
+ * count), with SIGINT, SIGTERM, SIGHUP and SIGQUIT blocked in it: the
+ * kernel then hands those to a thread of the caller's, the one that checks
+ * the flag the handler sets (under TSan a signal taken by a worker that was
+ * about to exit was lost). The caller's own mask is left as it was. Returns
+ * 0 or pthread_create's error number. */
+int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
+                     const char *name);
 
 /* One step of a spin-wait: a pause that lets the core's other hardware
  * thread run and tells the CPU the loop is a wait. */

@@ -140,7 +140,9 @@ stk_pool *stk_pool_create(int threads, stk_err *err)
     pthread_cond_init(&p->cv, NULL);
     p->threads = 1; /* grows as workers start, so destroy joins only those */
     for (int i = 1; i < threads; i++) {
-        if (pthread_create(&p->tid[i], NULL, worker_main, p)) {
+        char name[16];
+        snprintf(name, sizeof name, "stk-pool %d", i);
+        if (stk_thread_start(&p->tid[i], worker_main, p, name)) {
             stk_pool_destroy(p);
             stk_fail(err, STK_ENOMEM, "cpu: cannot start compute thread %d "
                      "of %d", i + 1, threads);

@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t interrupted;
+static atomic_int interrupted; /* lock-free, so a handler may set it */
 
 static void on_signal(int sig)
 {

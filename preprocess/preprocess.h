@@ -12,7 +12,7 @@
 
 #include "common/common.h"
 
-#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -265,7 +265,8 @@ typedef struct stk_prep_opts {
     int quality;                  /* JPEG quality 1..100; 0 = 90 */
     stk_source_opts source;
     const char *created;          /* ISO 8601 creation time for the meta */
-    const volatile sig_atomic_t *cancel; /* non-zero asks the run to stop */
+    const atomic_int *cancel;     /* non-zero asks the run to stop (atomic:
+                                   * a handler sets it, workers read it) */
     void (*progress)(const stk_prep_progress *p, void *arg);
     void *progress_arg;           /* called from the writer thread */
 } stk_prep_opts;

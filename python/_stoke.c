@@ -20,7 +20,7 @@
 #include "store/store.h"
 
 #include <pthread.h>
-#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <string.h>
 #include <time.h>
@@ -815,7 +815,7 @@ typedef struct prep_call {
     stk_prep_summary sum;
     stk_err err;
     int rc;
-    volatile sig_atomic_t cancel;
+    atomic_int cancel;
     PyObject *progress; /* callable(split, done, total, skipped, seconds) */
     PyObject *raised;   /* what the callback raised: prep raises it */
     pthread_mutex_t mu;
@@ -968,7 +968,7 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cv, NULL);
     pthread_t t;
-    if (pthread_create(&t, NULL, prep_thread, &c)) {
+    if (stk_thread_start(&t, prep_thread, &c, "stk-prep call")) {
         PyErr_SetString(PyExc_OSError, "prep: cannot start a thread");
     } else if (prep_wait(&c, t) < 0) {
         Py_CLEAR(c.raised); /* the KeyboardInterrupt wins */

@@ -16,7 +16,7 @@
 
 #include "common/common.h"
 
-#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -210,7 +210,7 @@ typedef struct stk_store_opts {
                                "--force" (Python: "force=True") */
     bool verify;            /* stk_store_finish reopens the database and
                                runs stk_store_verify before publishing it */
-    const volatile sig_atomic_t *cancel; /* non-zero stops that verify
+    const atomic_int *cancel; /* non-zero stops that verify
                                             (STK_ECANCELED); may be NULL */
 } stk_store_opts;
 
@@ -281,7 +281,7 @@ int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err);
 /* The same, stopping with STK_ECANCELED soon after *cancel becomes non-zero
  * (reading a large database takes a while; a Ctrl-C must not wait for it).
  * cancel may be NULL. */
-int stk_store_verify_until(stk_store *s, const volatile sig_atomic_t *cancel,
+int stk_store_verify_until(stk_store *s, const atomic_int *cancel,
                            stk_verify_report *rep, stk_err *err);
 
 /* ---- views: a whole split, addressed by index, for many threads ------- */

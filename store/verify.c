@@ -139,7 +139,7 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
 }
 
 static int verify_split(stk_store *s, const stk_split_meta *sp,
-                        const volatile sig_atomic_t *cancel,
+                        const atomic_int *cancel,
                         stk_verify_report *rep, stk_err *err)
 {
     const stk_meta *m = stk_store_meta(s);
@@ -198,7 +198,7 @@ int stk_store_verify(stk_store *s, stk_verify_report *rep, stk_err *err)
     return stk_store_verify_until(s, NULL, rep, err);
 }
 
-int stk_store_verify_until(stk_store *s, const volatile sig_atomic_t *cancel,
+int stk_store_verify_until(stk_store *s, const atomic_int *cancel,
                            stk_verify_report *rep, stk_err *err)
 {
     memset(rep, 0, sizeof *rep);

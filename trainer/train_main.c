@@ -12,7 +12,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
-static volatile int stop_requested;
+static atomic_int stop_requested; /* lock-free, so a handler may set it */
 
 static void on_signal(int sig)
 {

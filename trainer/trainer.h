@@ -19,6 +19,7 @@
 #include "distributed/distributed.h"
 #include "kernels/kernels.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -232,7 +233,7 @@ typedef struct stk_train_opts {
     int keep;                 /* checkpoints kept besides the best */
     int max_steps;            /* stop after this many steps (0 = all) */
     bool quiet;
-    const volatile int *stop; /* non-zero: stop at the next step boundary */
+    const atomic_int *stop; /* non-zero: stop at the next step boundary */
     int accum;                /* micro-batches per optimizer step (>= 1) */
     /* data parallelism: this process's rank (NULL: a world of one), the
      * DDP bucket size and the timeout of every wait on the other ranks */

@@ -802,7 +802,7 @@ static void verify_stops_when_asked(void **state)
     stk_store *s;
     stk_err err = {0};
     stk_verify_report rep;
-    volatile sig_atomic_t stop = 0;
+    atomic_int stop = 0;
     assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
     assert_int_equal(stk_store_verify_until(s, &stop, &rep, &err), 0);
     assert_int_equal(rep.records, 220);
