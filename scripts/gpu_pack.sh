@@ -66,17 +66,27 @@ for name in sorted({os.path.basename(p) for _, p in SOURCES} | {"camera.png"}):
 PY
   echo "gpu_pack.sh: the sample photographs were not packed (python3-sklearn, python3-skimage): the photo tests will fail there" >&2
 
-cat >"$P/env.sh" <<EOF
+cat >"$P/env.sh" <<'EOF'
 # sourced where the pack was unpacked: the libraries, the data, the build
-here=\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)
-export LD_LIBRARY_PATH="\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-export STK_FASHION="\$here/fashion-mnist"
-[ -z "\$(ls "\$here/photos" 2>/dev/null)" ] || export STK_PHOTOS="\$here/photos"
-export STK_PACK_BUILD="\$here/build"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export STK_FASHION="$here/fashion-mnist"
+[ -z "$(ls "$here/photos" 2>/dev/null)" ] || export STK_PHOTOS="$here/photos"
+export STK_PACK_BUILD="$here/build"
+# the checkout (same commit): the folder above the pack, the one above
+# that (the pack unpacked in a folder of it, .gpu/), or the caller's
+src=
+for d in "$here/.." "$here/../.." "$PWD"; do
+  [ -f "$d/tests/e2e/shim/lmdb.py" ] && { src=$(cd "$d" && pwd); break; }
+done
+[ -n "$src" ] || echo "gpu-pack: no checkout of stoke above $here nor at $PWD: the e2e tests need one" >&2
+EOF
+cat >>"$P/env.sh" <<EOF
 # CTest's absolute paths: the build and the sources as they were packed
-for pair in "$SRC:\$(cd "\$here/.." && pwd)" "$BUILD:\$here/build"; do
+for pair in "$SRC:\$src" "$BUILD:\$here/build"; do
   old=\${pair%%:*} new=\${pair#*:}
-  [ "\$old" = "\$new" ] || [ -e "\$old" ] || { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
+  [ -n "\$new" ] && [ "\$old" != "\$new" ] && [ ! -e "\$old" ] || continue
+  { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
     echo "gpu-pack: cannot link \$old to \$new (CTest's paths)" >&2
 done
 EOF
@@ -92,14 +102,14 @@ ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
   sed -i "s#/usr/bin/python3#$STK_PYTHON#g" $ctest_files
 # python3-lmdb, the tests' independent reader: where that Python lacks it,
 # tests/e2e/shim/lmdb.py (its API over liblmdb) first on their PYTHONPATH
-shim=$(cd "$here/.." && pwd)/tests/e2e/shim
+shim=$src/tests/e2e/shim
 if "$STK_PYTHON" -c 'import lmdb' 2>/dev/null; then
   echo "gpu-pack: tests under $STK_PYTHON"
 else
   grep -L "PYTHONPATH=$shim:" $ctest_files | xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
   echo "gpu-pack: tests under $STK_PYTHON, python3-lmdb from tests/e2e/shim"
 fi
-unset here pair old new py ctest_files shim
+unset here src d pair old new py ctest_files shim
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
 echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"

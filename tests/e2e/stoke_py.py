@@ -101,8 +101,17 @@ def rss_kib():
 
 
 def threads():
-    """Threads of this process (/proc/self/task)."""
-    return len(os.listdir("/proc/self/task"))
+    """stoke's threads in this process: those whose name (common's
+    stk_thread_start) starts with "stk-". Not every thread: a CUDA build
+    of PyTorch starts threads of its own between two counts."""
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open("/proc/self/task/%s/comm" % t) as f:
+                n += f.read().startswith("stk-")
+        except FileNotFoundError:  # a thread that left while we looked
+            pass
+    return n
 
 
 def settle(target, timeout=5.0):
