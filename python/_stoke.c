@@ -13,6 +13,12 @@
  * comes round to its buffer is detached (stk_loader_detach): the view
  * keeps the old buffer and the ring gets a new one. docs/python.md. */
 #define PY_SSIZE_T_CLEAN
+/* CPython's stable ABI: one _stoke.abi3.so imports under any CPython
+ * from 3.11 (the first whose limited API has the buffer protocol);
+ * python/CMakeLists.txt defines it too */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000
+#endif
 #include <Python.h>
 
 #include "loader/loader.h"
@@ -20,8 +26,10 @@
 #include "store/store.h"
 
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,27 +37,40 @@
 /* How long a wait runs before Python gets to look for signals. */
 #define WAIT_SLICE 0.05
 
-/* stoke.Error and its two kinds: ArgumentError (also a ValueError: a bad
- * argument, a split that does not exist) and DatabaseError (also an
- * OSError: a missing, incomplete or damaged database, a failed write).
- * Created once when the module loads, never changed. */
-static PyObject *Error, *ArgumentError, *DatabaseError;
+/* The module's state: stoke.Error and its two kinds, ArgumentError (also
+ * a ValueError: a bad argument, a split that does not exist) and
+ * DatabaseError (also an OSError: a missing, incomplete or damaged
+ * database, a failed write), and the module's types (heap types: the
+ * limited API has no static ones). Set once when the module loads; each
+ * type holds the module, so an object reaches the state through its type
+ * (state_of). */
+typedef struct {
+    PyObject *error, *argument_error, *database_error;
+    PyTypeObject *database_type, *ring_type, *batch_type;
+} module_state;
+
+static module_state *state_of(void *self)
+{
+    return PyType_GetModuleState(Py_TYPE((PyObject *)self));
+}
 
 /* Raises the stoke error for a C library failure, carrying its one-line
  * message and its code's name (e.code, "STK_ENOENT"). */
-static PyObject *raise_stk(int code, const stk_err *err)
+static PyObject *raise_stk(module_state *st, int code, const stk_err *err)
 {
     const char *msg = err && err->msg[0] ? err->msg : stk_strerror(code);
-    if (code == STK_ENOMEM)
-        return PyErr_Format(PyExc_MemoryError, "%s", msg);
     PyObject *type = code == STK_EINVAL || code == STK_ERANGE ||
                              code == STK_EUNSUPPORTED
-                         ? ArgumentError
-                         : DatabaseError;
+                         ? st->argument_error
+                         : st->database_error;
+    if (code == STK_ENOMEM || !type) /* !type: the module is being freed */
+        return PyErr_Format(code == STK_ENOMEM ? PyExc_MemoryError
+                                               : PyExc_RuntimeError,
+                            "%s", msg);
     /* a path in the message need not be UTF-8 */
     PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg),
                                           "backslashreplace");
-    PyObject *e = text ? PyObject_CallOneArg(type, text) : NULL;
+    PyObject *e = text ? PyObject_CallFunctionObjArgs(type, text, NULL) : NULL;
     Py_XDECREF(text);
     if (!e)
         return NULL;
@@ -65,14 +86,14 @@ static PyObject *raise_stk(int code, const stk_err *err)
     return NULL;
 }
 
-static PyObject *raise_arg(const char *fmt, ...)
+static PyObject *raise_arg(module_state *st, const char *fmt, ...)
 {
     stk_err err;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(err.msg, sizeof err.msg, fmt, ap);
     va_end(ap);
-    return raise_stk(STK_EINVAL, &err);
+    return raise_stk(st, STK_EINVAL, &err);
 }
 
 /* ---- Database: the metadata and records of a database ----------------- */
@@ -93,7 +114,7 @@ static int db_open_here(DatabaseObject *self)
     stk_store *s = NULL;
     int rc = stk_store_open(self->path, 0, &s, &err);
     if (rc) {
-        raise_stk(rc, &err);
+        raise_stk(state_of(self), rc, &err);
         return -1;
     }
     self->store = s;
@@ -108,7 +129,7 @@ static int db_open_here(DatabaseObject *self)
 static stk_store *db_store(DatabaseObject *self)
 {
     if (!self->store) {
-        raise_arg("database %s is closed", self->path);
+        raise_arg(state_of(self), "database %s is closed", self->path);
         return NULL;
     }
     if (self->pid != getpid() && db_open_here(self) < 0)
@@ -128,7 +149,7 @@ static int db_init(DatabaseObject *self, PyObject *args, PyObject *kw)
         Py_DECREF(path);
         return -1;
     }
-    self->path = strdup(PyBytes_AS_STRING(path));
+    self->path = strdup(PyBytes_AsString(path));
     Py_DECREF(path);
     if (!self->path) {
         PyErr_NoMemory();
@@ -148,11 +169,21 @@ static void db_close_here(DatabaseObject *self)
     memset(self->views, 0, sizeof self->views);
 }
 
+/* Frees an instance of one of the module's heap types, then lets go of
+ * the type, which each instance holds. */
+static void free_instance(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
 static void db_dealloc(DatabaseObject *self)
 {
     db_close_here(self);
     free(self->path);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 static PyObject *db_close(DatabaseObject *self, PyObject *unused)
@@ -164,8 +195,8 @@ static PyObject *db_close(DatabaseObject *self, PyObject *unused)
 
 /* An ArgumentError for a split the database does not have, listing the
  * ones it has. */
-static PyObject *raise_no_split(const char *path, const stk_meta *m,
-                                const char *split)
+static PyObject *raise_no_split(module_state *st, const char *path,
+                                const stk_meta *m, const char *split)
 {
     char have[STK_MAX_SPLITS * (STK_SPLIT_NAME_MAX + 4)] = "";
     for (int i = 0; i < m->nsplits; i++) {
@@ -173,7 +204,7 @@ static PyObject *raise_no_split(const char *path, const stk_meta *m,
         strcat(have, m->splits[i].name);
         strcat(have, "\"");
     }
-    return raise_arg("database %s has no split \"%s\" (it has %s)", path,
+    return raise_arg(st, "database %s has no split \"%s\" (it has %s)", path,
                      split, have);
 }
 
@@ -187,7 +218,7 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
     const stk_meta *m = stk_store_meta(s);
     int k = stk_meta_split(m, split);
     if (k < 0) {
-        raise_no_split(self->path, m, split);
+        raise_no_split(state_of(self), self->path, m, split);
         return NULL;
     }
     if (!self->views[k]) {
@@ -195,7 +226,7 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
         stk_view *v = NULL; /* with the GIL, as db_open_here */
         int rc = stk_view_open(s, split, &v, &err);
         if (rc) {
-            raise_stk(rc, &err);
+            raise_stk(state_of(self), rc, &err);
             return NULL;
         }
         self->views[k] = v;
@@ -205,7 +236,8 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
 
 /* The C*H*W pixels of a record as bytes: its payload when raw, decoded
  * with prep's decoder when JPEG. */
-static PyObject *record_bytes(const stk_meta *m, const stk_record *rec)
+static PyObject *record_bytes(module_state *st, const stk_meta *m,
+                              const stk_record *rec)
 {
     if (m->encoding == STK_ENC_RAW)
         return PyBytes_FromStringAndSize((const char *)rec->data,
@@ -218,12 +250,12 @@ static PyObject *record_bytes(const stk_meta *m, const stk_record *rec)
     stk_err err = {0};
     int rc = stk_decoder_create(&d, &err);
     if (!rc)
-        rc = stk_record_pixels(d, m, rec, (uint8_t *)PyBytes_AS_STRING(out),
+        rc = stk_record_pixels(d, m, rec, (uint8_t *)PyBytes_AsString(out),
                                &err);
     stk_decoder_destroy(d);
     if (rc) {
         Py_DECREF(out);
-        return raise_stk(rc, &err);
+        return raise_stk(st, rc, &err);
     }
     return out;
 }
@@ -249,7 +281,7 @@ static PyObject *db_get(DatabaseObject *self, PyObject *args)
     stk_err err = {0};
     int rc = stk_view_get(v, index, &rec, &err);
     if (rc)
-        return raise_stk(rc, &err);
+        return raise_stk(state_of(self), rc, &err);
     /* a label beyond the classes, refused as the loader refuses it: a
      * dataset must not hand a damaged record to a loss function */
     int nclasses = stk_store_meta(self->store)->nclasses;
@@ -258,9 +290,10 @@ static PyObject *db_get(DatabaseObject *self, PyObject *args)
                  "split \"%s\": key %llu: label %d is not one of the "
                  "database's %d classes (0..%d)",
                  split, index, (int)rec.label, nclasses, nclasses - 1);
-        return raise_stk(STK_EFORMAT, &err);
+        return raise_stk(state_of(self), STK_EFORMAT, &err);
     }
-    PyObject *px = record_bytes(stk_store_meta(self->store), &rec);
+    PyObject *px =
+        record_bytes(state_of(self), stk_store_meta(self->store), &rec);
     return px ? Py_BuildValue("(Niii)", px, (int)rec.label, rec.height,
                               rec.width)
               : NULL;
@@ -275,7 +308,7 @@ static PyObject *doubles(const double *v, int n)
             Py_DECREF(list);
             return NULL;
         }
-        PyList_SET_ITEM(list, i, f);
+        PyList_SetItem(list, i, f);
     }
     return list;
 }
@@ -289,7 +322,7 @@ static PyObject *split_dict(const stk_meta *m, const stk_split_meta *s)
             Py_CLEAR(counts);
             break;
         }
-        PyList_SET_ITEM(counts, i, c);
+        PyList_SetItem(counts, i, c);
     }
     if (!counts)
         return NULL;
@@ -315,7 +348,7 @@ static PyObject *db_meta(DatabaseObject *self, PyObject *unused)
         PyObject *name = PyUnicode_FromString(m->classes[i]);
         if (!name)
             goto fail;
-        PyList_SET_ITEM(classes, i, name);
+        PyList_SetItem(classes, i, name);
     }
     for (int k = 0; k < m->nsplits; k++) {
         PyObject *d = split_dict(m, &m->splits[k]);
@@ -351,15 +384,19 @@ static PyMethodDef db_methods[] = {
      "close(): frees the LMDB handles (later calls raise)"},
     {NULL, NULL, 0, NULL}};
 
-static PyTypeObject DatabaseType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Database",
-    .tp_basicsize = sizeof(DatabaseObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Database(path): a complete stoke database, read-only",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)db_init,
-    .tp_dealloc = (destructor)db_dealloc,
-    .tp_methods = db_methods,
+static PyType_Slot db_slots[] = {
+    {Py_tp_doc, (void *)"Database(path): a complete stoke database, read-only"},
+    {Py_tp_new, (void *)PyType_GenericNew},
+    {Py_tp_init, (void *)db_init},
+    {Py_tp_dealloc, (void *)db_dealloc},
+    {Py_tp_methods, db_methods},
+    {0, NULL}};
+
+static PyType_Spec db_spec = {
+    .name = "stoke._stoke.Database",
+    .basicsize = sizeof(DatabaseObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = db_slots,
 };
 
 /* ---- Ring: the loader's workers and ring of batches -------------------- */
@@ -414,11 +451,11 @@ static void *host_alloc(size_t bytes, void *ctx)
         return NULL;
     void *p = NULL;
     PyObject *addr = NULL;
-    if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2)
-        addr = PyTuple_GET_ITEM(r, 0);
+    if (PyTuple_Check(r) && PyTuple_Size(r) == 2)
+        addr = PyTuple_GetItem(r, 0);
     if (addr && PyLong_Check(addr))
         p = PyLong_AsVoidPtr(addr);
-    if (p && PyDict_SetItem(self->keep, addr, PyTuple_GET_ITEM(r, 1)) < 0)
+    if (p && PyDict_SetItem(self->keep, addr, PyTuple_GetItem(r, 1)) < 0)
         p = NULL;
     if (!p && !PyErr_Occurred())
         PyErr_SetString(PyExc_TypeError,
@@ -466,7 +503,8 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     bool rrc = !strcmp(transform, "rrc");
     if (!rrc && strcmp(transform, "none") && strcmp(transform, "centre")) {
         Py_DECREF(path);
-        raise_arg("transform must be none, rrc or centre, not \"%s\"",
+        raise_arg(state_of(self),
+                  "transform must be none, rrc or centre, not \"%s\"",
                   transform);
         return -1;
     }
@@ -496,16 +534,16 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     stk_err err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = stk_store_open(PyBytes_AS_STRING(path), 0, &self->store, &err);
+    rc = stk_store_open(PyBytes_AsString(path), 0, &self->store, &err);
     Py_END_ALLOW_THREADS
     if (rc) {
         Py_DECREF(path);
-        raise_stk(rc, &err);
+        raise_stk(state_of(self), rc, &err);
         return -1;
     }
     const stk_meta *m = stk_store_meta(self->store);
     if (stk_meta_split(m, split) < 0) {
-        raise_no_split(PyBytes_AS_STRING(path), m, split);
+        raise_no_split(state_of(self), PyBytes_AsString(path), m, split);
         Py_DECREF(path);
         stk_store_close(self->store);
         self->store = NULL;
@@ -514,14 +552,14 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     if (rrc || strcmp(transform, "none") || m->variable || crop_size ||
         crop_ratio > 0) { /* images of one size, sized as train sizes them */
         rc = stk_loader_crop_plan(m, crop_size, crop_ratio,
-                                  PyBytes_AS_STRING(path), &o.xform, &err);
+                                  PyBytes_AsString(path), &o.xform, &err);
         if (!rc && rrc)
             o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC,
                                          .size = o.xform.size, .flip = true,
                                          .scale = {scale[0], scale[1]}};
         if (rc) {
             Py_DECREF(path);
-            raise_stk(rc, &err);
+            raise_stk(state_of(self), rc, &err);
             stk_store_close(self->store);
             self->store = NULL;
             return -1;
@@ -539,7 +577,7 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     }
     if (rc) {
         if (!PyErr_Occurred())
-            raise_stk(rc, &err);
+            raise_stk(state_of(self), rc, &err);
         stk_store_close(self->store);
         self->store = NULL;
         return -1;
@@ -566,7 +604,7 @@ static void ring_dealloc(RingObject *self)
         ring_close_now(self);
     Py_XDECREF(self->keep);
     Py_XDECREF(self->alloc);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 /* Ends the loader once nothing uses it: now, or when the last batch view
@@ -628,7 +666,7 @@ static void batch_dealloc(BatchObject *self)
         ring_settle(r);
         Py_DECREF(r);
     }
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 /* The images as n*C*H*W bytes (uint8 N, C, H, W), writable: the batch is
@@ -640,34 +678,37 @@ static int batch_getbuffer(BatchObject *self, Py_buffer *view, int flags)
                              (Py_ssize_t)len, 0, flags);
 }
 
-static PyBufferProcs batch_buffer = {
-    .bf_getbuffer = (getbufferproc)batch_getbuffer,
+/* Made by Ring.next() only: Python cannot create one. */
+static PyType_Slot batch_slots[] = {
+    {Py_tp_doc, (void *)"the images of one batch, in the loader's ring until "
+                        "every view of them is gone"},
+    {Py_tp_dealloc, (void *)batch_dealloc},
+    {Py_bf_getbuffer, (void *)batch_getbuffer},
+    {0, NULL}};
+
+static PyType_Spec batch_spec = {
+    .name = "stoke._stoke.Batch",
+    .basicsize = sizeof(BatchObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = batch_slots,
 };
 
-static PyTypeObject BatchType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Batch",
-    .tp_basicsize = sizeof(BatchObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "the images of one batch, in the loader's ring until every "
-              "view of them is gone",
-    .tp_dealloc = (destructor)batch_dealloc,
-    .tp_as_buffer = &batch_buffer,
-};
-
-static PyObject *ring_closed(void)
+static PyObject *ring_closed(RingObject *self)
 {
-    return raise_arg("the loader is closed");
+    return raise_arg(state_of(self), "the loader is closed");
 }
 
 /* The loader, if this process may use it; NULL with an exception. */
 static stk_loader *ring_loader(RingObject *self)
 {
     if (!self->loader) {
-        ring_closed();
+        ring_closed(self);
         return NULL;
     }
     if (ring_forked(self)) {
-        raise_arg("a loader cannot be used in a child process after fork "
+        raise_arg(state_of(self),
+                  "a loader cannot be used in a child process after fork "
                   "(its threads are the parent's): create one there");
         return NULL;
     }
@@ -681,11 +722,12 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
 {
     (void)unused;
     if (self->closing || !self->loader)
-        return ring_closed();
+        return ring_closed(self);
     if (!ring_loader(self))
         return NULL;
     if (self->busy)
-        return raise_arg("the loader's next() is already waiting in another "
+        return raise_arg(state_of(self),
+                         "the loader's next() is already waiting in another "
                          "thread; one thread takes a loader's batches");
     stk_batch b;
     stk_err err = {0};
@@ -697,7 +739,7 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     size_t k = (size_t)(self->taken % (uint64_t)self->slots);
     BatchObject *old = self->in_slot[k];
     if (old) {
-        Py_INCREF(old);
+        Py_INCREF((PyObject *)old);
         self->in_slot[k] = NULL;
         rc = stk_loader_detach(self->loader, &old->b, &err);
         if (rc)
@@ -719,20 +761,20 @@ static PyObject *ring_next(RingObject *self, PyObject *unused)
     if (self->closing) {
         ring_stop(self);
         ring_settle(self);
-        return PyErr_Occurred() ? NULL : ring_closed();
+        return PyErr_Occurred() ? NULL : ring_closed(self);
     }
     if (rc == STK_ETIMEDOUT) /* a signal handler raised */
         return NULL;
     if (rc < 0)
-        return raise_stk(rc, &err);
+        return raise_stk(state_of(self), rc, &err);
     if (rc == 0)
         Py_RETURN_NONE;
-    BatchObject *bo = PyObject_New(BatchObject, &BatchType);
+    BatchObject *bo = PyObject_New(BatchObject, state_of(self)->batch_type);
     if (!bo) {
         stk_loader_release(self->loader, &b);
         return NULL;
     }
-    Py_INCREF(self);
+    Py_INCREF((PyObject *)self);
     bo->ring = self;
     bo->b = b;
     self->held++;
@@ -774,7 +816,7 @@ static PyObject *ring_info(RingObject *self, PyObject *unused)
 {
     (void)unused;
     if (!self->loader)
-        return ring_closed();
+        return ring_closed(self);
     return Py_BuildValue("{s:K,s:i,s:(iii)}", "batches",
                          (unsigned long long)stk_loader_batches(self->loader),
                          "slots", stk_loader_slots(self->loader), "shape",
@@ -795,16 +837,21 @@ static PyMethodDef ring_methods[] = {
      "is left"},
     {NULL, NULL, 0, NULL}};
 
-static PyTypeObject RingType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stoke._stoke.Ring",
-    .tp_basicsize = sizeof(RingObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Ring(path, split, batch_size, ...): the loader's workers and "
-              "its ring of batches (stoke.Loader wraps it)",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)ring_init,
-    .tp_dealloc = (destructor)ring_dealloc,
-    .tp_methods = ring_methods,
+static PyType_Slot ring_slots[] = {
+    {Py_tp_doc, (void *)"Ring(path, split, batch_size, ...): the loader's "
+                        "workers and its ring of batches (stoke.Loader "
+                        "wraps it)"},
+    {Py_tp_new, (void *)PyType_GenericNew},
+    {Py_tp_init, (void *)ring_init},
+    {Py_tp_dealloc, (void *)ring_dealloc},
+    {Py_tp_methods, ring_methods},
+    {0, NULL}};
+
+static PyType_Spec ring_spec = {
+    .name = "stoke._stoke.Ring",
+    .basicsize = sizeof(RingObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = ring_slots,
 };
 
 /* ---- prep ---------------------------------------------------------------- */
@@ -909,7 +956,8 @@ static PyObject *summary_dict(const stk_prep_summary *s)
                          s->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
 }
 
-static int parse_format(const char *name, stk_src_format *out)
+static int parse_format(module_state *st, const char *name,
+                        stk_src_format *out)
 {
     static const char *names[] = {"auto", "idx", "cifar", "folder"};
     for (int i = 0; i < 4; i++)
@@ -917,7 +965,8 @@ static int parse_format(const char *name, stk_src_format *out)
             *out = (stk_src_format)i;
             return 0;
         }
-    raise_arg("format must be auto, idx, cifar or folder, not \"%s\"", name);
+    raise_arg(st, "format must be auto, idx, cifar or folder, not \"%s\"",
+              name);
     return -1;
 }
 
@@ -925,7 +974,7 @@ static int parse_format(const char *name, stk_src_format *out)
  *      created, progress) -> summary dict */
 static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
 {
-    (void)mod;
+    module_state *st = PyModule_GetState(mod);
     static char *names[] = {"raw_dir",  "db_dir",   "workers",    "size",
                             "channels", "format",   "force",      "skip_bad",
                             "created",  "progress", "short_side", "max_side",
@@ -946,15 +995,15 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     c.o.source.holdout_seed = hseed;
     PyObject *result = NULL;
     c.o.source.upscale = upscale;
-    if (parse_format(format, &c.o.source.format) < 0)
+    if (parse_format(st, format, &c.o.source.format) < 0)
         goto out;
     if (strcmp(encode, "raw") && strcmp(encode, "jpeg")) {
-        raise_arg("encode must be \"raw\" or \"jpeg\", not \"%s\"", encode);
+        raise_arg(st, "encode must be \"raw\" or \"jpeg\", not \"%s\"", encode);
         goto out;
     }
     c.o.encoding = strcmp(encode, "jpeg") ? STK_ENC_RAW : STK_ENC_JPEG;
-    c.raw = PyBytes_AS_STRING(raw);
-    c.db = PyBytes_AS_STRING(db);
+    c.raw = PyBytes_AsString(raw);
+    c.db = PyBytes_AsString(db);
     c.o.force = force;
     c.o.force_hint = "force=True";
     c.o.skip_bad = skip_bad;
@@ -977,9 +1026,9 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
         Py_CLEAR(c.raised);
     } else {
         if (c.rc == STK_ECANCELED && !PyErr_Occurred())
-            raise_arg("prep was canceled; %s was left as it was", c.db);
+            raise_arg(st, "prep was canceled; %s was left as it was", c.db);
         else if (c.rc)
-            raise_stk(c.rc, &c.err);
+            raise_stk(st, c.rc, &c.err);
         else
             result = summary_dict(&c.sum);
     }
@@ -1002,68 +1051,116 @@ static PyMethodDef module_methods[] = {
      "holdout=0, holdout_seed=0) -> summary"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "stoke._stoke",
-    .m_doc = "stoke's C core; use the stoke package", .m_size = -1,
-    .m_methods = module_methods};
-
 static PyObject *new_error(const char *name, PyObject *bases, const char *doc)
 {
     return PyErr_NewExceptionWithDoc(name, doc, bases, NULL);
 }
 
-static int add_errors(PyObject *m)
+static int add_errors(PyObject *m, module_state *st)
 {
-    Error = new_error("stoke.Error", NULL,
-                      "A stoke failure: str(e) is the C library's one-line "
-                      "message, e.code its name (\"STK_ENOENT\").");
-    PyObject *b1 = Error ? PyTuple_Pack(2, Error, PyExc_ValueError) : NULL;
-    PyObject *b2 = Error ? PyTuple_Pack(2, Error, PyExc_OSError) : NULL;
+    st->error = new_error("stoke.Error", NULL,
+                          "A stoke failure: str(e) is the C library's one-line "
+                          "message, e.code its name (\"STK_ENOENT\").");
+    PyObject *b1 =
+        st->error ? PyTuple_Pack(2, st->error, PyExc_ValueError) : NULL;
+    PyObject *b2 = st->error ? PyTuple_Pack(2, st->error, PyExc_OSError) : NULL;
     if (b1)
-        ArgumentError = new_error(
+        st->argument_error = new_error(
             "stoke.ArgumentError", b1,
             "A bad argument: a split that does not exist, a batch size of "
             "0, a rank outside the world (also a ValueError).");
     if (b2)
-        DatabaseError = new_error(
+        st->database_error = new_error(
             "stoke.DatabaseError", b2,
             "A database that is missing, incomplete or damaged, or a failed "
             "read or write (also an OSError).");
     Py_XDECREF(b1);
     Py_XDECREF(b2);
-    if (!ArgumentError || !DatabaseError)
+    if (!st->argument_error || !st->database_error)
         return -1;
-    /* the module takes references of its own; ours stay for raise_stk */
-    if (PyModule_AddObjectRef(m, "Error", Error) < 0 ||
-        PyModule_AddObjectRef(m, "ArgumentError", ArgumentError) < 0 ||
-        PyModule_AddObjectRef(m, "DatabaseError", DatabaseError) < 0)
+    /* the module takes references of its own; the state's stay for
+     * raise_stk */
+    if (PyModule_AddObjectRef(m, "Error", st->error) < 0 ||
+        PyModule_AddObjectRef(m, "ArgumentError", st->argument_error) < 0 ||
+        PyModule_AddObjectRef(m, "DatabaseError", st->database_error) < 0)
         return -1;
     return 0;
 }
 
-static int add_type(PyObject *m, PyTypeObject *t, const char *name)
+/* A heap type of the module, held by the state (*out) and, when name is
+ * given, by the module's attribute of that name too. */
+static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **out,
+                    const char *name)
 {
-    if (PyType_Ready(t) < 0)
+    *out = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    if (!*out)
         return -1;
-    Py_INCREF(t);
-    if (PyModule_AddObject(m, name, (PyObject *)t) < 0) {
-        Py_DECREF(t);
-        return -1;
-    }
+    return name ? PyModule_AddObjectRef(m, name, (PyObject *)*out) : 0;
+}
+
+static int module_exec(PyObject *m)
+{
+    module_state *st = PyModule_GetState(m);
+    if (add_errors(m, st) < 0 ||
+        add_type(m, &db_spec, &st->database_type, "Database") < 0 ||
+        add_type(m, &ring_spec, &st->ring_type, "Ring") < 0 ||
+        add_type(m, &batch_spec, &st->batch_type, NULL) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WORKERS", STK_LOADER_MAX_WORKERS) < 0)
+        return -1; /* the state is cleared with the module */
     return 0;
 }
+
+/* Each type holds the module (PyType_FromModuleAndSpec) and the state
+ * holds the types: the collector sees that cycle through these. */
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    module_state *st = PyModule_GetState(m);
+    if (!st)
+        return 0;
+    Py_VISIT(st->error);
+    Py_VISIT(st->argument_error);
+    Py_VISIT(st->database_error);
+    Py_VISIT(st->database_type);
+    Py_VISIT(st->ring_type);
+    Py_VISIT(st->batch_type);
+    return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+    module_state *st = PyModule_GetState(m);
+    if (!st)
+        return 0;
+    Py_CLEAR(st->error);
+    Py_CLEAR(st->argument_error);
+    Py_CLEAR(st->database_error);
+    Py_CLEAR(st->database_type);
+    Py_CLEAR(st->ring_type);
+    Py_CLEAR(st->batch_type);
+    return 0;
+}
+
+static void module_free(void *m)
+{
+    module_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, (void *)module_exec},
+                                          {0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "stoke._stoke",
+    .m_doc = "stoke's C core; use the stoke package",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
 
 PyMODINIT_FUNC PyInit__stoke(void)
 {
-    PyObject *m = PyModule_Create(&module);
-    if (!m)
-        return NULL;
-    if (add_errors(m) < 0 || add_type(m, &DatabaseType, "Database") < 0 ||
-        add_type(m, &RingType, "Ring") < 0 ||
-        PyType_Ready(&BatchType) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_WORKERS", STK_LOADER_MAX_WORKERS) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModuleDef_Init(&module);
 }

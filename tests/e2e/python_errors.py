@@ -6,8 +6,8 @@ names the problem, never a crash: a missing database directory, a directory
 that is not a database, a split that does not exist, batch_size 0, workers
 out of range, rank >= world_size, a record damaged in data.mdb (its size
 field, its label: the error names the split and the key, iterating and
-indexing), a state_dict of another configuration. No loader thread is left
-behind by a refusal."""
+indexing), a state_dict of another configuration, a batch made by calling
+the extension's batch type. No loader thread is left behind by a refusal."""
 import os
 import shutil
 import struct
@@ -88,6 +88,15 @@ def main():
     first = np.frombuffer(raw[0], np.uint8).reshape(100, 1, 28, 28)
     check(all(np.array_equal(first[i], d["test"][i][0]) for i in range(100)),
           "a ring from a Python allocator")
+    # a batch comes from next() only: its type (a heap type, which would
+    # otherwise take object's constructor) refuses to be called
+    batch_type = type(raw[0])
+    try:
+        batch_type()
+        raise AssertionError("%s() made a batch" % batch_type.__qualname__)
+    except TypeError as e:
+        check("cannot create" in str(e), "%s(): %r" % (batch_type.__qualname__, e))
+        print("ok: %s() refused: %s" % (batch_type.__qualname__, e))
     del raw, first
     ring.close()
     def no_memory(n):
