@@ -1,4 +1,5 @@
-/* common.c - error table, file helpers and clock shared by all modules. */
+/* common.c - error table, file helpers, clock and streaming copy shared by
+ * all modules. */
 #include "common.h"
 
 #include <dirent.h>
@@ -14,6 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 #include <zlib.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 const char *stk_strerror(int code)
 {
@@ -463,4 +467,48 @@ int stk_path_join(char *out, size_t n, const char *dir, const char *name)
     const char *sep = (dl && dir[dl - 1] == '/') ? "" : "/";
     int w = snprintf(out, n, "%s%s%s", dir, sep, name);
     return (w < 0 || (size_t)w >= n) ? STK_ERANGE : 0;
+}
+
+/* Under this a streamed copy does not pay: the head and tail are most of
+ * it, and a few lines left in the cache cost the reader little. */
+enum { STREAM_MIN = 256 };
+
+void stk_copy_stream(void *dst, const void *src, size_t n)
+{
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN) {
+        uint8_t *d = dst;
+        const uint8_t *s = src;
+        size_t head = (size_t)(-(uintptr_t)d & 15); /* to dst's alignment */
+        memcpy(d, s, head);
+        d += head, s += head, n -= head;
+        /* a line (64 bytes) a round: the write-combining buffer fills
+         * whole and goes out as one write */
+        for (; n >= 64; d += 64, s += 64, n -= 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        for (; n >= 16; d += 16, s += 16, n -= 16)
+            _mm_stream_si128((__m128i *)d,
+                             _mm_loadu_si128((const __m128i *)s));
+        memcpy(d, s, n); /* the tail */
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+void stk_stream_fence(void)
+{
+#if defined(__SSE2__)
+    /* non-temporal stores may pass later stores (a release of the buffer,
+     * an unlock): sfence makes them visible first */
+    _mm_sfence();
+#endif
 }

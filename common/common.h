@@ -146,6 +146,20 @@ static inline void stk_cpu_relax(void)
 #endif
 }
 
+/* Copies n bytes from src to dst (not overlapping) as memcpy does, but
+ * with non-temporal (streaming) stores where that pays: the 16-byte-aligned
+ * middle of dst on x86 (movntdq), the unaligned head and tail and copies
+ * under 256 bytes with memcpy; a plain memcpy elsewhere. The written lines
+ * go to memory, not into this core's cache: for buffers a device's copy
+ * engine reads next, which reads lines still dirty in a CPU's cache more
+ * slowly (docs/loader.md). The stores are weakly ordered: call
+ * stk_stream_fence before publishing dst to another thread or device. */
+void stk_copy_stream(void *dst, const void *src, size_t n);
+
+/* Orders this thread's earlier stk_copy_stream stores before its later
+ * stores (sfence on x86; nothing where stk_copy_stream is a memcpy). */
+void stk_stream_fence(void);
+
 /* Joins dir and name into out (size n); returns STK_ERANGE when too long. */
 int stk_path_join(char *out, size_t n, const char *dir, const char *name);
 

@@ -115,6 +115,7 @@ struct stk_loader {
     int in_c, in_h, in_w; /* a record's, or the source's fitted sample's
                              (h, w 0: records of their own sizes) */
     bool jpeg;            /* records hold JPEG files */
+    bool stream; /* opts.stream_stores, where nothing rewrites the copies */
     int nclasses; /* database labels are 0..nclasses-1 */
 
     pthread_mutex_t mu;
@@ -608,7 +609,10 @@ static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
         return stk_centre_crop(&v, x->resize, x->size, l->c, &st->xs, dst);
     }
     if (!in->jpeg) { /* a CHW record or fitted sample, as it is */
-        memcpy(dst, v.px, l->sample_bytes);
+        if (l->stream)
+            stk_copy_stream(dst, v.px, l->sample_bytes);
+        else
+            memcpy(dst, v.px, l->sample_bytes);
         return 0;
     }
     return stk_centre_crop(&v, 0, 0, l->c, &st->xs, dst); /* HWC -> CHW */
@@ -623,8 +627,8 @@ static int shape(const stk_loader *l, wstate *st, uint64_t epoch,
 enum { PREFETCH_HEAD = 128, PREFETCH_WHOLE = 2048, PREFETCH_AHEAD = 8 };
 
 /* Fills samples [from, to) of sl's batch. */
-static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
-                stk_err *err)
+static int fill_samples(stk_loader *l, wstate *st, slot *sl, int from,
+                        int to, stk_err *err)
 {
     uint64_t epoch, batch;
     seq_pos(l, slot_seq(sl), &epoch, &batch);
@@ -654,6 +658,19 @@ static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
         augment(l, epoch, sl->indices[i],
                 sl->data + (size_t)i * l->sample_bytes, st->tmp);
     return 0;
+}
+
+/* fill_samples, and where the samples were streamed (stream_stores) a
+ * fence: the caller's part_done publishes the part next (under mu; READY
+ * by the part's last worker), and non-temporal stores may pass it. Each
+ * worker fences its own part: sfence orders only its own core's stores. */
+static int fill(stk_loader *l, wstate *st, slot *sl, int from, int to,
+                stk_err *err)
+{
+    int rc = fill_samples(l, st, sl, from, to, err);
+    if (l->stream)
+        stk_stream_fence();
+    return rc;
 }
 
 /* Opens st's fetcher and buffers (once per worker). */
@@ -1017,6 +1034,10 @@ static stk_loader *new_loader(const stk_loader_opts *opts, stk_err *err,
         return NULL;
     }
     snprintf(l->split, sizeof l->split, "%s", l->o.split);
+    /* augment reads each copy back and rewrites it: streamed out of the
+     * cache first, it would only be read back from memory (transforms and
+     * JPEG records never take shape's copy) */
+    l->stream = l->o.stream_stores && !l->o.aug_pad && !l->o.aug_flip;
     return l;
 }
 

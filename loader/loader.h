@@ -123,6 +123,18 @@ typedef struct stk_loader_opts {
                              that releases need not wake it (docs/loader.md);
                              0 = 50 where workers + 1 <= usable CPUs, else
                              none; < 0: idle workers only sleep */
+    bool stream_stores;   /* copy records into the ring with
+                             stk_copy_stream (non-temporal stores, the
+                             lines go to memory, not the worker's cache),
+                             a fence before each part of a batch is
+                             published: for batches a GPU's copy engine
+                             uploads, which read freshly written lines
+                             slowly while they were dirty in a CPU's cache
+                             (docs/loader.md). Off by default. Only records
+                             copied as they are stream: samples that a
+                             transform (xform, JPEG decoding) or the
+                             augmentation (aug_pad, aug_flip) writes are
+                             written as before. */
     uint64_t start_epoch; /* resume position (see stk_loader_position) */
     uint64_t start_batch;
     stk_host_alloc host;

@@ -2,8 +2,9 @@
  * answers (the exact shards of small epochs, and docs/loader.md's algorithm
  * reimplemented here), and the loader: batches hold exactly the stored
  * bytes in sampler order (the known answers, for the epoch asked), the same
- * for any workers/prefetch; resume equals an uninterrupted run; a corrupt
- * record is an error naming its key; closing mid-epoch is clean. */
+ * for any workers/prefetch, spinning or streamed stores; resume equals an
+ * uninterrupted run; a corrupt record is an error naming its key; closing
+ * mid-epoch is clean. */
 #include "unit.h"
 
 #include "loader/loader.h"
@@ -18,34 +19,39 @@
 
 static const char *db_dir;
 
-/* Sample i: label i % 10, pixel j = i * 7 + j * 3 + (i >> 8). */
-static void pattern(uint64_t i, uint8_t *px)
+/* Sample i of `bytes` bytes: label i % 10, pixel j = i * 7 + j * 3 +
+ * (i >> 8). */
+static void pattern_of(uint64_t i, uint8_t *px, size_t bytes)
 {
-    for (int j = 0; j < SB; j++)
+    for (size_t j = 0; j < bytes; j++)
         px[j] = (uint8_t)(i * 7 + j * 3 + (i >> 8));
 }
 
-/* A database of n samples (pattern) in split "train"; records `corrupt`
- * and `corrupt2` (UINT64_MAX: none) cut short. */
-static void make_db2(const char *dir, uint64_t n, uint64_t corrupt,
-                     uint64_t corrupt2)
+static void pattern(uint64_t i, uint8_t *px) { pattern_of(i, px, SB); }
+
+/* A database of n samples (pattern) of C x side x side in split "train";
+ * records `corrupt` and `corrupt2` (UINT64_MAX: none) cut short. */
+static void make_db_side(const char *dir, uint64_t n, int side,
+                         uint64_t corrupt, uint64_t corrupt2)
 {
     stk_store *s;
     stk_err err = {0};
     assert_int_equal(stk_store_create(dir, NULL, &s, &err), 0);
     static uint64_t lc[10];
     memset(lc, 0, sizeof lc);
-    uint8_t rec[STK_RECORD_HEADER + SB], px[SB];
+    size_t sb = (size_t)C * side * side, full = STK_RECORD_HEADER + sb;
+    uint8_t *rec = malloc(full), *px = malloc(sb);
     for (uint64_t i = 0; i < n; i++) {
-        pattern(i, px);
-        stk_record_encode(rec, (int32_t)(i % 10), px, SB);
-        size_t len = i == corrupt || i == corrupt2 ? sizeof rec - 5
-                                                   : sizeof rec;
+        pattern_of(i, px, sb);
+        stk_record_encode(rec, (int32_t)(i % 10), px, sb);
+        size_t len = i == corrupt || i == corrupt2 ? full - 5 : full;
         assert_int_equal(stk_store_append(s, "train", rec, len, &err), 0);
         lc[i % 10]++;
     }
+    free(rec);
+    free(px);
     char *classes[10] = {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
-    stk_meta m = {.channels = C, .height = HW, .width = HW, .nclasses = 10,
+    stk_meta m = {.channels = C, .height = side, .width = side, .nclasses = 10,
                   .classes = classes, .nsplits = 1, .source_path = "x",
                   .source_format = "test", .tool = "t", .created = ""};
     snprintf(m.splits[0].name, 32, "train");
@@ -53,6 +59,12 @@ static void make_db2(const char *dir, uint64_t n, uint64_t corrupt,
     m.splits[0].label_counts = lc;
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
+}
+
+static void make_db2(const char *dir, uint64_t n, uint64_t corrupt,
+                     uint64_t corrupt2)
+{
+    make_db_side(dir, n, HW, corrupt, corrupt2);
 }
 
 static void make_db(const char *dir, uint64_t n, uint64_t corrupt)
@@ -322,12 +334,14 @@ static void record_batch(const stk_batch *b, trace *t)
 
 static void check_batch(const stk_batch *b, trace *t)
 {
-    uint8_t px[SB];
+    uint8_t *px = malloc(b->sample_bytes);
     for (int i = 0; i < b->n; i++) {
-        pattern(b->indices[i], px);
-        assert_memory_equal(b->data + (size_t)i * SB, px, SB);
+        pattern_of(b->indices[i], px, b->sample_bytes);
+        assert_memory_equal(b->data + (size_t)i * b->sample_bytes, px,
+                            b->sample_bytes);
         assert_int_equal(b->labels[i], (int32_t)(b->indices[i] % 10));
     }
+    free(px);
     record_batch(b, t);
 }
 
@@ -816,12 +830,9 @@ static void holding_the_whole_ring_still_turns(void **state)
     stk_store_close(s);
 }
 
-/* An idle worker spins for freed slots (spin_us) instead of sleeping:
- * the batches are the same whether it spins for ever (1 s here), for a
- * microsecond (it sleeps at once: the hand-over between the two) or
- * never; a consumer that holds the ring full keeps the workers idle.
- * Plain samples, and resized ones (a batch then has a part per worker,
- * shared out while one may spin). */
+/* The trace of `batches` batches taken by a consumer that holds the ring
+ * full (all but the slot being filled), so that the workers idle between
+ * its releases; stored samples are checked against the pattern. */
 static trace run_holding(stk_store *s, stk_loader_opts o, int batches)
 {
     stk_loader *l;
@@ -835,7 +846,7 @@ static trace run_holding(stk_store *s, stk_loader_opts o, int batches)
             stk_loader_release(l, &held[got % k]);
         int rc = stk_loader_next(l, &held[got % k], &err);
         assert_true(rc >= 0);
-        if (rc == 1 && o.xform.kind)
+        if (rc == 1 && (o.xform.kind || o.aug_pad || o.aug_flip))
             record_batch(&held[got++ % k], &t);
         else if (rc == 1)
             check_batch(&held[got++ % k], &t);
@@ -844,6 +855,12 @@ static trace run_holding(stk_store *s, stk_loader_opts o, int batches)
     return t;
 }
 
+/* An idle worker spins for freed slots (spin_us) instead of sleeping:
+ * the batches are the same whether it spins for ever (1 s here), for a
+ * microsecond (it sleeps at once: the hand-over between the two) or
+ * never; a consumer that holds the ring full keeps the workers idle.
+ * Plain samples, and resized ones (a batch then has a part per worker,
+ * shared out while one may spin). */
 static void spinning_workers_deliver_the_same_batches(void **state)
 {
     (void)state;
@@ -863,6 +880,85 @@ static void spinning_workers_deliver_the_same_batches(void **state)
                 o.spin_us = spin[p];
                 expect_trace(&ref, run_holding(s, o, 40));
             }
+        free(ref.bytes);
+    }
+    stk_store_close(s);
+}
+
+/* stk_copy_stream (the loader's stream_stores) equals memcpy for every
+ * misalignment of source and destination and every length up to past its
+ * streaming threshold (256), and large ones, and writes nothing outside
+ * the destination: guard bytes on both sides stay as they were. */
+static void copy_stream_copies_every_byte_at_every_alignment(void **state)
+{
+    (void)state;
+    enum { GUARD = 64, SMALL = 600 };
+    size_t big[] = {4096 + 7, ((size_t)1 << 20) + 3}, cap = big[1] + 16;
+    size_t whole = (cap + 2 * GUARD + 63) / 64 * 64; /* aligned_alloc's */
+    uint8_t *src = aligned_alloc(64, whole), *buf = aligned_alloc(64, whole);
+    uint8_t *guard = malloc(cap + 2 * GUARD);
+    memset(guard, 0xa5, cap + 2 * GUARD);
+    for (size_t i = 0; i < cap; i++) /* not periodic in 16 or 256 */
+        src[i] = (uint8_t)(i * 131 + (i >> 8) * 7 + 1);
+    for (int d = 0; d < 16; d++)
+        for (int so = 0; so < 16; so++)
+            for (size_t k = 0; k <= SMALL + 2; k++) {
+                /* every length to SMALL, then the large ones (the 1 MiB
+                 * one at one source misalignment per destination's) */
+                size_t n = k <= SMALL ? k : big[k - SMALL - 1];
+                if (n == big[1] && so != (d * 7 + 3) % 16)
+                    continue;
+                uint8_t *dst = buf + GUARD + d; /* buf is 64-aligned */
+                memset(buf, 0xa5, n + 2 * GUARD + 16);
+                stk_copy_stream(dst, src + so, n);
+                stk_stream_fence();
+                if (memcmp(dst, src + so, n) || memcmp(buf, guard, GUARD + d) ||
+                    memcmp(dst + n, guard, GUARD))
+                    fail_msg("stk_copy_stream of %zu bytes, destination "
+                             "misaligned by %d, source by %d: %s", n, d, so,
+                             memcmp(dst, src + so, n) ? "wrong bytes"
+                                                      : "a guard byte changed");
+            }
+    free(guard);
+    free(buf);
+    free(src);
+}
+
+/* stream_stores: the same batches (bytes, labels, order) as plain stores,
+ * from the caller (workers 0), one worker and three, to a consumer that
+ * holds the ring full. Samples of 507 bytes (3 x 13 x 13: long enough to
+ * stream, at every alignment in a batch); batches of 37, and of 1100
+ * (557 KB: two parts for three workers, each streamed and fenced by its
+ * own worker); with the padded crop and flip, and with a centre crop,
+ * where nothing streams, still the same batches. */
+static void stream_stores_deliver_the_same_batches(void **state)
+{
+    (void)state;
+    const char *dir = scratch("db13");
+    make_db_side(dir, 2500, 13, UINT64_MAX, UINT64_MAX);
+    stk_store *s;
+    stk_err err = {0};
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    stk_loader_xform centre = {STK_XFORM_CENTRE, .size = 6};
+    struct {
+        int batch, batches, pad;
+        bool flip;
+        stk_loader_xform xform;
+    } cases[] = {{37, 40, 0, false, {0}}, {1100, 12, 0, false, {0}},
+                 {37, 40, 2, true, {0}}, {1100, 8, 0, false, centre}};
+    for (int c = 0; c < 4; c++) {
+        stk_loader_opts o = {.batch_size = cases[c].batch, .shuffle = true,
+                             .seed = 9, .prefetch = 5,
+                             .aug_pad = cases[c].pad,
+                             .aug_flip = cases[c].flip,
+                             .xform = cases[c].xform};
+        trace ref = run_holding(s, o, cases[c].batches);
+        int workers[] = {0, 1, 3};
+        o.stream_stores = true;
+        for (int w = 0; w < 3; w++) {
+            o.workers = workers[w];
+            expect_trace(&ref, run_holding(s, o, cases[c].batches));
+        }
         free(ref.bytes);
     }
     stk_store_close(s);
@@ -1560,6 +1656,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(a_release_racing_next_is_never_lost),
     cmocka_unit_test(releases_from_another_thread),
     cmocka_unit_test(spinning_workers_deliver_the_same_batches),
+    cmocka_unit_test(copy_stream_copies_every_byte_at_every_alignment),
+    cmocka_unit_test(stream_stores_deliver_the_same_batches),
     cmocka_unit_test(shards_made_ahead_give_the_same_epochs),
     cmocka_unit_test(releases_wake_no_one_while_a_worker_spins),
     cmocka_unit_test(a_detached_slot_is_refilled_by_the_spinner),
