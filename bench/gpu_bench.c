@@ -4,12 +4,16 @@
  *
  *   gpu_bench --db DB [--batch 128] [--workers 1,2,4,8] [--epochs 2]
  *             [--gpu 0] [--gemm 8192] [--inflight 2] [--prefetch 0]
- *             [--spin US] [--device cuda | --device cpu [--link G]]
+ *             [--spin US] [--stores stream|plain]
+ *             [--device cuda | --device cpu [--link G]]
  *
  * Every upload runs as the trainer's do (trainer/upload.c): on the copy
  * stream, two in flight (--inflight K: K, for the baseline too), a buffer
  * reused once its event completed; --prefetch P: the loader's ring (0: its
  * default); --spin US: the loader's spin_us (0: its default, -1: none);
+ * --stores: how the workers write records into the ring, `stream`
+ * (stream_stores, non-temporal stores: the trainer's on a GPU, and the
+ * default with --device cuda) or `plain` (the default with --device cpu);
  * --device cpu: the same loop on the CPU backend, where an upload is a
  * memcpy (a stand-in for the uploading thread's costs on machines without
  * a GPU), and --link G makes each last as long as a copy at G GB/s (a
@@ -39,6 +43,7 @@
  *                  workers' mean share of time spent filling batches;
  *                  wakes: the times per batch the uploading thread woke
  *                  idle workers (a futex call each)
+ *   stores         "stream" or "plain": --stores
  *   sgemm_tflops   the best of 5 N x N x N stk_gemm calls on the GPU
  *                  (cuBLAS, its default math: no TF32), 2 N^3 flops each */
 #include "kernels/kernels.h"
@@ -56,6 +61,7 @@ typedef struct opts {
     stk_device_kind device;
     int batch, epochs, gpu, gemm_n, inflight, prefetch, spin;
     double link_gbs; /* --device cpu: the emulated link's rate */
+    int stores; /* --stores: 1 stream, 0 plain, -1 the device's default */
     int workers[MAX_COUNTS], nworkers;
 } opts;
 
@@ -88,7 +94,7 @@ static int die(const char *what, const stk_err *err)
 
 static int parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, STK_DEV_CUDA, 128, 2, 0, 8192, 2, 0, 0, 0,
+    *o = (opts){NULL, STK_DEV_CUDA, 128, 2, 0, 8192, 2, 0, 0, 0, -1,
                 {1, 2, 4, 8}, 4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -101,13 +107,15 @@ static int parse(int argc, char **argv, opts *o)
                    : !strcmp(a, "--spin")   ? &o->spin
                                             : NULL;
         bool known = num || !strcmp(a, "--db") || !strcmp(a, "--workers") ||
-                     !strcmp(a, "--device") || !strcmp(a, "--link");
+                     !strcmp(a, "--device") || !strcmp(a, "--link") ||
+                     !strcmp(a, "--stores");
         if (!v || !known) {
             fprintf(stderr, "gpu_bench: unknown or incomplete option '%s' "
                             "(expected --db DB, --batch, --workers N,N,..., "
                             "--epochs, --gpu, --gemm N, --inflight K, "
-                            "--prefetch P, --spin US, --device cuda|cpu, "
-                            "--link GB/s)\n", a);
+                            "--prefetch P, --spin US, --stores "
+                            "stream|plain, --device cuda|cpu, --link "
+                            "GB/s)\n", a);
             return 2;
         }
         if (num)
@@ -122,6 +130,14 @@ static int parse(int argc, char **argv, opts *o)
                                 "0\n", v);
                 return 2;
             }
+        }
+        else if (!strcmp(a, "--stores")) {
+            if (strcmp(v, "stream") && strcmp(v, "plain")) {
+                fprintf(stderr, "gpu_bench: --stores '%s': expected stream "
+                                "or plain\n", v);
+                return 2;
+            }
+            o->stores = !strcmp(v, "stream");
         }
         else if (!strcmp(a, "--device")) {
             if (strcmp(v, "cuda") && strcmp(v, "cpu")) {
@@ -148,6 +164,8 @@ static int parse(int argc, char **argv, opts *o)
                         "cpu\n", MAX_INFLIGHT);
         return 2;
     }
+    if (o->stores < 0) /* as the trainer: streamed for the copy engine */
+        o->stores = o->device == STK_DEV_CUDA;
     return 0;
 }
 
@@ -290,7 +308,7 @@ static int loader_rate(stk_backend *be, stk_store *st, const opts *o,
     stk_loader *l = NULL;
     stk_loader_opts lo = {.split = "train", .batch_size = o->batch,
                           .workers = workers, .prefetch = o->prefetch,
-                          .spin_us = o->spin,
+                          .spin_us = o->spin, .stream_stores = o->stores,
                           .shuffle = true, .seed = 1,
                           .host = {pin, unpin, be}};
     flight f;
@@ -432,11 +450,11 @@ int main(int argc, char **argv)
                "\"copy_gbs\": %.3f, \"copy_ring_gbs\": %.3f, "
                "\"ring\": %d, \"copy_big_gbs\": %.3f, "
                "\"loader_gbs\": %.3f, \"loader_share\": %.3f, "
-               "\"consumer\": {%s}, "
+               "\"consumer\": {%s}, \"stores\": \"%s\", "
                "\"sgemm_n\": %d, \"sgemm_tflops\": %.2f}\n",
                stk_backend_name(be), batch_bytes, o.inflight, rates, best_w,
-               copy, ring, slots, big, loader, loader / copy, times, o.gemm_n,
-               tflops);
+               copy, ring, slots, big, loader, loader / copy, times,
+               o.stores ? "stream" : "plain", o.gemm_n, tflops);
     stk_backend_destroy(be);
     return rc;
 }

@@ -444,7 +444,7 @@ int stk_usable_cpus(void)
 }
 
 int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
-                     const char *name)
+                     const char *name, int index)
 {
     sigset_t stop, old;
     sigemptyset(&stop);
@@ -456,9 +456,16 @@ int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
     pthread_sigmask(SIG_BLOCK, &stop, &old);
     int e = pthread_create(t, NULL, fn, arg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (!e)
-        pthread_setname_np(*t, name); /* a name is a help, not a need */
-    return e;
+    if (e)
+        return e;
+    char full[32];
+    if (index >= 0)
+        snprintf(full, sizeof full, "%s %d", name, index);
+    else
+        snprintf(full, sizeof full, "%s", name);
+    full[15] = '\0'; /* the kernel's limit */
+    pthread_setname_np(*t, full); /* a name is a help, not a need */
+    return 0;
 }
 
 int stk_path_join(char *out, size_t n, const char *dir, const char *name)

@@ -125,15 +125,15 @@ double stk_now(void);
 /* The CPUs this process may run on (its affinity mask; 1 at least). */
 int stk_usable_cpus(void);
 
-/* Starts fn(arg) on a new thread named name (15 characters at most: what
- * top -H, gdb and /proc/PID/task/TID/comm show, and what the Python tests
- * count), with SIGINT, SIGTERM, SIGHUP and SIGQUIT blocked in it: the
- * kernel then hands those to a thread of the caller's, the one that checks
- * the flag the handler sets (under TSan a signal taken by a worker that was
- * about to exit was lost). The caller's own mask is left as it was. Returns
- * 0 or pthread_create's error number. */
+/* Starts fn(arg) on a new thread named name, or "name index" where index
+ * >= 0 (cut to 15 characters: what top -H, gdb and /proc/PID/task/TID/comm
+ * show, and what the Python tests count), with SIGINT, SIGTERM, SIGHUP and
+ * SIGQUIT blocked in it: the kernel then hands those to a thread of the
+ * caller's, the one that checks the flag the handler sets (under TSan a
+ * signal taken by a worker that was about to exit was lost). The caller's
+ * own mask is left as it was. Returns 0 or pthread_create's error number. */
 int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
-                     const char *name);
+                     const char *name, int index);
 
 /* One step of a spin-wait: a pause that lets the core's other hardware
  * thread run and tells the CPU the loop is a wait. */

@@ -1,9 +1,11 @@
-"""gpu_report.py BENCH_JSON [NOSPIN_JSON] < rows - the benchmark part of
+"""gpu_report.py BENCH_JSON [PLAIN_JSON] < rows - the benchmark part of
 gpu_check.sh's report (markdown on stdout).
 
-BENCH_JSON is gpu_bench's line; NOSPIN_JSON, if given, its line with
---spin -1 (idle workers only sleep), printed beside it; each stdin row is "MODEL BATCH GPUS
-EPOCH_JSON", EPOCH_JSON the last epoch line of that run's metrics.jsonl.
+BENCH_JSON is gpu_bench's line (records streamed into the loader's ring,
+its default on a GPU); PLAIN_JSON, if given (a missing or empty file is
+skipped), its line with --stores plain, printed beside it; each stdin row
+is "MODEL BATCH GPUS EPOCH_JSON", EPOCH_JSON the last epoch line of that
+run's metrics.jsonl.
 FLOPs per sample come from bench/train_peers.py (conv and linear
 multiply-adds x 2, a training step 3 x forward)."""
 import json
@@ -14,41 +16,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train_peers import forward_flops  # noqa: E402
 
 
-def wakes(bench):
-    """"w: wakes" for each worker count (the consumer's 7th field)."""
-    return ", ".join("%s: %.2f" % (w, c[6]) for w, c in
-                     bench.get("consumer", {}).items() if len(c) > 6)
+def rates(bench):
+    """"w: GB/s" for each worker count."""
+    return ", ".join("%s: %.2f" % kv for kv in bench.get("loader", {}).items())
 
 
 def main():
     bench = json.load(open(sys.argv[1]))
     peak = bench["sgemm_tflops"] * 1e12
     share = bench["loader_share"]
-    rates = ", ".join("%s: %.2f" % kv for kv in bench.get("loader", {}).items())
-    print("Uploads (%s, batches of %d bytes): the loader into its pinned ring, "
+    print("Uploads (%s, batches of %d bytes, %s stores): the loader into its "
+          "pinned ring, "
           "each batch uploaded from its slot on the copy stream, **%.2f GB/s** "
           "at its best, %d workers (GB/s by workers: %s), against %.2f GB/s for "
           "the same copies from one pinned buffer: **%.0f%%** (target >= 80%%: "
           "%s); the same copies from %d buffers in turn (the ring's bytes): "
           "%.2f GB/s (%.0f%%); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM "
           "%d^3: **%.1f TFLOP/s**." % (
-              bench["device"], bench["batch_bytes"], bench["loader_gbs"],
-              bench["workers"], rates, bench["copy_gbs"], 100 * share,
+              bench["device"], bench["batch_bytes"],
+              bench.get("stores", "unknown"), bench["loader_gbs"],
+              bench["workers"], rates(bench), bench["copy_gbs"], 100 * share,
               "met" if share >= 0.8 else "**not met**", bench["ring"],
               bench["copy_ring_gbs"], 100 * bench["loader_gbs"] / bench["copy_ring_gbs"],
               bench["copy_big_gbs"], bench["sgemm_n"], bench["sgemm_tflops"]))
-    nospin = None  # its check may have failed: the rest is still reported
+    plain = None  # its check may have failed: the rest is still reported
     if len(sys.argv) > 2 and os.path.isfile(sys.argv[2]) and os.path.getsize(sys.argv[2]):
-        nospin = json.load(open(sys.argv[2]))
-    if nospin:
+        plain = json.load(open(sys.argv[2]))
+    if plain:
         print()
-        print("The same without the spinning idle worker (`--spin -1`): "
-              "%.2f GB/s at %d workers, %.0f%% of %.2f GB/s of copies. "
-              "Wake-ups per batch paid by the uploading thread, by workers: "
-              "%s (spinning), %s (not)." % (
-                  nospin["loader_gbs"], nospin["workers"],
-                  100 * nospin["loader_share"], nospin["copy_gbs"],
-                  wakes(bench), wakes(nospin)))
+        print("The same with the records written into the ring with %s "
+              "stores (`--stores %s`), beside the first run's %s stores: "
+              "%.2f GB/s at %d workers, %.0f%% of %.2f GB/s of copies "
+              "(the first run: %.2f GB/s, %.0f%%). GB/s by workers: %s (%s), "
+              "%s (%s)." % (
+                  plain.get("stores", "plain"), plain.get("stores", "plain"),
+                  bench.get("stores", "unknown"),
+                  plain["loader_gbs"], plain["workers"],
+                  100 * plain["loader_share"], plain["copy_gbs"],
+                  bench["loader_gbs"], 100 * share,
+                  rates(bench), bench.get("stores", "first"),
+                  rates(plain), plain.get("stores", "plain")))
     print()
     print("| model | batch per GPU | GPUs | samples/s | data wait (stall) | "
           "TFLOP/s | % of SGEMM peak | test acc | scaling |")
