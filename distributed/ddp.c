@@ -131,7 +131,7 @@ int stk_ddp_create(stk_comm *c, float *grads, const size_t *param_offsets,
     if (rc == STK_ENOMEM)
         stk_fail(err, rc, "out of memory");
     if (!rc && stk_comm_world(c) > 1) {
-        if (stk_thread_start(&d->thread, comm_main, d, "stk-ddp"))
+        if (stk_thread_start(&d->thread, comm_main, d, "stk-ddp", -1))
             rc = stk_fail(err, STK_ENOMEM, "ddp: cannot start the communication "
                                            "thread");
         else

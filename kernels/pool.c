@@ -140,9 +140,7 @@ stk_pool *stk_pool_create(int threads, stk_err *err)
     pthread_cond_init(&p->cv, NULL);
     p->threads = 1; /* grows as workers start, so destroy joins only those */
     for (int i = 1; i < threads; i++) {
-        char name[16];
-        snprintf(name, sizeof name, "stk-pool %d", i);
-        if (stk_thread_start(&p->tid[i], worker_main, p, name)) {
+        if (stk_thread_start(&p->tid[i], worker_main, p, "stk-pool", i)) {
             stk_pool_destroy(p);
             stk_fail(err, STK_ENOMEM, "cpu: cannot start compute thread %d "
                      "of %d", i + 1, threads);

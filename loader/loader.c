@@ -945,9 +945,7 @@ static int start_workers(stk_loader *l, stk_err *err)
         worker *w = &l->workers[l->nworkers];
         w->l = l;
         w->id = l->nworkers;
-        char name[16];
-        snprintf(name, sizeof name, "stk-load %d", w->id);
-        if (stk_thread_start(&w->thread, worker_main, w, name))
+        if (stk_thread_start(&w->thread, worker_main, w, "stk-load", w->id))
             return stk_fail(err, STK_ENOMEM, "cannot start loader thread %d",
                             l->nworkers);
     }

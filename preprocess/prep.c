@@ -287,9 +287,8 @@ static int pool_init(run *r, size_t rec, stk_err *err)
         p->split_first_chunk[k] = UINT64_MAX;
     p->nchunks = p->split_first_chunk[ns];
     for (; r->nthreads < want; r->nthreads++) {
-        char name[16];
-        snprintf(name, sizeof name, "stk-prep %d", r->nthreads);
-        int e = stk_thread_start(&r->threads[r->nthreads], worker_main, p, name);
+        int e = stk_thread_start(&r->threads[r->nthreads], worker_main, p,
+                                 "stk-prep", r->nthreads);
         if (e)
             return stk_fail(err, STK_ENOMEM,
                             "cannot start worker thread %d of %d: %s",

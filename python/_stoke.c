@@ -1017,7 +1017,7 @@ static PyObject *py_prep(PyObject *mod, PyObject *args, PyObject *kw)
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cv, NULL);
     pthread_t t;
-    if (stk_thread_start(&t, prep_thread, &c, "stk-prep call")) {
+    if (stk_thread_start(&t, prep_thread, &c, "stk-prep call", -1)) {
         PyErr_SetString(PyExc_OSError, "prep: cannot start a thread");
     } else if (prep_wait(&c, t) < 0) {
         Py_CLEAR(c.raised); /* the KeyboardInterrupt wins */
