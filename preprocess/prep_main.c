@@ -25,7 +25,7 @@ static const char usage[] =
     "usage: prep [options] RAW_DIR DB_DIR\n"
     "Decode RAW_DIR once, in parallel, into the stoke database DB_DIR.\n"
     "\n"
-    "  --workers N        decoding threads (default: the number of CPUs)\n"
+    "  --workers N        decoding threads (default: the CPUs it may use)\n"
     "  --format F         idx, cifar or folder (default: detected)\n"
     "  --size S           resize the shorter side to S and centre-crop SxS\n"
     "                     (default: native for idx/cifar, 64 for folders)\n"
@@ -252,11 +252,11 @@ static void print_summary(const char *db, const stk_prep_summary *s)
 
 int main(int argc, char **argv)
 {
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int ncpu = stk_usable_cpus(); /* under taskset or a cpuset, not the host's */
     char created[32];
     progress_state ps = {isatty(2), 0, 0.0};
     stk_prep_opts o = {
-        .workers = ncpu > 0 ? (int)(ncpu > 256 ? 256 : ncpu) : 1,
+        .workers = ncpu > 256 ? 256 : ncpu,
         .created = created,
         .cancel = &interrupted,
         .progress = on_progress,
