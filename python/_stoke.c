@@ -486,19 +486,21 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
                             "world",   "start_epoch", "start_batch",
                             "uneven",  "pad",         "flip",
                             "alloc",   "transform",   "crop_size",
-                            "crop_ratio", "scale_lo", "scale_hi", NULL};
+                            "crop_ratio", "scale_lo", "scale_hi",
+                            "stream_stores", NULL};
     PyObject *path, *alloc = Py_None;
     const char *split = "train", *transform = "none";
-    int shuffle = 1, drop_last = 0, uneven = 0, flip = 0, crop_size = 0;
+    int shuffle = 1, drop_last = 0, uneven = 0, flip = 0, crop_size = 0,
+        stream = 0;
     double crop_ratio = 0, scale[2] = {0, 0};
     unsigned long long seed = 0, start_epoch = 0, start_batch = 0;
     stk_loader_opts o = {.batch_size = 0};
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "O&si|ppKiiiiKKpipOsiddd", names, PyUnicode_FSConverter,
+            args, kw, "O&si|ppKiiiiKKpipOsidddp", names, PyUnicode_FSConverter,
             &path, &split, &o.batch_size, &shuffle, &drop_last, &seed,
             &o.workers, &o.prefetch, &o.rank, &o.world, &start_epoch,
             &start_batch, &uneven, &o.aug_pad, &flip, &alloc, &transform,
-            &crop_size, &crop_ratio, &scale[0], &scale[1]))
+            &crop_size, &crop_ratio, &scale[0], &scale[1], &stream))
         return -1;
     bool rrc = !strcmp(transform, "rrc");
     if (!rrc && strcmp(transform, "none") && strcmp(transform, "centre")) {
@@ -522,6 +524,7 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     o.seed = seed;
     o.start_epoch = start_epoch;
     o.start_batch = start_batch;
+    o.stream_stores = stream;
     if (alloc != Py_None) {
         if (!(self->keep = PyDict_New())) {
             Py_DECREF(path);

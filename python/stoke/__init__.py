@@ -387,7 +387,11 @@ class Loader:
             transform="rrc" if self.augment == "rrc" else "none",
             crop_size=self.crop_size, crop_ratio=self.crop_ratio,
             scale_lo=self.rrc_scale[0], scale_hi=self.rrc_scale[1],
-            alloc=_pinned_alloc(self._torch) if self.pin_memory else None)
+            alloc=_pinned_alloc(self._torch) if self.pin_memory else None,
+            # the pinned ring's batches go to the GPU's copy engine, which
+            # reads lines still dirty in a worker's cache slowly; a copy
+            # (copy=True) reads them on the CPU, from the cache
+            stream_stores=self.pin_memory and not self.copy)
         self._ring_at = (self._epoch, self._batch)
         self._ring_pid = os.getpid()
 

@@ -99,6 +99,17 @@ def main():
         print("ok: %s() refused: %s" % (batch_type.__qualname__, e))
     del raw, first
     ring.close()
+    # pin_memory's path as the Loader opens it: records streamed into the
+    # ring (non-temporal stores, stream_stores), the same bytes
+    ring = stoke._stoke.Ring(db, "test", 100, shuffle=False, workers=2, alloc=alloc,
+                             stream_stores=True)
+    for k in range(5):
+        raw = ring.next()
+        got = np.frombuffer(raw[0], np.uint8).reshape(100, 1, 28, 28)
+        check(all(np.array_equal(got[i], d["test"][100 * k + i][0]) for i in range(100)),
+              "batch %d of a ring written with streaming stores" % k)
+        del raw, got
+    ring.close()
     def no_memory(n):
         raise RuntimeError("no pinned memory here")
     try:
@@ -106,7 +117,8 @@ def main():
         raise AssertionError("a failing allocator was not reported")
     except RuntimeError as e:
         check(str(e) == "no pinned memory here", "allocator error: %r" % e)
-    print("ok: a ring through a Python allocator; its failure is its exception")
+    print("ok: a ring through a Python allocator, with and without streaming stores; "
+          "its failure is its exception")
 
     # state_dict of another configuration
     run = stoke.Loader(db, batch_size=100, seed=3, workers=1)
