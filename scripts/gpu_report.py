@@ -31,14 +31,15 @@ def main():
           "at its best, %d workers (GB/s by workers: %s), against %.2f GB/s for "
           "the same copies from one pinned buffer: **%.0f%%** (target >= 80%%: "
           "%s); the same copies from %d buffers in turn (the ring's bytes): "
-          "%.2f GB/s (%.0f%%); 64 MiB pinned copies: %.2f GB/s. cuBLAS SGEMM "
-          "%d^3: **%.1f TFLOP/s**." % (
+          "%.2f GB/s (%.0f%%); 64 MiB pinned copies: %.2f GB/s. %s" % (
               bench["device"], bench["batch_bytes"],
               bench.get("stores", "unknown"), bench["loader_gbs"],
               bench["workers"], rates(bench), bench["copy_gbs"], 100 * share,
               "met" if share >= 0.8 else "**not met**", bench["ring"],
               bench["copy_ring_gbs"], 100 * bench["loader_gbs"] / bench["copy_ring_gbs"],
-              bench["copy_big_gbs"], bench["sgemm_n"], bench["sgemm_tflops"]))
+              bench["copy_big_gbs"],
+              "cuBLAS SGEMM %d^3: **%.1f TFLOP/s**." % (bench["sgemm_n"], bench["sgemm_tflops"])
+              if peak else "No SGEMM (`--gemm 0`)."))
     plain = None  # its check may have failed: the rest is still reported
     if len(sys.argv) > 2 and os.path.isfile(sys.argv[2]) and os.path.getsize(sys.argv[2]):
         plain = json.load(open(sys.argv[2]))
@@ -72,9 +73,10 @@ def main():
             single[(model, batch)] = sps
         base = single.get((model, batch))
         scale = "%.2fx" % (sps / base) if gpus != "1" and base else ""
-        print("| %s | %s | %s | %.0f | %.2f%% | %.2f | %.1f%% | %.2f%% | %s |" % (
+        print("| %s | %s | %s | %.0f | %.2f%% | %.2f | %s | %.2f%% | %s |" % (
             model, batch, gpus, sps, 100 * d["stall"], flops / 1e12,
-            100 * flops / peak, 100 * d["test_acc"], scale))
+            "%.1f%%" % (100 * flops / peak) if peak else "n/a",
+            100 * d["test_acc"], scale))
 
 
 if __name__ == "__main__":

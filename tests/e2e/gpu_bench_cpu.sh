@@ -39,6 +39,23 @@ assert j["stores"] == "stream", j
 assert sorted(j["loader"]) == ["0", "2"] and all(g > 0 for g in j["loader"].values()), j
 print("ok: --stores stream is reported")
 PY
+# gpu_check.sh's report from the two runs and two training rows (one and
+# two GPUs); without SGEMM (--gemm 0) the peak's share is n/a
+row='{"samples_per_s": 1000.0, "stall": 0.005, "test_acc": 0.9}'
+printf 'cnn 64 1 %s\ncnn 64 2 %s\n' "$row" "${row/1000.0/1900.0}" |
+  $PY "$STK_SRC/scripts/gpu_report.py" stream.json out.json > report.md ||
+  fail "gpu_report.py on the CPU runs"
+cat report.md
+$PY - <<'PY' || fail "gpu_report.py's report"
+import json, re
+r, s, p = open("report.md").read(), json.load(open("stream.json")), json.load(open("out.json"))
+assert "stream stores" in r and "**%.2f GB/s**" % s["loader_gbs"] in r, r
+assert "No SGEMM" in r and "with plain stores" in r, r
+assert "%.2f GB/s at %d workers" % (p["loader_gbs"], p["workers"]) in r, r
+rows = [l for l in r.splitlines() if l.startswith("| cnn ")]
+assert len(rows) == 2 and "n/a" in rows[0] and rows[1].rstrip().endswith("| 1.90x |"), rows
+print("ok: gpu_report.py reports both runs and the rows, n/a without SGEMM")
+PY
 expect_fail 2 "--stores 'bogus': expected stream or plain" "$B" --db db --device cpu --stores bogus
 expect_fail 2 "--link only with --device cpu" "$B" --db db --link 4
 expect_fail 2 "--link 'x': expected GB/s > 0" "$B" --db db --device cpu --link x
