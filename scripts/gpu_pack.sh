@@ -12,8 +12,8 @@
 # objects, no test scratch, debug info stripped), the shared libraries they
 # need that are not part of the C runtime or CUDA (LMDB, libuv, OpenBLAS,
 # TurboJPEG, spng, ...), Fashion-MNIST's IDX files and Debian's sample
-# photographs. CTest records absolute paths, so env.sh links the build's
-# old path to the unpacked one where that path is free. The CUDA runtime,
+# photographs. CTest records absolute paths: env.sh rewrites them to the
+# unpacked build and the checkout it finds. The CUDA runtime,
 # cuBLAS and NCCL come from the GPU machine.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
@@ -82,13 +82,16 @@ done
 [ -n "$src" ] || echo "gpu-pack: no checkout of stoke above $here nor at $PWD: the e2e tests need one" >&2
 EOF
 cat >>"$P/env.sh" <<EOF
-# CTest's absolute paths: the build and the sources as they were packed
-for pair in "$SRC:\$src" "$BUILD:\$here/build"; do
-  old=\${pair%%:*} new=\${pair#*:}
-  [ -n "\$new" ] && [ "\$old" != "\$new" ] && [ ! -e "\$old" ] || continue
-  { mkdir -p "\$(dirname "\$old")" && ln -s "\$new" "\$old"; } ||
-    echo "gpu-pack: cannot link \$old to \$new (CTest's paths)" >&2
-done
+# CTest's files name the build and the sources by the paths they had when
+# packed: rewritten to the pack's build and the checkout found (the build
+# first, through a marker, since it may lie inside the sources), once
+if [ ! -e "\$here/build/.paths-rewritten" ]; then
+  ctest_all=\$(find "\$here/build" -name CTestTestfile.cmake)
+  sed -i "s#$BUILD#@STK_PACK_BUILD@#g" \$ctest_all
+  [ -z "\$src" ] || sed -i "s#$SRC#\$src#g" \$ctest_all
+  sed -i "s#@STK_PACK_BUILD@#\$here/build#g" \$ctest_all
+  echo "\$src" > "\$here/build/.paths-rewritten"
+fi
 EOF
 cat >>"$P/env.sh" <<'EOF'
 # the Python the tests and the report run under: Debian's where it has
@@ -105,11 +108,13 @@ ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
 shim=$src/tests/e2e/shim
 if "$STK_PYTHON" -c 'import lmdb' 2>/dev/null; then
   echo "gpu-pack: tests under $STK_PYTHON"
+elif [ -z "$src" ]; then
+  echo "gpu-pack: tests under $STK_PYTHON, which lacks python3-lmdb (no checkout: no shim)"
 else
   grep -L "PYTHONPATH=$shim:" $ctest_files | xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
   echo "gpu-pack: tests under $STK_PYTHON, python3-lmdb from tests/e2e/shim"
 fi
-unset here src d pair old new py ctest_files shim
+unset here src d ctest_all py ctest_files shim
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
 echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"
