@@ -443,15 +443,27 @@ int stk_usable_cpus(void)
     return n > 0 ? (int)n : 1;
 }
 
+static sigset_t stop_signals(void)
+{
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGINT);
+    sigaddset(&s, SIGTERM);
+    sigaddset(&s, SIGHUP);
+    sigaddset(&s, SIGQUIT);
+    return s;
+}
+
+void stk_thread_allow_stop_signals(void)
+{
+    sigset_t stop = stop_signals();
+    pthread_sigmask(SIG_UNBLOCK, &stop, NULL);
+}
+
 int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
                      const char *name, int index)
 {
-    sigset_t stop, old;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGHUP);
-    sigaddset(&stop, SIGQUIT);
+    sigset_t stop = stop_signals(), old;
     /* a new thread inherits its creator's mask: block, create, restore */
     pthread_sigmask(SIG_BLOCK, &stop, &old);
     int e = pthread_create(t, NULL, fn, arg);

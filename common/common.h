@@ -128,12 +128,18 @@ int stk_usable_cpus(void);
 /* Starts fn(arg) on a new thread named name, or "name index" where index
  * >= 0 (cut to 15 characters: what top -H, gdb and /proc/PID/task/TID/comm
  * show, and what the Python tests count), with SIGINT, SIGTERM, SIGHUP and
- * SIGQUIT blocked in it: the kernel then hands those to a thread of the
- * caller's, the one that checks the flag the handler sets (under TSan a
- * signal taken by a worker that was about to exit was lost). The caller's
- * own mask is left as it was. Returns 0 or pthread_create's error number. */
+ * SIGQUIT blocked in it: the kernel hands those to another thread (in prep,
+ * the main thread, which checks the flag its handler sets; under TSan a
+ * signal a prep worker took as it was about to exit was lost). The mask is
+ * inherited by what the thread starts, and by the programs it runs: a
+ * thread that runs a user's code unblocks them. The caller's own mask is
+ * left as it was. Returns 0 or pthread_create's error number. */
 int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,
                      const char *name, int index);
+
+/* Unblocks, in the calling thread, the stop signals stk_thread_start
+ * blocked: for a thread that runs a user's code. */
+void stk_thread_allow_stop_signals(void);
 
 /* One step of a spin-wait: a pause that lets the core's other hardware
  * thread run and tells the CPU the loop is a wait. */

@@ -901,6 +901,9 @@ static void on_progress(const stk_prep_progress *p, void *arg)
 static void *prep_thread(void *v)
 {
     prep_call *c = v;
+    /* it runs the caller's progress callback: a subprocess started there
+     * must take Ctrl-C and SIGTERM as usual */
+    stk_thread_allow_stop_signals();
     c->rc = stk_prep_run(c->raw, c->db, &c->o, &c->sum, &c->err);
     pthread_mutex_lock(&c->mu);
     c->done = true;

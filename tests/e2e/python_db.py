@@ -9,6 +9,7 @@ direct indexing; stoke.prep writes the same database as the prep command
 and refuses a missing raw directory with a stoke.Error."""
 import os
 import pickle
+import signal
 import subprocess
 import time
 import warnings
@@ -119,9 +120,13 @@ def dataloader_spawn(db):
 def prep_from_python(raw, db_cmd):
     """stoke.prep on a subset against the prep command on the same files."""
     sub, _ = s.fashion_db("cmd", n=3000, ntest=1000)
-    calls = []
-    summary = stoke.prep("cmd-raw", "py", workers=2,
-                         progress=lambda *a: calls.append(a))
+    calls, blocked = [], []
+
+    def progress(*a):  # and the signals blocked where it runs (SigBlk)
+        calls.append(a)
+        with open("/proc/thread-self/status") as f:
+            blocked.append(int(next(l for l in f if l.startswith("SigBlk:")).split()[1], 16))
+    summary = stoke.prep("cmd-raw", "py", workers=2, progress=progress)
     check(summary["splits"] == {"train": {"count": 3000, "skipped": 0},
                                 "test": {"count": 1000, "skipped": 0}}
           and summary["shape"] == (1, 28, 28), "summary %r" % summary)
@@ -129,6 +134,10 @@ def prep_from_python(raw, db_cmd):
     check(calls and calls[-1][1:3] == (4000, 4000) and done == sorted(done)
           and {c[0] for c in calls} == {"train", "test"},
           "progress calls %r" % calls[-3:])
+    stop = sum(1 << (n - 1) for n in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM))
+    check(not any(b & stop for b in blocked), "the progress callback ran with "
+          "stop signals blocked (SigBlk %s): what it starts would ignore Ctrl-C"
+          % sorted({hex(b) for b in blocked}))
     a, b = stoke.open("cmd"), stoke.open("py")
     ma = {k: v for k, v in a.meta.items() if k not in ("path", "created")}
     mb = {k: v for k, v in b.meta.items() if k not in ("path", "created")}
