@@ -194,23 +194,30 @@ def check_losses(name, got, want, state, smoothing, no_decay):
     itself, and any float32 implementation from it)."""
     n = len(want)
     _, _, exact = twin_train(state, smoothing, no_decay, torch.float64, n, apart_from=want)
-    horizon = len(exact) - 1 if abs(exact[-1] - want[len(exact) - 1]) > REF_TOL * exact[-1] else n
+    h64 = len(exact) - 1 if abs(exact[-1] - want[len(exact) - 1]) > REF_TOL * exact[-1] else n
     _, _, nhwc = twin_train(state, smoothing, no_decay, torch.float32, n, nhwc=True)
+    if not np.isfinite(nhwc).all():  # NaN would compare false and pass all
+        sys.exit(f"FAIL: {name}: PyTorch's NHWC twin's losses are not finite: {nhwc}")
     twin_part = np.abs(nhwc - want) / np.abs(want)
-    horizon = min(horizon, int(np.argmax(twin_part > LOSS_TOL)) if twin_part.max() > LOSS_TOL else n)
+    hnhwc = int(np.argmax(twin_part > LOSS_TOL)) if twin_part.max() > LOSS_TOL else n
+    horizon = min(h64, hnhwc)
     allowed = np.maximum(LOSS_TOL, NHWC_SLACK * np.maximum.accumulate(twin_part))
     rel = np.abs(got - want) / np.abs(want)
     w, h = int(rel.argmax()), int(rel[:horizon].argmax()) if horizon else 0
-    print(f"{name}: PyTorch float32 within {REF_TOL:g} of float64 for {horizon} of {n} "
-          f"steps (step {len(exact)}: {abs(exact[-1] - want[len(exact) - 1]) / exact[-1]:.1e}); "
+    print(f"{name}: {horizon} of {n} steps compared: PyTorch float32 within {REF_TOL:g} of "
+          f"float64 for {h64} (step {len(exact)}: "
+          f"{abs(exact[-1] - want[len(exact) - 1]) / exact[-1]:.1e}), its NHWC float32 within "
+          f"{LOSS_TOL:g} of it for {hnhwc}; "
           f"stoke's largest relative deviation over them {rel[h]:.2e} (step {h + 1}), over all "
           f"{n} {rel.max():.2e} (step {w + 1}: stoke {got[w]:.6f}, PyTorch {want[w]:.6f}); "
           f"step 1 {got[0]:.6f} / {want[0]:.6f}, step {n} {got[-1]:.6f} / {want[-1]:.6f}; "
           f"PyTorch NHWC float32 from NCHW over the horizon " +
           " ".join(f"{v:.1e}" for v in twin_part[:horizon]))
     if horizon < MIN_HORIZON:
-        failed.append(f"{name}: test setup: PyTorch's float32 parts from its float64 at step "
-                      f"{horizon + 1} already (fewer than {MIN_HORIZON} comparable steps)")
+        failed.append(f"{name}: test setup: PyTorch's float32 parts from " +
+                      (f"its float64 beyond {REF_TOL:g}" if h64 == horizon else
+                       f"its NHWC float32 beyond {LOSS_TOL:g}") +
+                      f" at step {horizon + 1} already (fewer than {MIN_HORIZON} comparable steps)")
     beyond = rel[:horizon] > allowed[:horizon]
     if beyond.any():
         first = int(np.argmax(beyond))
