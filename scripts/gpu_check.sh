@@ -102,15 +102,25 @@ else
 fi
 
 # 4. benchmarks
-bench_json=$OUT/gpu_bench.json
 counts=$(for w in 1 2 4 8 12 16 24 32; do [ "$w" -le "$(nproc)" ] && echo "$w"; done | paste -sd,)
-check "gpu_bench (uploads, SGEMM peak)" 300 sh -c \
-  "'$B/gpu_bench' --db '$W/db' --epochs 20 --workers $counts > '$bench_json'"
-# the first streams records into the ring (the trainer's way on a GPU);
-# this one writes them with plain stores, for the difference side by side
-plain_json=$OUT/gpu_bench_plain.json
-check "gpu_bench --stores plain (uploads)" 300 sh -c \
-  "'$B/gpu_bench' --db '$W/db' --epochs 20 --workers $counts --gemm 0 --stores plain > '$plain_json'"
+# Records streamed into the ring (the trainer's way on a GPU) and, in
+# turn, written with plain stores, for the difference side by side. Uploads
+# are noisy (on one lease one round of three met the target, two did not):
+# STK_GPU_ROUNDS rounds (3) of 100 epochs each (a Fashion-MNIST epoch is a
+# few ms of copies); the report judges the median round. The first round
+# also times SGEMM.
+bench_json=$OUT/gpu_bench.json plain_json=$OUT/gpu_bench_plain.json more=()
+for r in $(seq 1 "${STK_GPU_ROUNDS:-3}"); do
+  s_json=$bench_json p_json=$plain_json gemm=
+  if [ "$r" -gt 1 ]; then
+    s_json=$OUT/gpu_bench_$r.json p_json=$OUT/gpu_bench_plain_$r.json gemm="--gemm 0"
+    more+=("$s_json" "$p_json")
+  fi
+  check "gpu_bench round $r (uploads$([ "$r" -gt 1 ] || echo ', SGEMM peak'))" 300 sh -c \
+    "'$B/gpu_bench' --db '$W/db' --epochs 100 --workers $counts $gemm > '$s_json'"
+  check "gpu_bench --stores plain round $r (uploads)" 300 sh -c \
+    "'$B/gpu_bench' --db '$W/db' --epochs 100 --workers $counts --gemm 0 --stores plain > '$p_json'"
+done
 epoch_line() { grep '"type":"epoch"' "$1/metrics.jsonl" 2>/dev/null | tail -1; }
 rows=()
 for m in "cnn 128" "cnn 512" "resnet20 128" "resnet20 512" "resnet18 128"; do
@@ -149,7 +159,7 @@ else
 fi
 
 say ""
-printf '%s\n' "${rows[@]}" | "$PYTHON" "$SRC/scripts/gpu_report.py" "$bench_json" "$plain_json" >>"$R" ||
+printf '%s\n' "${rows[@]}" | "$PYTHON" "$SRC/scripts/gpu_report.py" "$bench_json" "$plain_json" "${more[@]}" >>"$R" ||
   { say "(the benchmark table could not be made: see $LOG)"; failed=1; }
 say ""
 say "Verdict: $([ $failed -eq 0 ] && echo 'every check passed' || echo '**some checks failed**') (log: $LOG)"

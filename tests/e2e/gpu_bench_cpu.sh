@@ -45,6 +45,15 @@ row='{"samples_per_s": 1000.0, "stall": 0.005, "test_acc": 0.9}'
 printf 'cnn 64 1 %s\ncnn 64 2 %s\n' "$row" "${row/1000.0/1900.0}" |
   $PY "$STK_SRC/scripts/gpu_report.py" stream.json out.json > report.md ||
   fail "gpu_report.py on the CPU runs"
+# rounds (gpu_check.sh's): the target judged on the median streamed round;
+# a failed round's empty file is skipped
+for v in 85 70 95; do
+  sed "s/\"loader_share\": [0-9.]*/\"loader_share\": 0.$v/" stream.json > s$v.json
+done
+: > failed.json
+$PY "$STK_SRC/scripts/gpu_report.py" s85.json out.json failed.json s70.json s95.json \
+  < /dev/null > rounds.md || fail "gpu_report.py with rounds"
+cat rounds.md
 cat report.md
 $PY - <<'PY' || fail "gpu_report.py's report"
 import json, re
@@ -55,6 +64,11 @@ assert "%.2f GB/s at %d workers" % (p["loader_gbs"], p["workers"]) in r, r
 rows = [l for l in r.splitlines() if l.startswith("| cnn ")]
 assert len(rows) == 2 and "n/a" in rows[0] and rows[1].rstrip().endswith("| 1.90x |"), rows
 print("ok: gpu_report.py reports both runs and the rows, n/a without SGEMM")
+r, s, p = open("rounds.md").read(), json.load(open("stream.json")), json.load(open("out.json"))
+assert "stream stores 85%, 70%, 95% (median 85%)" in r, r
+assert "plain stores %.0f%% (median" % (100 * p["loader_share"]) in r, r
+assert "met by the median round, 85%" in r and "**not met**" not in r, r
+print("ok: gpu_report.py's rounds: each share by stores, the median judged")
 PY
 expect_fail 2 "--stores 'bogus': expected stream or plain" "$B" --db db --device cpu --stores bogus
 expect_fail 2 "--link only with --device cpu" "$B" --db db --link 4
