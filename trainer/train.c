@@ -326,21 +326,23 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
 
 /* ---- evaluation ---------------------------------------------------------- */
 
-/* The loader's spin: where batches go to a GPU, an idle worker watches
- * for the slots uploads free (the loader's default); on the CPU the step's
- * own threads want every core, and a release per step is cheap to wake on. */
-static int loader_spin(const run_state *r)
+/* What the training and the test loaders share: split, batch and
+ * transform are each one's. Where batches go to a GPU, an idle worker
+ * spins for the slots uploads free (the loader's default) and records are
+ * written with streaming stores (the copy engine read lines still dirty in
+ * the workers' caches at 11 GB/s, 14-15 once streamed in an experiment
+ * build: docs/loader.md); on the CPU the step's own threads want every
+ * core, a release per step is cheap to wake on, and the step reads the
+ * batch from the cache. */
+static stk_loader_opts loader_opts(const run_state *r, const char *split,
+                                   stk_loader_xform xf)
 {
-    return r->o->device == STK_DEV_CUDA ? 0 : -1;
-}
-
-/* Batches the copy engine uploads are written with streaming stores: it
- * read lines still dirty in the workers' caches at 11 GB/s, 14-15 once
- * streamed in an experiment build (docs/loader.md); on the CPU the step
- * reads them from the cache. */
-static bool loader_streams(const run_state *r)
-{
-    return r->o->device == STK_DEV_CUDA;
+    bool gpu = r->o->device == STK_DEV_CUDA;
+    return (stk_loader_opts){.split = split, .batch_size = r->o->batch,
+                             .workers = r->o->workers, .host = r->host,
+                             .rank = r->rank.rank, .world = r->rank.world,
+                             .xform = xf, .spin_us = gpu ? 0 : -1,
+                             .stream_stores = gpu};
 }
 
 /* The test split in eval mode (batchnorm on running statistics, no
@@ -348,12 +350,8 @@ static bool loader_streams(const run_state *r)
  * included, as PyTorch users compute it with the same CrossEntropyLoss. */
 static int evaluate(run_state *r, double *loss, double *acc, stk_err *err)
 {
-    stk_loader_opts lo = {.split = r->eval_split, .batch_size = r->o->batch,
-                          .workers = r->o->workers, .uneven = true,
-                          .rank = r->rank.rank, .world = r->rank.world,
-                          .host = r->host, .xform = r->test_xf,
-                          .spin_us = loader_spin(r),
-                          .stream_stores = loader_streams(r)};
+    stk_loader_opts lo = loader_opts(r, r->eval_split, r->test_xf);
+    lo.uneven = true;
     stk_loader *l;
     int rc = stk_loader_open(r->store, &lo, &l, err);
     if (rc)
@@ -585,13 +583,11 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 {
     int rc = 0;
     for (; r->epoch < r->o->epochs && !rc; r->epoch++) {
-        stk_loader_opts lo = {.split = "train", .batch_size = r->o->batch,
-                              .workers = r->o->workers, .shuffle = true,
-                              .seed = r->o->seed, .start_epoch = (uint64_t)r->epoch,
-                              .start_batch = r->start_batch, .host = r->host,
-                              .rank = r->rank.rank, .world = r->rank.world,
-                              .xform = r->train_xf, .spin_us = loader_spin(r),
-                              .stream_stores = loader_streams(r)};
+        stk_loader_opts lo = loader_opts(r, "train", r->train_xf);
+        lo.shuffle = true;
+        lo.seed = r->o->seed;
+        lo.start_epoch = (uint64_t)r->epoch;
+        lo.start_batch = r->start_batch;
         stk_loader *l;
         if ((rc = stk_loader_open(r->store, &lo, &l, err)))
             break;
