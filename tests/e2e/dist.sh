@@ -15,7 +15,7 @@ T="$STK_BIN/train"
 $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" raw 6144
 "$STK_BIN/prep" --quiet raw db
 # the model of the runs below: the cnn, or the much lighter mlp where time
-# is short (scripts/sanitize.sh thread sets STK_DIST_MODEL=mlp)
+# is short (scripts/sanitize.sh sets STK_DIST_MODEL=mlp)
 M=${STK_DIST_MODEL:-cnn}
 common=(--db db --model $M --workers 1 --quiet --seed 3)
 
