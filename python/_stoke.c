@@ -536,8 +536,9 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     }
     stk_err err = {0};
     int rc;
+    const char *where = PyBytes_AsString(path); /* a call: once */
     Py_BEGIN_ALLOW_THREADS
-    rc = stk_store_open(PyBytes_AsString(path), 0, &self->store, &err);
+    rc = stk_store_open(where, 0, &self->store, &err);
     Py_END_ALLOW_THREADS
     if (rc) {
         Py_DECREF(path);
@@ -546,7 +547,7 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     }
     const stk_meta *m = stk_store_meta(self->store);
     if (stk_meta_split(m, split) < 0) {
-        raise_no_split(state_of(self), PyBytes_AsString(path), m, split);
+        raise_no_split(state_of(self), where, m, split);
         Py_DECREF(path);
         stk_store_close(self->store);
         self->store = NULL;
@@ -555,7 +556,7 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kw)
     if (rrc || strcmp(transform, "none") || m->variable || crop_size ||
         crop_ratio > 0) { /* images of one size, sized as train sizes them */
         rc = stk_loader_crop_plan(m, crop_size, crop_ratio,
-                                  PyBytes_AsString(path), &o.xform, &err);
+                                  where, &o.xform, &err);
         if (!rc && rrc)
             o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC,
                                          .size = o.xform.size, .flip = true,
