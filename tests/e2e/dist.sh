@@ -262,14 +262,18 @@ grep -q "timed out after 5 s at 'train/joined': 1 of 2 ranks arrived" slurm0.out
 ok "a rank of another SLURM job is refused, naming both jobs"
 
 # ---- a hostile client of the rendezvous store ------------------------------------
-# While two ranks train, a local process connects to the launcher's store:
-# a key over 4096 bytes, a value over 8 MiB (only its length sent), and an
+# While a job is up, a local process connects to its launcher's store: a
+# key over 4096 bytes, a value over 8 MiB (only its length sent), and an
 # 8 MiB value asked for 256 times (2 GiB of replies) without reading. Each
 # is disconnected with one line naming it and the limit; the launcher's
 # peak memory grows by far less than what was asked; the job trains on.
+# The job is two nodes: node 0's launcher holds the store and its rank
+# waits there for node 1, started once the clients are done, so that they
+# meet a live job however fast it would have trained.
 port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$T" "${common[@]}" --nproc 2 --batch 64 --epochs 2 --log-every 10 --master-port "$port" \
-  --out hostile > hostile.out 2>&1 &
+nodes=(--nnodes 2 --nproc 1 --master-addr 127.0.0.1 --master-port "$port" --timeout 120
+       --batch 64 --epochs 2 --log-every 10)
+"$T" "${common[@]}" "${nodes[@]}" --node-rank 0 --out hostile > hostile.out 2>&1 &
 L=$!
 $PY - "$port" "$L" <<'PY' || { kill $L; wait $L; cat hostile.out; fail "hostile store client"; }
 import socket, struct, sys, time
@@ -323,6 +327,8 @@ grown = peak() - before
 assert grown < 1 << 30, f"the launcher grew by {grown >> 20} MiB"
 print(f"ok: hostile clients dropped; the launcher's peak memory grew by {grown >> 20} MiB for 2 GiB asked")
 PY
+"$T" "${common[@]}" "${nodes[@]}" --node-rank 1 --out hostile1 > hostile1.out 2>&1 ||
+  { cat hostile1.out; fail "node 1, after the hostile clients"; }
 wait $L || { cat hostile.out; fail "the job did not survive a hostile store client"; }
 [ "$(epochs hostile)" = $'2 10000 0\n2 10000 0' ] || fail "hostile: $(epochs hostile)"
 for why in "a key of 4097 bytes, over the limit of 4096 bytes a key" \
