@@ -496,6 +496,7 @@ void stk_copy_stream(void *dst, const void *src, size_t n)
 {
 #if defined(__SSE2__)
     if (n >= STREAM_MIN) {
+        stk_san_wrote(dst, n); /* the sanitizers do not see movntdq */
         uint8_t *d = dst;
         const uint8_t *s = src;
         size_t head = (size_t)(-(uintptr_t)d & 15); /* to dst's alignment */
@@ -522,6 +523,50 @@ void stk_copy_stream(void *dst, const void *src, size_t n)
 #endif
     memcpy(dst, src, n);
 }
+
+/* Which sanitizer instruments this file: GCC names them with macros,
+ * clang with __has_feature. */
+#if defined(__SANITIZE_THREAD__)
+#define STK_SAN_THREAD 1
+#elif defined(__SANITIZE_ADDRESS__)
+#define STK_SAN_ADDRESS 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define STK_SAN_THREAD 1
+#elif __has_feature(address_sanitizer)
+#define STK_SAN_ADDRESS 1
+#endif
+#endif
+
+/* The runtimes' entry points that instrumented code calls (their stable
+ * ABI, not in the public headers; declared as GCC's builtins are) */
+#if defined(STK_SAN_THREAD)
+void __tsan_read_range(void *addr, long size);
+void __tsan_write_range(void *addr, long size);
+#elif defined(STK_SAN_ADDRESS)
+#include <sanitizer/asan_interface.h>
+void __asan_report_load_n(void *addr, long size);
+void __asan_report_store_n(void *addr, long size);
+#endif
+
+/* p[0..n) read (write 0) or written (1) by this thread by now */
+static void san_access(void *p, size_t n, int write)
+{
+#if defined(STK_SAN_THREAD)
+    (write ? __tsan_write_range : __tsan_read_range)(p, (long)n);
+#elif defined(STK_SAN_ADDRESS)
+    char *bad = __asan_region_is_poisoned(p, n);
+    if (bad) /* reports from the first bad byte, and ends the process */
+        (write ? __asan_report_store_n : __asan_report_load_n)(
+            bad, (long)(n - (size_t)(bad - (char *)p)));
+#else
+    (void)p, (void)n, (void)write;
+#endif
+}
+
+void stk_san_read(const void *p, size_t n) { san_access((void *)p, n, 0); }
+
+void stk_san_wrote(void *p, size_t n) { san_access(p, n, 1); }
 
 void stk_stream_fence(void)
 {

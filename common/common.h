@@ -166,6 +166,17 @@ void stk_copy_stream(void *dst, const void *src, size_t n);
  * stores (sfence on x86; nothing where stk_copy_stream is a memcpy). */
 void stk_stream_fence(void);
 
+/* Tell the sanitizers of this build that the calling thread has, by now,
+ * read (or written) p[0..n): for accesses they cannot see. Those are the
+ * non-temporal stores of stk_copy_stream, and, in a ThreadSanitizer build,
+ * every access of the CPU kernels (kernels/cpu.c and cpu_gemm.c, left
+ * uninstrumented there: kernels/CMakeLists.txt says why) where their
+ * memory passes between threads. ASan checks the range is addressable;
+ * TSan records the access, so a conflicting one on another thread without
+ * a happens-before edge is a race. Nothing in a build without them. */
+void stk_san_read(const void *p, size_t n);
+void stk_san_wrote(void *p, size_t n);
+
 /* Joins dir and name into out (size n); returns STK_ERANGE when too long. */
 int stk_path_join(char *out, size_t n, const char *dir, const char *name);
 

@@ -169,13 +169,17 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
 
 /* ---- backward ---------------------------------------------------------- */
 
-/* The layer's gradients are final: tells the backward's listener. */
+/* The layer's gradients are final: tells the backward's listener, whose
+ * thread reads them next (and the sanitizers, which may not have seen the
+ * kernels write them). */
 static void report(stk_model *m, const layer *l)
 {
-    if (m->ready && l->pw >= 0)
-        m->ready(l->pw, m->ready_arg);
-    if (m->ready && l->pb >= 0)
-        m->ready(l->pb, m->ready_arg);
+    int p[2] = {l->pw, l->pb};
+    for (int i = 0; m->ready && i < 2; i++)
+        if (p[i] >= 0) {
+            stk_san_wrote(grad_of(m, p[i]), m->p[p[i]].count * sizeof(float));
+            m->ready(p[i], m->ready_arg);
+        }
 }
 
 static int linear_backward(stk_model *m, layer *l, const float *x,

@@ -93,8 +93,15 @@ int uploader_put(uploader *u, const stk_batch *b, batch_release_fn release,
 int uploader_used(uploader *u, stk_err *err)
 {
     upload_buf *d = u->held_buf;
-    if (!d)
+    if (!d) { /* the CPU's kernels read the slot in place, up to here
+                 (were it given back already, the loader's refill of it
+                 would race with these reads) */
+        const stk_batch *b = &u->held;
+        stk_san_read(b->data, (size_t)b->n * b->sample_bytes);
+        stk_san_read(b->labels, (size_t)b->n * sizeof *b->labels);
+        stk_san_read(b->indices, (size_t)b->n * sizeof *b->indices);
         return 0;
+    }
     d->read = true;
     return stk_event_record(u->be, d->consumed, STK_STREAM_COMPUTE, err);
 }
