@@ -443,12 +443,18 @@ int stk_usable_cpus(void)
     return n > 0 ? (int)n : 1;
 }
 
-static sigset_t stop_signals(void)
+static sigset_t int_term(void)
 {
     sigset_t s;
     sigemptyset(&s);
     sigaddset(&s, SIGINT);
     sigaddset(&s, SIGTERM);
+    return s;
+}
+
+static sigset_t stop_signals(void)
+{
+    sigset_t s = int_term();
     sigaddset(&s, SIGHUP);
     sigaddset(&s, SIGQUIT);
     return s;
@@ -458,6 +464,29 @@ void stk_thread_allow_stop_signals(void)
 {
     sigset_t stop = stop_signals();
     pthread_sigmask(SIG_UNBLOCK, &stop, NULL);
+}
+
+static void *watch_main(void *arg)
+{
+    stk_stop_watch *w = arg;
+    sigset_t s = int_term();
+    for (;;) {
+        int sig;
+        if (sigwait(&s, &sig) == 0)
+            w->on_stop(sig, w->arg);
+    }
+    return NULL;
+}
+
+int stk_stop_watch_start(stk_stop_watch *w)
+{
+    sigset_t s = int_term();
+    int e = pthread_sigmask(SIG_BLOCK, &s, NULL);
+    if (!e)
+        e = stk_thread_start(&w->thread, watch_main, w, "stk-signals", -1);
+    if (!e)
+        pthread_detach(w->thread); /* it waits until the process ends */
+    return e;
 }
 
 int stk_thread_start(pthread_t *t, void *(*fn)(void *), void *arg,

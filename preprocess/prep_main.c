@@ -13,11 +13,11 @@
 #include <time.h>
 #include <unistd.h>
 
-static atomic_int interrupted; /* lock-free, so a handler may set it */
+static atomic_int interrupted; /* set on the signal watcher's thread */
 
-static void on_signal(int sig)
+static void on_stop(int sig, void *arg)
 {
-    (void)sig;
+    (void)sig, (void)arg;
     interrupted = 1;
 }
 
@@ -266,10 +266,12 @@ int main(int argc, char **argv)
         created_time(created, sizeof created))
         return 2;
     const char *raw = argv[optind], *db = argv[optind + 1];
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    static stk_stop_watch watch = {.on_stop = on_stop};
+    int e = stk_stop_watch_start(&watch);
+    if (e) {
+        fprintf(stderr, "prep: error: cannot watch for Ctrl-C: %s\n", strerror(e));
+        return 1;
+    }
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG */
     stk_prep_summary sum;
     stk_err err = {0};

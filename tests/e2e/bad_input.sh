@@ -301,14 +301,15 @@ ok "SOURCE_DATE_EPOCH checked"
 # No fixed deadlines (under the sanitizers on a loaded machine prep can be
 # slow to get there): each waits as long as prep lives, and fails if prep
 # ended first.
-caught() { # waits until process $1 has handlers for SIGINT and SIGTERM
+caught() { # waits until process $1's main thread blocks SIGINT and SIGTERM
+  # (from then on they wait for its watcher thread, stk-signals)
   local m
   while kill -0 "$1" 2>/dev/null; do
-    m=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null || true)
+    m=$(awk '/^SigBlk:/ {print $2}' "/proc/$1/status" 2>/dev/null || true)
     [ -n "$m" ] && (( (0x$m & 0x4002) == 0x4002 )) && return 0
     sleep 0.01
   done
-  fail "prep ended before it caught SIGINT and SIGTERM"
+  fail "prep ended before it blocked SIGINT and SIGTERM"
 }
 reading() { :; } # caught returns while prep reads the IDX files
 writing() { # waits until prep ($1) has created its partial database
