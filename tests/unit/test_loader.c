@@ -10,6 +10,7 @@
 #include "loader/loader.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 #define N 1000
@@ -924,6 +925,27 @@ static void copy_stream_copies_every_byte_at_every_alignment(void **state)
     free(src);
 }
 
+/* stk_usable_cpus, the default of prep --workers and of the CPU backend's
+ * threads, counts the CPUs this process may run on (taskset, a cpuset),
+ * not the machine's: the affinity mask's count, and 1 under a mask of one
+ * CPU. */
+static void usable_cpus_follow_the_affinity_mask(void **state)
+{
+    (void)state;
+    cpu_set_t all, one;
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    assert_int_equal(stk_usable_cpus(), CPU_COUNT(&all));
+    int first = 0;
+    while (!CPU_ISSET(first, &all))
+        first++;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    assert_int_equal(sched_setaffinity(0, sizeof one, &one), 0);
+    int got = stk_usable_cpus();
+    assert_int_equal(sched_setaffinity(0, sizeof all, &all), 0);
+    assert_int_equal(got, 1);
+}
+
 /* stream_stores: the same batches (bytes, labels, order) as plain stores,
  * from the caller (workers 0), one worker and three, to a consumer that
  * holds the ring full. Samples of 507 bytes (3 x 13 x 13: long enough to
@@ -1657,6 +1679,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(releases_from_another_thread),
     cmocka_unit_test(spinning_workers_deliver_the_same_batches),
     cmocka_unit_test(copy_stream_copies_every_byte_at_every_alignment),
+    cmocka_unit_test(usable_cpus_follow_the_affinity_mask),
     cmocka_unit_test(stream_stores_deliver_the_same_batches),
     cmocka_unit_test(shards_made_ahead_give_the_same_epochs),
     cmocka_unit_test(releases_wake_no_one_while_a_worker_spins),
