@@ -656,7 +656,8 @@ int stk_prep_run(const char *raw_dir, const char *db_dir,
         fill_summary(&r, summary);
     }
     /* After a stop request, whatever failed (a read cut short by the
-     * signal, say) is the interruption: the caller exits 130. */
+     * signal, say, where a handler runs: Python's) is the interruption:
+     * the caller exits 130. */
     if (rc && rc != STK_ECANCELED && canceled(opts))
         rc = stk_fail(err, STK_ECANCELED, "interrupted");
     pool_stop(&r);

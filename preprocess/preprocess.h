@@ -266,7 +266,8 @@ typedef struct stk_prep_opts {
     stk_source_opts source;
     const char *created;          /* ISO 8601 creation time for the meta */
     const atomic_int *cancel;     /* non-zero asks the run to stop (atomic:
-                                   * a handler sets it, workers read it) */
+                                   * another thread sets it: prep's signal
+                                   * watcher, Python's caller) */
     void (*progress)(const stk_prep_progress *p, void *arg);
     void *progress_arg;           /* called from the writer thread */
 } stk_prep_opts;

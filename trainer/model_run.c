@@ -175,9 +175,11 @@ int stk_model_forward(stk_model *m, const float *x, int n, bool train,
 static void report(stk_model *m, const layer *l)
 {
     int p[2] = {l->pw, l->pb};
+    bool host = stk_backend_kind(m->be) == STK_DEV_CPU; /* not a device's */
     for (int i = 0; m->ready && i < 2; i++)
         if (p[i] >= 0) {
-            stk_san_wrote(grad_of(m, p[i]), m->p[p[i]].count * sizeof(float));
+            if (host)
+                stk_san_wrote(grad_of(m, p[i]), m->p[p[i]].count * sizeof(float));
             m->ready(p[i], m->ready_arg);
         }
 }

@@ -295,6 +295,10 @@ static int finish_step(run_state *r, int n, uint64_t epoch, bool read,
     size_t np = stk_model_param_count(r->model);
     *out = (step_out){.stop = r->o->stop && *r->o->stop};
     int rc = stk_ddp_finish(r->ddp, &out->waited, &out->busy, err);
+    if (!rc && r->ddp && stk_backend_kind(be) == STK_DEV_CPU)
+        /* the sums DDP's thread wrote back, which the CPU's kernels (unseen
+         * by TSan) clip and apply next: from here on, this thread's */
+        stk_san_wrote(stk_model_grads(r->model), np * sizeof(float));
     if (!rc)
         rc = stk_metrics_step(be, r->mdev, n, r->step, epoch, err);
     if (!rc)

@@ -271,11 +271,11 @@ ok "a rank of another SLURM job is refused, naming both jobs"
 # waits there for node 1, started once the clients are done, so that they
 # meet a live job however fast it would have trained.
 port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-nodes=(--nnodes 2 --nproc 1 --master-addr 127.0.0.1 --master-port "$port" --timeout 120
+nodes=(--nnodes 2 --nproc 1 --master-addr 127.0.0.1 --master-port "$port"
        --batch 64 --epochs 2 --log-every 10)
 "$T" "${common[@]}" "${nodes[@]}" --node-rank 0 --out hostile > hostile.out 2>&1 &
 L=$!
-$PY - "$port" "$L" <<'PY' || { kill $L; wait $L; cat hostile.out; fail "hostile store client"; }
+$PY - "$port" "$L" <<'PY' || { kill $L; wait $L || true; cat hostile.out; fail "hostile store client"; }
 import socket, struct, sys, time
 port, pid = int(sys.argv[1]), int(sys.argv[2])
 def connect(rcvbuf=0):
@@ -328,7 +328,8 @@ assert grown < 1 << 30, f"the launcher grew by {grown >> 20} MiB"
 print(f"ok: hostile clients dropped; the launcher's peak memory grew by {grown >> 20} MiB for 2 GiB asked")
 PY
 "$T" "${common[@]}" "${nodes[@]}" --node-rank 1 --out hostile1 > hostile1.out 2>&1 ||
-  { cat hostile1.out; fail "node 1, after the hostile clients"; }
+  { kill $L; wait $L || true; cat hostile.out hostile1.out; fail "node 1, after the hostile clients"; }
+[ ! -e hostile1 ] || fail "node 1 (rank 1) wrote a run directory"
 wait $L || { cat hostile.out; fail "the job did not survive a hostile store client"; }
 [ "$(epochs hostile)" = $'2 10000 0\n2 10000 0' ] || fail "hostile: $(epochs hostile)"
 for why in "a key of 4097 bytes, over the limit of 4096 bytes a key" \
