@@ -155,8 +155,10 @@ typedef struct stk_stop_watch {
  * asynchronously: a signal that comes while every thread blocks it waits
  * in the kernel for the watcher (under TSan, a handler's deferred run was
  * lost in 2 of 40 prep runs). For a program's main thread, before it
- * starts others; w must outlive the process (a static). Returns 0 or an
- * errno value. */
+ * starts others, in a process with no thread yet: one a library started
+ * as it loaded would take them with no handler, and die (OpenBLAS starts
+ * its pool so, which is why train keeps a handler; prep links none). w
+ * must outlive the process (a static). Returns 0 or an errno value. */
 int stk_stop_watch_start(stk_stop_watch *w);
 
 /* One step of a spin-wait: a pause that lets the core's other hardware
