@@ -481,11 +481,12 @@ static void *watch_main(void *arg)
 int stk_stop_watch_start(stk_stop_watch *w)
 {
     sigset_t s = int_term();
+    pthread_t t;
     int e = pthread_sigmask(SIG_BLOCK, &s, NULL);
     if (!e)
-        e = stk_thread_start(&w->thread, watch_main, w, "stk-signals", -1);
+        e = stk_thread_start(&t, watch_main, w, "stk-signals", -1);
     if (!e)
-        pthread_detach(w->thread); /* it waits until the process ends */
+        pthread_detach(t); /* it waits until the process ends */
     return e;
 }
 

@@ -146,7 +146,6 @@ void stk_thread_allow_stop_signals(void);
 typedef struct stk_stop_watch {
     void (*on_stop)(int sig, void *arg); /* runs on the watching thread */
     void *arg;
-    pthread_t thread;
 } stk_stop_watch;
 
 /* Blocks SIGINT and SIGTERM in the calling thread (and so in every thread
