@@ -234,24 +234,25 @@ static stk_view *db_view(DatabaseObject *self, const char *split)
     return self->views[k];
 }
 
-/* The C*H*W pixels of a record as bytes: its payload when raw, decoded
- * with prep's decoder when JPEG. */
+/* The C*H*W pixels of a record as a bytearray (an array over it is
+ * writable, as torch.from_numpy wants): its payload when raw, decoded with
+ * prep's decoder when JPEG. */
 static PyObject *record_bytes(module_state *st, const stk_meta *m,
                               const stk_record *rec)
 {
     if (m->encoding == STK_ENC_RAW)
-        return PyBytes_FromStringAndSize((const char *)rec->data,
-                                         (Py_ssize_t)rec->nbytes);
+        return PyByteArray_FromStringAndSize((const char *)rec->data,
+                                             (Py_ssize_t)rec->nbytes);
     size_t n = (size_t)m->channels * rec->height * rec->width;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)n);
     if (!out)
         return NULL;
     stk_decoder *d = NULL; /* a handle per call: tjInitDecompress is cheap */
     stk_err err = {0};
     int rc = stk_decoder_create(&d, &err);
     if (!rc)
-        rc = stk_record_pixels(d, m, rec, (uint8_t *)PyBytes_AsString(out),
-                               &err);
+        rc = stk_record_pixels(d, m, rec,
+                               (uint8_t *)PyByteArray_AsString(out), &err);
     stk_decoder_destroy(d);
     if (rc) {
         Py_DECREF(out);
@@ -260,7 +261,7 @@ static PyObject *record_bytes(module_state *st, const stk_meta *m,
     return out;
 }
 
-/* get(split, index) -> (bytes of the C*H*W pixels, label, H, W) */
+/* get(split, index) -> (bytearray of the C*H*W pixels, label, H, W) */
 static PyObject *db_get(DatabaseObject *self, PyObject *args)
 {
     const char *split;

@@ -16,6 +16,10 @@ docs/python.md has a whole training loop, its DDP variant and a comparison
 with torch.utils.data.DataLoader.
 """
 import collections
+import collections.abc
+import math
+import numbers
+import operator
 import os
 import sys
 
@@ -41,6 +45,35 @@ def _arg_error(msg):
     e = ArgumentError(msg)
     e.code = "STK_EINVAL"
     return e
+
+
+def _integer(name, v):
+    """v as an int; what int() would round or parse (1.5, "3", True) is a
+    TypeError naming the argument, as DataLoader refuses batch_size=1.5."""
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise TypeError("%s must be an integer, not %s %r"
+                        % (name, type(v).__name__, v))
+    return operator.index(v)
+
+
+def _c_int(name, v, lo=-(1 << 31), hi=(1 << 31) - 1, why=""):
+    """An integer argument the C library takes as an int, within lo..hi."""
+    v = _integer(name, v)
+    if not lo <= v <= hi:
+        want = ">= %d" % lo if hi == (1 << 31) - 1 else "%d..%d" % (lo, hi)
+        raise _arg_error("%s must be %s, not %d%s" % (name, want, v, why))
+    return v
+
+
+def _real(name, v):
+    """A finite float argument; strings and bools are a TypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError("%s must be a number, not %s %r"
+                        % (name, type(v).__name__, v))
+    v = float(v)
+    if not math.isfinite(v):
+        raise _arg_error("%s must be finite, not %r" % (name, v))
+    return v
 
 
 def _no_split(path, split, splits):
@@ -192,11 +225,12 @@ class Split:
         except AttributeError:
             raise TypeError("split indices are integers, not %s"
                             % type(i).__name__) from None
+        given = i
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError('split "%s" has %d records, not index %d'
-                             % (self.name, self._len, i))
+                             % (self.name, self._len, given))
         pixels, label, h, w = self._dbw._db.get(self.name, i)
         np = _numpy()
         image = np.frombuffer(pixels, dtype=np.uint8).reshape(self.shape[0], h, w)
@@ -235,7 +269,7 @@ def _pinned_alloc(torch):
 
 
 def _u64(name, v):
-    v = int(v)
+    v = _integer(name, v)
     if not 0 <= v < 1 << 64:
         raise _arg_error("%s must be 0..2**64-1, not %d" % (name, v))
     return v
@@ -258,7 +292,7 @@ def _world(rank, world_size):
     group (when torch is imported and one is initialised), else the
     RANK / WORLD_SIZE variables torchrun sets, else 0 of 1."""
     if rank is not None and world_size is not None:
-        return int(rank), int(world_size)
+        return _c_int("rank", rank), _c_int("world_size", world_size)
     r = w = None
     torch = sys.modules.get("torch")  # no import: it takes a second
     if torch is not None:
@@ -266,10 +300,22 @@ def _world(rank, world_size):
         if dist is not None and dist.is_available() and dist.is_initialized():
             r, w = dist.get_rank(), dist.get_world_size()
     if r is None:
-        r = int(os.environ.get("RANK", 0))
-        w = int(os.environ.get("WORLD_SIZE", 1))
-    return (int(rank) if rank is not None else r,
-            int(world_size) if world_size is not None else w)
+        r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    return (_c_int("rank", rank) if rank is not None else r,
+            _c_int("world_size", world_size) if world_size is not None else w)
+
+
+def _env_int(name, default):
+    """An integer variable of the environment (torchrun's RANK, ...)."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    try:
+        return _c_int(name, int(v))
+    except ValueError:
+        raise _arg_error("%s=%r in the environment is not an integer (torchrun "
+                         "sets it; rank= and world_size= override it)"
+                         % (name, v)) from None
 
 
 class Loader:
@@ -314,13 +360,17 @@ class Loader:
                  copy=False, pin_memory=None, uneven=False, crop_size=None,
                  crop_ratio=None, rrc_scale=(0.08, 1.0)):
         self.path = os.fspath(db_dir)
+        if not isinstance(split, str):
+            raise TypeError("split must be a str such as \"train\", not %s %r"
+                            % (type(split).__name__, split))
         self.split = split
-        self.batch_size = int(batch_size)
+        self.batch_size = _c_int("batch_size", batch_size, 1)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.uneven = bool(uneven)
         self.seed = _u64("seed", seed)
-        self.workers = _default_workers() if workers is None else int(workers)
+        self.workers = (_default_workers() if workers is None else
+                        _c_int("workers", workers, 0, _stoke.MAX_WORKERS))
         self.rank, self.world_size = _world(rank, world_size)
         kinds = {False: "none", None: "none", True: "crop", "none": "none",
                  "crop": "crop", "rrc": "rrc"}
@@ -328,27 +378,31 @@ class Loader:
             raise _arg_error("augment must be False, True, \"crop\" or "
                              "\"rrc\", not %r" % (augment,))
         self.augment = kinds[augment]
-        self.crop_size = int(crop_size or 0)
-        self.crop_ratio = float(crop_ratio or 0)
-        self.rrc_scale = tuple(float(x) for x in rrc_scale)
-        if len(self.rrc_scale) != 2:
-            raise _arg_error("rrc_scale must be (lo, hi), not %r" % (rrc_scale,))
+        # None is the default; 0 would mean it too in C, so it is refused
+        self.crop_size = (0 if crop_size is None else
+                          _c_int("crop_size", crop_size, 1))
+        self.crop_ratio = 0.0 if crop_ratio is None else _real(
+            "crop_ratio", crop_ratio)
+        if crop_ratio is not None and not 0 < self.crop_ratio <= 1:
+            raise _arg_error("crop_ratio must be in (0, 1] (torchvision's "
+                             "224/256 is 0.875), not %r" % (crop_ratio,))
+        try:
+            lo, hi = rrc_scale
+        except (TypeError, ValueError):
+            raise TypeError("rrc_scale must be a pair (lo, hi) of numbers, "
+                            "not %r" % (rrc_scale,)) from None
+        self.rrc_scale = (_real("rrc_scale[0]", lo), _real("rrc_scale[1]", hi))
         self.as_torch = bool(as_torch)
         self.copy = bool(copy)
         if prefetch is None:
             prefetch = max(4, 2 * self.workers)
-        self.prefetch = int(prefetch)
-        if self.batch_size < 1:
-            raise _arg_error("batch_size must be >= 1, not %d"
-                             % self.batch_size)
+        # the C loader's 0 means its default; with 1 buffer, a `for`
+        # holding its batch could never take the next
+        self.prefetch = _c_int("prefetch", prefetch, 2, 1024,
+                               " (a loop holds one batch while the next loads)")
         if self.world_size < 1:  # the C loader's 0 means 1
             raise _arg_error("world_size must be >= 1, not %d"
                              % self.world_size)
-        if self.prefetch < 2:  # the C loader's 0 means its default; with
-            # 1 buffer, a `for` holding its batch could never take the next
-            raise _arg_error("prefetch must be 2..1024, not %d (a loop "
-                             "holds one batch while the next loads)"
-                             % self.prefetch)
         self._torch = None
         if self.as_torch:
             import torch
@@ -424,8 +478,8 @@ class Loader:
         labels = np.frombuffer(labels, dtype=np.int32)
         if self.copy:
             images = images.copy()
-        if self._torch is None:
-            return images, labels
+        if self._torch is None:  # the labels' bytes are read-only: a copy
+            return images, labels.copy()
         return (self._torch.from_numpy(images),
                 self._torch.from_numpy(labels.astype(np.int64)))
 
@@ -451,10 +505,7 @@ class Loader:
         # then raises instead of taking every other batch from the ring.
         # (A forked child's copy of the parent's iteration is not its own.)
         token = object()
-        if self._live is not None and self._live_pid == os.getpid():
-            self._epoch, self._batch = self._epoch + 1, 0
-            self._ring_at = None  # the old loop may hold a batch: new ring
-        self._live = None  # ended, even if the ring below fails to open
+        self._end_live(next_epoch=True)  # even if the ring fails to open
         # a forked child gets a ring of its own (the workers are the
         # parent's threads), as Database reopens LMDB there
         if (self._ring is None or self._ring_pid != os.getpid()
@@ -465,15 +516,9 @@ class Loader:
         done = False
         try:
             while True:
-                if self._live is not token:
-                    raise RuntimeError(
-                        "stoke.Loader: this iteration (epoch %d) was ended by "
-                        "a newer iteration, set_epoch() or load_state_dict() "
-                        "on the same loader; a loader runs one iteration at a "
-                        "time: make a second Loader for two at once" % epoch)
                 # no local keeps the batch: a generator left suspended (a
                 # peek with next(it)) must not hold a ring buffer
-                yield self._next(epoch)
+                yield self._take(token, epoch)
         except _EpochEnd:
             done = True
         except KeyboardInterrupt:
@@ -496,9 +541,33 @@ class Loader:
         """Batches per epoch for this rank."""
         return self._len
 
-    def _end_live(self):
-        """Ends a running iteration (its iterator raises if used again)."""
+    def _take(self, token, epoch):
+        """The next batch of the iteration `token`, which raises once
+        another iteration, set_epoch(), load_state_dict() or close() has
+        ended it (also while it waited in the ring: close() from another
+        thread)."""
+        ended = RuntimeError(
+            "stoke.Loader: this iteration (epoch %d) was ended by a newer "
+            "iteration, set_epoch(), load_state_dict() or close() on the same "
+            "loader; a loader runs one iteration at a time: make a second "
+            "Loader for two at once" % epoch)
+        if self._live is not token:
+            raise ended
+        try:
+            return self._next(epoch)
+        except (Error, AttributeError):  # the ring closed under it
+            if self._live is not token:
+                raise ended from None
+            raise
+
+    def _end_live(self, next_epoch=False):
+        """Ends a running iteration (its iterator raises if used again);
+        next_epoch: as a break would, so the next iteration runs the next
+        epoch (a forked child's copy of its parent's iteration is not its
+        own: it moves nothing)."""
         if self._live is not None:
+            if next_epoch and self._live_pid == os.getpid():
+                self._epoch, self._batch = self._epoch + 1, 0
             self._live, self._ring_at = None, None
 
     def set_epoch(self, epoch):
@@ -521,18 +590,27 @@ class Loader:
                 "seed": self.seed, "batch_size": self.batch_size,
                 "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "rank": self.rank, "world_size": self.world_size,
-                "split": self.split, "batches": self._len}
+                "uneven": self.uneven, "split": self.split,
+                "batches": self._len}
 
     def load_state_dict(self, state):
         """The next iteration continues from state (see state_dict)."""
+        if not isinstance(state, collections.abc.Mapping):
+            raise TypeError("state_dict must be a dict (Loader.state_dict()), "
+                            "not %s" % type(state).__name__)
         mine = self.state_dict()
         for k in ("seed", "batch_size", "shuffle", "drop_last", "rank",
-                  "world_size", "split"):
+                  "world_size", "uneven", "split", "batches"):
             if k in state and state[k] != mine[k]:
                 raise _arg_error(
                     "state_dict: %s is %r, this loader's is %r: the batches "
                     "would not continue the saved run" % (k, state[k], mine[k]))
-        epoch, batch = _u64("state_dict: epoch", state["epoch"]), int(state["batch"])
+        for k in ("epoch", "batch"):
+            if k not in state:
+                raise _arg_error("state_dict: no %r (Loader.state_dict() has "
+                                 "it)" % k)
+        epoch = _u64("state_dict: epoch", state["epoch"])
+        batch = _integer("state_dict: batch", state["batch"])
         if not 0 <= batch <= self._len:
             raise _arg_error("state_dict: batch %d of an epoch of %d"
                              % (batch, self._len))
@@ -553,7 +631,10 @@ class Loader:
 
     def close(self):
         """Stops the workers; the ring's memory goes once no batch view is
-        left. Iterating again reopens it."""
+        left. A running iteration ends as a break would (its iterator
+        raises if used again); iterating again reopens the ring for the
+        next epoch."""
+        self._end_live(next_epoch=True)
         self._close_ring()
 
     def __enter__(self):
@@ -606,7 +687,7 @@ def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
     source's). short_side, max_side, upscale: keep each image's aspect ratio
     (prep --short-side/--max-side/--upscale, folders only, not with size);
     encode: "raw" or "jpeg", quality: JPEG quality 1..100 (default 90).
-    source's). holdout: a fraction (e.g. 0.1) of each class of a folder
+    holdout: a fraction (e.g. 0.1) of each class of a folder
     without split folders kept apart as the "test" split, chosen from each
     file's relative path and holdout_seed (the same files on any machine).
     progress: None draws a bar on a terminal, False nothing, or
@@ -617,16 +698,21 @@ def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
             workers = len(os.sched_getaffinity(0))
         except AttributeError:
             workers = os.cpu_count() or 1
+
+    def count(name, v):  # None: the default, which C takes as 0
+        return 0 if v is None else _c_int(name, v)
     if progress is None:
         progress = _progress_bar(sys.stderr) if sys.stderr.isatty() else False
     summary = _stoke.prep(
-        os.fspath(raw_dir), os.fspath(db_dir), workers=int(workers),
-        size=int(size or 0), channels=int(channels or 0), format=format,
-        force=bool(force), skip_bad=bool(skip_bad), created=_created(),
-        progress=progress or None, short_side=int(short_side or 0),
-        max_side=int(max_side or 0), upscale=bool(upscale), encode=encode,
-        quality=int(quality or 0), holdout=float(holdout or 0),
-        holdout_seed=int(holdout_seed))
+        os.fspath(raw_dir), os.fspath(db_dir), workers=count("workers", workers),
+        size=count("size", size), channels=count("channels", channels),
+        format=format, force=bool(force), skip_bad=bool(skip_bad),
+        created=_created(), progress=progress or None,
+        short_side=count("short_side", short_side),
+        max_side=count("max_side", max_side), upscale=bool(upscale),
+        encode=encode, quality=count("quality", quality),
+        holdout=0.0 if holdout is None else _real("holdout", holdout),
+        holdout_seed=_u64("holdout_seed", holdout_seed))
     if progress and getattr(progress, "__name__", "") == "show":
         sys.stderr.write("\n")
     return summary

@@ -18,8 +18,9 @@ import stoke_py as s
 from stoke_py import check, np, raises, stoke
 
 torch = s.need("torch")
-# records are read-only arrays; DataLoader's collate warns once per worker
-warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+# records are writable arrays of their own: torch's warning about a
+# read-only one (DataLoader's collate, torch.from_numpy) fails the test
+warnings.filterwarnings("error", "The given NumPy array is not writable")
 
 
 def records_equal_idx(db, raw):
@@ -39,7 +40,11 @@ def records_equal_idx(db, raw):
               "%s[-1] is not the last record" % split)
         check(image.dtype == np.uint8 and image.shape == (1, 28, 28)
               and image.flags.c_contiguous, "%s: %s %s" % (split, image.dtype, image.shape))
-        check(not image.flags.writeable, "a record's array is writable")
+        check(image.flags.writeable and image.flags.owndata is False,
+              "a record's array is read-only")
+        torch.from_numpy(image)  # no warning (an error here)
+        image[0, 0, 0] ^= 1  # its own bytes: the next read is the stored one
+        check(np.array_equal(sp[-1][0], images[-1]), "a write reached the store")
         check(type(label) is int, "label is a %s" % type(label).__name__)
         meta = db.meta["splits"][split]
         check(meta["label_counts"] == np.bincount(labels, minlength=10).tolist(),
@@ -50,11 +55,13 @@ def records_equal_idx(db, raw):
             check(abs(got - want) < 1e-6, "%s %s: %r, numpy %r" % (split, what, got, want))
         print("ok: %s: %d records equal the IDX bytes and labels; mean %.6f "
               "std %.6f as numpy's" % (split, len(sp), sp.mean()[0], sp.std()[0]))
-    try:
-        db["test"][len(db["test"])]
-        raise AssertionError("index past the end did not raise")
-    except IndexError as e:
-        print("ok: IndexError:", e)
+    for i in (len(db["test"]), -len(db["test"]) - 1):
+        try:
+            db["test"][i]
+            raise AssertionError("index %d did not raise" % i)
+        except IndexError as e:
+            check(str(e).endswith("not index %d" % i), "message: %s" % e)
+            print("ok: IndexError:", e)
     try:
         db["test"]["3"]
         raise AssertionError("a string index did not raise")

@@ -4,11 +4,13 @@ right kind (DatabaseError, an OSError, for a missing, foreign or damaged
 database; ArgumentError, a ValueError, for a bad argument) whose message
 names the problem, never a crash: a missing database directory, a directory
 that is not a database, a split that does not exist, batch_size 0, workers
-out of range, rank >= world_size, a record damaged in data.mdb (its size
+out of range, rank >= world_size, an argument of the wrong type (a
+TypeError naming it, never a silent int() of 1.5 or "256"), a record damaged in data.mdb (its size
 field, its label: the error names the split and the key, iterating and
 indexing), a state_dict of another configuration, a batch made by calling
 the extension's batch type. No loader thread is left behind by a refusal."""
 import os
+import re
 import shutil
 import struct
 
@@ -68,11 +70,59 @@ def main():
     raises(A, "workers", stoke.Loader, db, workers=stoke._stoke.MAX_WORKERS + 1)
     raises(A, "prefetch must be 2..1024, not 0", stoke.Loader, db, prefetch=0)
     raises(A, "prefetch must be 2..1024, not 1 ", stoke.Loader, db, prefetch=1)
-    raises(A, "prefetch must be 1..1024, not 1025", stoke.Loader, db, prefetch=1025)
+    raises(A, "prefetch must be 2..1024, not 1025", stoke.Loader, db, prefetch=1025)
     raises(A, "rank 2 .*2", stoke.Loader, db, rank=2, world_size=2)
     raises(A, "rank", stoke.Loader, db, rank=-1, world_size=2)
     raises(A, "world_size must be >= 1, not 0", stoke.Loader, db, rank=0, world_size=0)
-    print("ok: bad arguments refused")
+    raises(A, r"batch_size must be >= 1, not 1099511627776", stoke.Loader, db,
+           batch_size=1 << 40)
+    raises(A, r"crop_size must be >= 1, not 0", stoke.Loader, db, crop_size=0)
+    raises(A, r"crop_ratio must be in \(0, 1\] .*, not -1", stoke.Loader, db,
+           crop_ratio=-1)
+    raises(A, "crop_ratio must be finite, not nan", stoke.Loader, db,
+           crop_ratio=float("nan"))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = "x", "2"
+    raises(A, "RANK='x' in the environment is not an integer", stoke.Loader, db)
+    del os.environ["RANK"], os.environ["WORLD_SIZE"]
+    # what int() would round or parse is a TypeError naming the argument
+    # (DataLoader refuses batch_size=1.5), not a silent 1
+    for kw, pattern in ((dict(batch_size=1.5), "batch_size must be an integer, not float 1.5"),
+                        (dict(batch_size="256"), "batch_size must be an integer, not str"),
+                        (dict(batch_size=True), "batch_size must be an integer, not bool"),
+                        (dict(batch_size=None), "batch_size must be an integer, not NoneType"),
+                        (dict(seed=1.5), "seed must be an integer"),
+                        (dict(workers=2.7), "workers must be an integer"),
+                        (dict(crop_size=0.5), "crop_size must be an integer"),
+                        (dict(prefetch=4.0), "prefetch must be an integer"),
+                        (dict(rank=0.0, world_size=1), "rank must be an integer"),
+                        (dict(split=5), "split must be a str"),
+                        (dict(crop_ratio="0.9"), "crop_ratio must be a number"),
+                        (dict(augment="rrc", rrc_scale=5), r"rrc_scale must be a pair \(lo, hi\)"),
+                        (dict(augment="rrc", rrc_scale=("a", 1)), r"rrc_scale\[0\] must be a number")):
+        try:
+            stoke.Loader(db, **kw)
+            raise AssertionError("Loader(%r) was accepted" % kw)
+        except TypeError as e:
+            check(re.search(pattern, str(e)), "Loader(%r): %r lacks /%s/" % (kw, str(e), pattern))
+    run = stoke.Loader(db, workers=1)
+    for fn, arg, pattern in ((run.set_epoch, "3", "epoch must be an integer, not str"),
+                             (run.set_epoch, 1.5, "epoch must be an integer, not float"),
+                             (run.load_state_dict, {"epoch": 1.7, "batch": 0},
+                              "state_dict: epoch must be an integer"),
+                             (run.load_state_dict, [0, 1], "state_dict must be a dict")):
+        try:
+            fn(arg)
+            raise AssertionError("%s(%r) was accepted" % (fn.__name__, arg))
+        except TypeError as e:
+            check(re.search(pattern, str(e)), "%s(%r): %r" % (fn.__name__, arg, str(e)))
+    raises(A, "state_dict: no 'epoch'", run.load_state_dict, {"batch": 0})
+    run.close()
+    try:
+        stoke.prep("raw", "x.db", size=1.5)
+        raise AssertionError("prep(size=1.5) was accepted")
+    except TypeError as e:
+        check("size must be an integer" in str(e), "prep(size=1.5): %s" % e)
+    print("ok: bad arguments refused; wrong types are TypeErrors naming the argument")
 
     torch = s.need("torch")
     if not torch.cuda.is_available():
@@ -129,7 +179,8 @@ def main():
     run.close()
     for other, what in ((dict(seed=4), "seed"), (dict(batch_size=50), "batch_size"),
                         (dict(split="test"), "split"), (dict(shuffle=False), "shuffle"),
-                        (dict(rank=1, world_size=2), "rank|world_size")):
+                        (dict(rank=1, world_size=2), "rank|world_size"),
+                        (dict(uneven=True), "uneven")):
         kw = dict(batch_size=100, seed=3, workers=1)
         kw.update(other)
         raises(A, "state_dict: (%s) is" % what,

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import stoke_py as s
@@ -205,6 +206,34 @@ def views(db, X, Y):
     except RuntimeError:
         pass
     same(s.batches_of(L)[0], X, Y, order, "set_epoch(0) after an ended iteration")
+    # close() during an iteration ends it as a break would: its iterator
+    # raises (not AttributeError from a ring that is gone), the next loop
+    # runs the next epoch on a new ring
+    it = iter(L)
+    next(it)
+    L.close()
+    try:
+        next(it)
+        check(False, "close() left the iteration running")
+    except RuntimeError as e:
+        check("close()" in str(e), "message: %s" % e)
+    check(L.epoch == 2, "after close() mid-epoch 1 the next epoch is %d" % L.epoch)
+    same(s.batches_of(L)[0], X, Y, s.shard(len(X), 1, 2), "the loop after close()")
+    # close() from another thread while the loop waits in the ring
+    L = stoke.Loader(db, split="test", batch_size=5, seed=1, workers=1, prefetch=2)
+    closer = threading.Timer(0.05, L.close)
+    closer.start()
+    taken = 0
+    try:
+        for _ in L:
+            taken += 1
+            time.sleep(0.001)
+        check(False, "close() from another thread: the loop ended after %d" % taken)
+    except RuntimeError as e:
+        check("close()" in str(e), "message: %s" % e)
+    closer.join()
+    print("ok: close() ends a running iteration (%d of 2000 batches taken), "
+          "also from another thread" % taken)
     del peek, it
     # copy=True: keep them all
     L = stoke.Loader(db, split="test", batch_size=500, seed=1, workers=2,
