@@ -543,6 +543,24 @@ typedef struct saved_state {
     double best_acc;
 } saved_state;
 
+/* A resume may change --lr and --accum (a rate for the rest of the run, a
+ * batch split otherwise), but then it no longer ends as the uninterrupted
+ * run would: a line says so, also under --quiet. */
+static void note_changes(const run_state *r, const char *path, const cJSON *s,
+                         const saved_state *v)
+{
+    const cJSON *lr = cJSON_GetObjectItemCaseSensitive(s, "lr");
+    if (cJSON_IsNumber(lr) && (float)lr->valuedouble != r->o->lr)
+        fprintf(stderr, "train: note: %s was written with --lr %g, this run "
+                        "uses %g: it will not end as the uninterrupted run\n",
+                path, lr->valuedouble, (double)r->o->lr);
+    if (v->accum != (uint64_t)r->o->accum)
+        fprintf(stderr, "train: note: %s was written with --accum %llu, this "
+                        "run uses %d: it will not end as the uninterrupted "
+                        "run\n",
+                path, (unsigned long long)v->accum, r->o->accum);
+}
+
 /* state.json's epoch_steps (older checkpoints lack it): one entry per
  * finished epoch, each 1..most, adding up with the steps of the current
  * epoch to step. Copied to r->epoch_steps for the checkpoints to come. */
@@ -652,6 +670,8 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
                        &v->step, err);
     if (!rc)
         rc = check_epoch_steps(r, path, s, v, most, in_epoch, err);
+    if (!rc)
+        note_changes(r, path, s, v);
     v->best_acc = cJSON_IsNumber(best) ? best->valuedouble : 0;
     if (!rc && best &&
         !(cJSON_IsNumber(best) && v->best_acc >= 0 && v->best_acc <= 1))
@@ -662,7 +682,7 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
 
 static int read_state(run_state *r, const char *dir, stk_err *err)
 {
-    char path[4200];
+    char path[4300]; /* dir is at most 4200 */
     snprintf(path, sizeof path, "%s/state.json", dir);
     uint8_t *text;
     size_t len;
@@ -684,6 +704,66 @@ static int read_state(run_state *r, const char *dir, stk_err *err)
     return rc;
 }
 
+/* Whether checkpoint directory dir lies in ckdir, by device and inode
+ * however either is spelt. */
+static bool lies_in(const char *dir, const char *ckdir)
+{
+    char parent[4200];
+    snprintf(parent, sizeof parent, "%s", dir);
+    size_t n = strlen(parent);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = '\0';
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        snprintf(parent, sizeof parent, ".");
+    else
+        slash[slash == parent] = '\0'; /* "/step-1": the root */
+    struct stat a, b;
+    return stat(parent, &a) == 0 && stat(ckdir, &b) == 0 &&
+           a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+/* --resume PATH continues PATH's run in --out, whose checkpoints must be
+ * that run's up to PATH: a newer one there (the run rewound to PATH) or
+ * any at all where PATH lies elsewhere (another run) would be taken by
+ * --resume auto, BEST and the pruning of --keep for this run's own. */
+static int check_line(const run_state *r, const char *dir, stk_err *err)
+{
+    char ck[4200], last[4300];
+    snprintf(ck, sizeof ck, "%s/checkpoints", r->o->out);
+    newest(r->o->out, last, sizeof last);
+    if (!*last)
+        return 0;
+    const char *name = strrchr(last, '/') + 1;
+    if (!lies_in(dir, ck))
+        return stk_fail(err, STK_EEXIST,
+                        "--resume %s: --out %s holds the checkpoints of "
+                        "another run (the newest %s), which this one would "
+                        "mix with its own: choose another --out",
+                        dir, r->o->out, name);
+    if (strtoull(name + 5, NULL, 10) > r->step)
+        return stk_fail(err, STK_EEXIST,
+                        "--resume %s rewinds to step %llu, and --out %s holds "
+                        "the newer checkpoints of the run it leaves (up to "
+                        "%s), which --resume auto and --keep would take for "
+                        "this run's: choose another --out, or move them away",
+                        dir, (unsigned long long)r->step, r->o->out, name);
+    return 0;
+}
+
+bool stk_checkpoint_continues_run_dir(const run_state *r)
+{
+    const char *which = r->o->resume;
+    char ck[4200], last[4300];
+    if (!which)
+        return false;
+    snprintf(ck, sizeof ck, "%s/checkpoints", r->o->out);
+    if (strcmp(which, "auto"))
+        return lies_in(which, ck);
+    newest(r->o->out, last, sizeof last);
+    return *last != '\0';
+}
+
 int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
 {
     char dir[4200], path[4300];
@@ -696,6 +776,8 @@ int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
     }
     bool sgd = r->o->optim == STK_OPT_SGD;
     int rc = read_state(r, dir, err);
+    if (!rc && strcmp(which, "auto"))
+        rc = check_line(r, dir, err);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (!rc)
         rc = load_model(r, path, true, err);

@@ -586,7 +586,12 @@ static int save(run_state *r, bool is_best, stk_err *err)
 static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 {
     int rc = 0;
-    for (; r->epoch < r->o->epochs && !rc; r->epoch++) {
+    /* a resume at or past --max-steps (the total, as when it stopped)
+     * trains nothing: a step would pass the limit and its checkpoint push
+     * an older one out of --keep */
+    res->at_max_steps = r->o->max_steps && r->epoch < r->o->epochs &&
+                        r->step >= (uint64_t)r->o->max_steps;
+    for (; r->epoch < r->o->epochs && !rc && !res->at_max_steps; r->epoch++) {
         stk_loader_opts lo = loader_opts(r, "train", r->train_xf);
         lo.shuffle = true;
         lo.seed = r->o->seed;
@@ -898,6 +903,32 @@ static int lock_run_dir(run_state *r, const char *dir, stk_err *err)
     return 0;
 }
 
+/* A run that continues no checkpoint of RUN_DIR starts metrics.jsonl
+ * afresh: lines already there are an earlier run's that left no
+ * checkpoint (killed before its first), kept as metrics.jsonl.N, the first
+ * N free, so two runs never mix their lines and none is lost. */
+static int set_metrics_aside(run_state *r, const char *path, stk_err *err)
+{
+    struct stat st;
+    if (stk_checkpoint_continues_run_dir(r) || lstat(path, &st) != 0 ||
+        !S_ISREG(st.st_mode) || st.st_size == 0)
+        return 0; /* anything but a regular file: stk_open_output says */
+    char aside[4300]; /* path is at most 4200 */
+    for (int n = 1; n < 1000; n++) {
+        snprintf(aside, sizeof aside, "%s.%d", path, n);
+        if (lstat(aside, &st) == 0 || errno != ENOENT)
+            continue;
+        if (rename(path, aside) != 0)
+            break;
+        fprintf(stderr, "train: %s held the lines of an earlier run that left "
+                        "no checkpoint; they are in %s\n", path, aside);
+        return 0;
+    }
+    return stk_fail(err, stk_from_errno(errno),
+                    "%s holds an earlier run's lines and cannot be set aside "
+                    "(%s): move it away", path, strerror(errno));
+}
+
 static int open_run_dir(run_state *r, stk_err *err)
 {
     char path[4096];
@@ -912,9 +943,18 @@ static int open_run_dir(run_state *r, stk_err *err)
         return stk_fail(err, stk_from_errno(errno), "%s: %s", path, strerror(errno));
     if (!r->o->resume && (rc = check_fresh(path, dir, err)))
         return rc;
-    if ((rc = stk_checkpoint_check_dir(r, err)))
+    return stk_checkpoint_check_dir(r, err);
+}
+
+/* RUN_DIR/metrics.jsonl, once the run knows what it continues (after a
+ * resume's checks: a refused one changes nothing). */
+static int open_metrics(run_state *r, stk_err *err)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", r->o->out);
+    int rc = set_metrics_aside(r, path, err);
+    if (rc)
         return rc;
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
     int fd = stk_open_output(path, O_WRONLY | O_APPEND | O_CREAT, err);
     if (fd < 0)
         return fd;
@@ -959,6 +999,8 @@ static int setup(run_state *r, stk_err *err)
         rc = stk_checkpoint_load_weights(r, o->init_from, err);
     if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
+    if (!rc && lead)
+        rc = open_metrics(r, err);
     rc = group_agree(r, rc, err); /* a rank that failed ends them all now */
     if (!rc)
         rc = group_share_start(r, err);

@@ -182,6 +182,11 @@ int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err);
  * directory ("auto": the newest in RUN_DIR/checkpoints). */
 int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err);
 
+/* Whether the run continues a checkpoint of its own RUN_DIR (--resume auto
+ * finding one, or --resume PATH in RUN_DIR/checkpoints): the run whose
+ * metrics.jsonl it appends to. */
+bool stk_checkpoint_continues_run_dir(const run_state *r);
+
 /* Checks what RUN_DIR/checkpoints holds besides step directories (BEST)
  * is what a run wrote there: a regular file. */
 int stk_checkpoint_check_dir(run_state *r, stk_err *err);

@@ -205,7 +205,8 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     static const char *const convs[] = {"auto", "im2col"};
     static const char *const binds[] = {"cpus", "none"};
     int ch, rc = 0, v;
-    bool warmup_given = false;
+    bool warmup_given = false, sgd_given = false, step_given = false,
+         gpu_given = false;
     opterr = 0;
     while (!rc && (ch = getopt_long(argc, argv, ":h", longs, NULL)) != -1) {
         switch (ch) {
@@ -216,17 +217,17 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case 'b': rc = num_i("--batch", optarg, 1, 1 << 16, &o->batch); break;
         case 'l': rc = num_f("--lr", optarg, 0, 100, &o->lr); break;
         case 'o': rc = choose("--optim", optarg, optims, 2, &v); o->optim = (stk_optim)v; break;
-        case 'M': rc = num_f("--momentum", optarg, 0, 0.9999, &o->momentum); break;
+        case 'M': rc = num_f("--momentum", optarg, 0, 0.9999, &o->momentum); sgd_given = true; break;
         case 'w': rc = num_i("--workers", optarg, 0, 64, &o->workers); break;
         case 's': rc = stk_cli_u64("train", "--seed", optarg, &o->seed); break;
         case 'O': o->out = optarg; break;
-        case O_NEST: o->nesterov = true; break;
+        case O_NEST: o->nesterov = sgd_given = true; break;
         case O_WD: rc = num_f("--weight-decay", optarg, 0, 10, &o->weight_decay); break;
         case O_CLIP: rc = num_f("--clip", optarg, 0, 1e9, &o->clip); break;
         case O_SCHED: rc = choose("--schedule", optarg, scheds, 5, &v); o->sched = (stk_sched)v; break;
         case O_WARM: rc = num_i("--warmup", optarg, 0, 1 << 30, &o->warmup); warmup_given = true; break;
-        case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); break;
-        case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); break;
+        case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); step_given = true; break;
+        case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); step_given = true; break;
         case O_THREADS: rc = num_i("--threads", optarg, 0, 1024, &o->threads); break;
         case O_AUG: rc = parse_augment(argc, argv, &o->augment); break;
         case O_CROP: rc = num_i("--crop-size", optarg, 1, 4096, &o->crop_size); break;
@@ -239,7 +240,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_KEEP: rc = num_i("--keep", optarg, 1, 1000, &o->keep); break;
         case O_MAX: rc = num_i("--max-steps", optarg, 1, 1 << 30, &o->max_steps); break;
         case O_QUIET: o->quiet = true; break;
-        case O_GPU: rc = num_i("--gpu", optarg, 0, 1023, &o->device_id); break;
+        case O_GPU: rc = num_i("--gpu", optarg, 0, 1023, &o->device_id); gpu_given = true; break;
         case O_ACCUM: rc = num_i("--accum", optarg, 1, 1 << 16, &o->accum); break;
         case O_NPROC: rc = num_i("--nproc", optarg, 1, 64, &d->nproc); break;
         case O_GPUS: rc = parse_gpus(optarg, d); break;
@@ -266,10 +267,25 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         fprintf(stderr, "train: --db DB_DIR is required and takes no other arguments (see train --help)\n");
         return -1;
     }
-    if (!rc && warmup_given && o->sched == STK_SCHED_ONECYCLE) {
-        /* a warm-up asked for would be silently ignored: say so */
-        fprintf(stderr, "train: --warmup does not apply to --schedule onecycle, which "
-                        "rises over its first 30%% of steps (OneCycleLR's pct_start 0.3)\n");
+    /* a flag the run would silently ignore is a mistake worth saying (a
+     * ResNet recipe's --momentum under the default AdamW, say) */
+    const char *ignored = NULL;
+    if (warmup_given && o->sched == STK_SCHED_ONECYCLE)
+        ignored = "--warmup does not apply to --schedule onecycle, which rises "
+                  "over its first 30% of steps (OneCycleLR's pct_start 0.3)";
+    else if (sgd_given && o->optim != STK_OPT_SGD)
+        ignored = "--momentum and --nesterov apply to --optim sgd; this run's "
+                  "optimizer is adamw (the default), whose momentum is its betas";
+    else if (step_given && o->sched != STK_SCHED_STEP)
+        ignored = "--step-size and --gamma apply to --schedule step (StepLR)";
+    else if (gpu_given && d->gpus_given)
+        ignored = "--gpu does not apply with --gpus, which names each rank's "
+                  "GPU (--gpus 2, --gpus 1,3)";
+    else if (gpu_given && o->device != STK_DEV_CUDA)
+        ignored = "--gpu N picks the GPU of --device cuda; this run is on the CPU "
+                  "(--gpus runs one rank per GPU)";
+    if (!rc && ignored) {
+        fprintf(stderr, "train: %s\n", ignored);
         return -1;
     }
     stk_err err;
@@ -460,6 +476,12 @@ int main(int argc, char **argv)
                         "continues it with --resume auto\n",
                 (unsigned long long)res.steps, o.out);
         return stop_requested ? 130 : 0;
+    }
+    if (res.at_max_steps) {
+        printf("train: %s is at step %llu, --max-steps %d: nothing left to "
+               "train (a larger --max-steps, or none, continues it)\n",
+               o.out, (unsigned long long)res.steps, o.max_steps);
+        return 0;
     }
     if (!res.epochs_done) { /* resumed a run that had already finished */
         printf("train: %s already finished %d epoch(s) (%llu steps, best test accuracy "

@@ -248,6 +248,7 @@ void stk_train_defaults(stk_train_opts *o);
 
 typedef struct stk_train_result {
     bool stopped;             /* by o->stop or max_steps; checkpoint written */
+    bool at_max_steps;        /* resumed at or past max_steps: nothing ran */
     int epochs_done;
     uint64_t steps;
     double test_acc, test_loss, train_loss;

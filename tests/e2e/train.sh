@@ -52,6 +52,18 @@ st = json.load(open("midway/nested/checkpoints/step-00000100/state.json"))
 assert st["step"] == 100 and st["loader"] == {"epoch": 0, "batch": 100, "world": 1} and st["epoch"] == 0, st
 print("ok: mid-epoch checkpoint at step 100, loader position epoch 0 batch 100")
 PY
+# --max-steps counts the run's steps: a resume at or past it trains nothing
+# (it trained one step more and its checkpoint pushed older ones out)
+at100=$(cd midway/nested && find . -type f ! -name .lock | sort | xargs md5sum)
+for max in 100 40; do
+  "$T" "${common[@]}" "${const[@]}" --epochs 2 --max-steps $max --out midway/nested \
+    --resume auto > again.txt || fail "--max-steps $max at step 100: exit $?"
+  grep -q "midway/nested is at step 100, --max-steps $max: nothing left to train" again.txt \
+    || fail "--max-steps $max at step 100: $(cat again.txt)"
+  [ "$(cd midway/nested && find . -type f ! -name .lock | sort | xargs md5sum)" = "$at100" ] \
+    || fail "a resume at --max-steps $max changed the run directory"
+done
+ok "a resume at or past --max-steps trains nothing and changes nothing"
 "$T" "${common[@]}" "${const[@]}" --epochs 2 --out midway/nested --resume auto
 cmp straight/checkpoints/step-00000470/model.safetensors midway/nested/checkpoints/step-00000470/model.safetensors \
   || fail "resuming from a mid-epoch stop ends with different weights"
@@ -66,6 +78,42 @@ expect_fail 1 "--out straight holds the checkpoints of an earlier run; continue 
   || fail "resuming a finished run should say there is nothing left"
 [ "$(snapshot straight)" = "$before" ] || fail "resuming a finished run changed straight"
 ok "resuming a finished run reports it and changes nothing"
+# --resume PATH into a RUN_DIR holding checkpoints of another line is
+# refused: a rewind (newer ones there, which --resume auto, BEST and --keep
+# would take for the new run's) or another run's
+expect_fail 1 "--resume straight/checkpoints/step-00000235 rewinds to step 235, and --out straight holds the newer checkpoints of the run it leaves \(up to step-00000470\)" \
+  "$T" "${common[@]}" "${const[@]}" --epochs 2 --out straight --resume straight/checkpoints/step-00000235
+expect_fail 1 "--out midway/nested holds the checkpoints of another run \(the newest step-00000470\)" \
+  "$T" "${common[@]}" "${const[@]}" --epochs 2 --out midway/nested --resume ./straight/checkpoints/step-00000235/
+[ "$(snapshot straight)" = "$before" ] || fail "a refused rewind changed straight"
+[ ! -e midway/nested/metrics.jsonl.1 ] || fail "a refused resume set metrics.jsonl aside"
+# what it is for: a branch in a RUN_DIR of its own, the same weights; then
+# its own newest checkpoint by PATH
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --out branch --resume straight/checkpoints/step-00000235
+cmp straight/checkpoints/step-00000470/model.safetensors branch/checkpoints/step-00000470/model.safetensors \
+  || fail "--resume PATH into a new --out ends with different weights"
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --out branch --resume branch/checkpoints/step-00000470 \
+  | grep -q "already finished" || fail "--resume PATH of the RUN_DIR's newest checkpoint"
+ok "--resume PATH refused where --out holds a newer or another run's checkpoints; a new --out continues it"
+# a RUN_DIR whose earlier run left metrics but no checkpoint (killed before
+# its first): a new run keeps those lines apart and starts its own; a
+# resume of its own checkpoint appends
+mkdir -p stale && printf '{"type":"step","step":10,"loss":9}\n' > stale/metrics.jsonl
+"$T" "${common[@]}" --log-every 1 --epochs 1 --max-steps 3 --out stale 2> stale.txt
+grep -q "stale/metrics.jsonl held the lines of an earlier run that left no checkpoint; they are in stale/metrics.jsonl.1" stale.txt \
+  || fail "metrics set aside: $(cat stale.txt)"
+[ "$(cat stale/metrics.jsonl.1)" = '{"type":"step","step":10,"loss":9}' ] || fail "the earlier lines were not kept"
+grep -q '"step":10,"loss":9' stale/metrics.jsonl && fail "a new run appended to an earlier run's metrics"
+"$T" "${common[@]}" --log-every 1 --epochs 1 --max-steps 5 --out stale --resume auto
+[ ! -e stale/metrics.jsonl.2 ] && [ "$(grep -c '"type":"step"' stale/metrics.jsonl)" -eq 5 ] \
+  || fail "a resume did not append to its own run's metrics"
+ok "a new run in a RUN_DIR with an earlier run's metrics and no checkpoint keeps them apart"
+# a resume may change --lr and --accum, and says it will not end as the
+# uninterrupted run would
+"$T" "${common[@]}" --epochs 1 --max-steps 7 --lr 0.07 --accum 2 --out stale --resume auto 2> note.txt
+grep -q "note: stale/checkpoints/step-00000005/state.json was written with --lr 0.02, this run uses 0.07" note.txt \
+  && grep -q "state.json was written with --accum 1, this run uses 2" note.txt || fail "resume notes: $(cat note.txt)"
+ok "a resume with another --lr or --accum says so"
 
 # adamw (the default): one file holds both moments; the cnn with
 # augmentation runs

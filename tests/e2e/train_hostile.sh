@@ -191,6 +191,15 @@ for s in abc -1 " 3" 18446744073709551616 1e3 ""; do
 done
 expect_fail 2 "train: --nesterov needs --momentum above 0 \(Nesterov momentum requires a momentum" \
   "$T" --db db --optim sgd --momentum 0 --nesterov
+# flags the run would silently ignore are refused (exit 2)
+expect_fail 2 "train: --momentum and --nesterov apply to --optim sgd; this run's optimizer is adamw" \
+  "$T" --db db --momentum 0.9
+expect_fail 2 "train: --momentum and --nesterov apply to --optim sgd" "$T" --db db --nesterov --optim adamw
+expect_fail 2 "train: --step-size and --gamma apply to --schedule step" \
+  "$T" --db db --optim sgd --gamma 0.5
+expect_fail 2 "train: --step-size and --gamma apply to --schedule step" "$T" --db db --step-size 3
+expect_fail 2 "train: --gpu N picks the GPU of --device cuda; this run is on the CPU" "$T" --db db --gpu 1
+expect_fail 2 "train: --gpu does not apply with --gpus" "$T" --db db --gpus 1 --gpu 0
 [ ! -e runs ] || fail "a refused flag created the default --out"
 t "$T" "${c[@]}" --epochs 1 --seed 18446744073709551615 --out bigseed >/dev/null || fail "seed 2^64-1"
 # a seed above 2^53 is recorded exactly: its neighbour (the same double) is
