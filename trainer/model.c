@@ -661,6 +661,18 @@ int64_t *stk_model_counter(stk_model *m, int i)
     return &m->counter[i];
 }
 
+const char *stk_model_single_value_bn(const stk_model *m, int n, char *buf,
+                                      size_t size)
+{
+    for (int i = 0; i < m->nl; i++) {
+        const layer *l = &m->l[i];
+        if (l->s.kind == STK_L_BATCHNORM &&
+            (int64_t)m->world * n * l->h * l->w == 1)
+            return model_label(l, i, buf, size);
+    }
+    return NULL;
+}
+
 void stk_model_sync_bn(stk_model *m, stk_allreduce_fn fn, void *arg, int world)
 {
     m->sync_fn = fn;

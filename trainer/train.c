@@ -427,9 +427,12 @@ static void progress(run_state *r, const stk_loader_stats *st, double loss,
     double rate = st->elapsed > 0 ? st->samples / st->elapsed : 0;
     uint64_t left = r->total_steps > r->step ? r->total_steps - r->step : 0;
     double eta = rate > 0 ? (double)left * r->o->batch / rate : 0;
-    fprintf(stderr, "%sepoch %d/%d step %llu  loss %.4f  acc %.2f%%  %.0f samples/s  stall %.1f%%  ETA %.0fs%s",
+    /* the epoch's last line holds the epoch's means, the others the
+     * window's since the line before: named, so no jump misleads */
+    fprintf(stderr, "%sepoch %d/%d step %llu  %sloss %.4f  acc %.2f%%  %.0f samples/s  stall %.1f%%  ETA %.0fs%s",
             r->tty ? "\r" : "", r->epoch + 1, r->o->epochs,
-            (unsigned long long)r->step, loss, 100 * acc, rate,
+            (unsigned long long)r->step, final_line ? "epoch's " : "", loss,
+            100 * acc, rate,
             100 * st->stall, eta, r->tty && !final_line ? "\033[K" : "\n");
 }
 
@@ -583,6 +586,17 @@ static int save(run_state *r, bool is_best, stk_err *err)
     return rc || r->rank.rank != 0 ? rc : stk_checkpoint_save(r, is_best, err);
 }
 
+/* Whether some rank was asked to stop (Ctrl-C, SIGTERM) during the
+ * epoch's evaluation and checkpoint: the run then ends there, before the
+ * next epoch's first step and a second checkpoint. The ranks agree. */
+static int stop_asked(run_state *r, bool *stop, stk_err *err)
+{
+    float v = r->o->stop && *r->o->stop ? 1.0f : 0.0f;
+    int rc = group_sum(r, &v, 1, err);
+    *stop = !rc && v > 0;
+    return rc;
+}
+
 static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
 {
     int rc = 0;
@@ -664,7 +678,9 @@ static int run_epochs(run_state *r, stk_train_result *res, stk_err *err)
         rc = save(r, ta >= r->best_acc, err);
         if (!rc)
             draw_curves(r);
-        if (stopped) { /* at an epoch boundary: evaluated and saved */
+        if (!rc && !stopped && r->epoch + 1 < r->o->epochs)
+            rc = stop_asked(r, &stopped, err);
+        if (!rc && stopped) { /* at an epoch boundary: evaluated and saved */
             res->stopped = true;
             r->epoch++;
             break;
@@ -965,6 +981,27 @@ static int open_metrics(run_state *r, stk_err *err)
     return 0;
 }
 
+/* An epoch's last batch of one sample would fail in a batchnorm over 1x1
+ * planes after the epoch's work (the model's own check sees only
+ * --batch): refused before the first step, naming the remainder. */
+static int check_last_batch(const run_state *r, stk_err *err)
+{
+    uint64_t b = (uint64_t)r->o->batch, last = r->shard % b;
+    char name[STK_NAME_MAX + 32];
+    const char *bn = last == 1 ? stk_model_single_value_bn(r->model, 1, name,
+                                                          sizeof name)
+                               : NULL;
+    if (!bn)
+        return 0;
+    return stk_fail(err, STK_EINVAL,
+                    "model: %s: a batchnorm over 1x1 inputs sees one value "
+                    "per channel in the epoch's last batch, of 1 sample "
+                    "(%llu train samples a rank = %llu x --batch %llu + 1); "
+                    "choose a --batch that leaves another remainder",
+                    bn, (unsigned long long)r->shard,
+                    (unsigned long long)(r->shard / b), (unsigned long long)b);
+}
+
 static int setup(run_state *r, stk_err *err)
 {
     const stk_train_opts *o = r->o;
@@ -1006,7 +1043,7 @@ static int setup(run_state *r, stk_err *err)
         rc = group_share_start(r, err);
     if (!rc)
         rc = group_ddp(r, err);
-    return rc;
+    return rc ? rc : check_last_batch(r, err);
 }
 
 static void teardown(run_state *r)

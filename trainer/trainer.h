@@ -142,6 +142,13 @@ void stk_model_sync_bn(stk_model *m, stk_allreduce_fn fn, void *arg,
  * model is destroyed (DDP's buffer that the all-reduce sums in place). */
 int stk_model_use_grads(stk_model *m, float *g, stk_err *err);
 
+/* The first batchnorm (its label written to buf) that would see one value
+ * per channel in a training batch of n samples (1x1 planes, one sample,
+ * its statistics not summed over ranks); NULL where none would: such a
+ * batch fails in forward, as PyTorch's does. */
+const char *stk_model_single_value_bn(const stk_model *m, int n, char *buf,
+                                      size_t size);
+
 /* A one-line description: layers with output shapes and parameter count. */
 void stk_model_describe(const stk_model *m, char *buf, size_t n);
 

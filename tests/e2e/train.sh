@@ -114,6 +114,31 @@ ok "a new run in a RUN_DIR with an earlier run's metrics and no checkpoint keeps
 grep -q "note: stale/checkpoints/step-00000005/state.json was written with --lr 0.02, this run uses 0.07" note.txt \
   && grep -q "state.json was written with --accum 1, this run uses 2" note.txt || fail "resume notes: $(cat note.txt)"
 ok "a resume with another --lr or --accum says so"
+# Ctrl-C during an epoch's evaluation ends the run with that epoch's
+# checkpoint (it trained a step of the next epoch and wrote a second): a
+# 1-step epoch of resnet20 and a 10000-sample evaluation; SIGINT once the
+# step's line is out
+$PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" small 64
+"$STK_BIN/prep" --quiet small sdb
+"$T" --db sdb --model resnet20 --batch 64 --epochs 3 --workers 1 --log-every 1 --quiet \
+  --out evstop > /dev/null 2> evstop.txt &
+pid=$!
+for _ in $(seq 600); do grep -qs '"type":"step"' evstop/metrics.jsonl && break; sleep 0.05; done
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[ $rc -eq 130 ] || fail "Ctrl-C during evaluation: exit $rc: $(cat evstop.txt)"
+[ "$(ls evstop/checkpoints | tr '\n' ' ')" = "BEST step-00000001 " ] \
+  || fail "Ctrl-C during evaluation left $(ls evstop/checkpoints | tr '\n' ' ')"
+ok "Ctrl-C during an epoch's evaluation stops with that epoch's checkpoint alone"
+# a batchnorm over 1x1 inputs and an epoch whose last batch is 1 sample:
+# refused before the first step (it failed after the epoch's work, its
+# message blaming --batch), naming the remainder
+printf 'flatten\nfc1: linear 32\nbn: batchnorm\nrelu\nfc2: linear classes\n' > bn1d.model
+expect_fail 1 "model: bn: a batchnorm over 1x1 inputs sees one value per channel in the epoch's last batch, of 1 sample \(64 train samples a rank = 1 x --batch 63 \+ 1\)" \
+  "$T" --db sdb --model bn1d.model --batch 63 --quiet --out bn63
+"$T" --db sdb --model bn1d.model --batch 32 --epochs 1 --quiet --out bn32 > /dev/null \
+  || fail "bn1d.model at --batch 32"
+ok "an epoch's last batch of one sample through a 1x1 batchnorm is refused at the start"
 
 # adamw (the default): one file holds both moments; the cnn with
 # augmentation runs
