@@ -39,4 +39,10 @@ int stk_safetensors_write(const char *path, const stk_tensor *t, int n,
 int stk_safetensors_read(const char *path, stk_tensor *t, int n,
                          char **meta_json, stk_err *err);
 
+/* stk_safetensors_read, and every tensor of the file must be one of t
+ * (STK_EINVAL naming the first that is not): a model's weights, read as
+ * strictly as PyTorch's load_state_dict. */
+int stk_safetensors_read_all(const char *path, stk_tensor *t, int n,
+                             stk_err *err);
+
 #endif

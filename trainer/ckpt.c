@@ -428,7 +428,7 @@ static int load_model(run_state *r, const char *path, bool strict, stk_err *err)
         return rc;
     for (int i = s.np; i < s.n; i++)
         s.t[i].optional = true; /* check_bn_state says which must be there */
-    rc = stk_safetensors_read(path, s.t, s.n, NULL, err);
+    rc = stk_safetensors_read_all(path, s.t, s.n, err);
     bool with_buffers = false;
     if (!rc)
         rc = check_bn_state(r, path, &s, strict, &with_buffers, err);

@@ -185,8 +185,40 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
     return 0;
 }
 
-int stk_safetensors_read(const char *path, stk_tensor *t, int n,
-                         char **meta_json, stk_err *err)
+/* Whether header key k names t (as it is, or with DDP's "module."). */
+static bool names(const char *k, const stk_tensor *t)
+{
+    return !strcmp(k, t->name) ||
+           (!strncmp(k, "module.", 7) && !strcmp(k + 7, t->name));
+}
+
+/* Refuses the header's tensors that are none of t[0, n): what PyTorch's
+ * load_state_dict (strict, its default) calls unexpected keys. */
+static int check_unexpected(const char *path, const cJSON *hdr,
+                            const stk_tensor *t, int n, stk_err *err)
+{
+    const char *first = NULL;
+    int extra = 0;
+    for (const cJSON *e = hdr->child; e; e = e->next) {
+        if (!strcmp(e->string, "__metadata__"))
+            continue;
+        int i = 0;
+        while (i < n && !names(e->string, &t[i]))
+            i++;
+        if (i == n && !extra++)
+            first = e->string;
+    }
+    if (!extra)
+        return 0;
+    return stk_fail(err, STK_EINVAL,
+                    "%s: holds \"%.200s\"%s, which the model has no tensor "
+                    "for: a state dict of another model? (read strictly, as "
+                    "PyTorch's load_state_dict)",
+                    path, first, extra > 1 ? " and others" : "");
+}
+
+static int read_tensors(const char *path, stk_tensor *t, int n, bool strict,
+                        char **meta_json, stk_err *err)
 {
     uint8_t *file;
     size_t len;
@@ -203,6 +235,8 @@ int stk_safetensors_read(const char *path, stk_tensor *t, int n,
         rc = stk_fail(err, STK_EFORMAT, "%s: not a safetensors file", path);
     for (int i = 0; !rc && i < n; i++)
         rc = load_one(path, hdr, file + 8 + hl, len - 8 - hl, &t[i], err);
+    if (!rc && strict)
+        rc = check_unexpected(path, hdr, t, n, err);
     if (!rc && meta_json) {
         const cJSON *m = cJSON_GetObjectItemCaseSensitive(hdr, "__metadata__");
         *meta_json = m ? cJSON_PrintUnformatted(m) : NULL;
@@ -210,4 +244,16 @@ int stk_safetensors_read(const char *path, stk_tensor *t, int n,
     cJSON_Delete(hdr);
     free(file);
     return rc;
+}
+
+int stk_safetensors_read(const char *path, stk_tensor *t, int n,
+                         char **meta_json, stk_err *err)
+{
+    return read_tensors(path, t, n, false, meta_json, err);
+}
+
+int stk_safetensors_read_all(const char *path, stk_tensor *t, int n,
+                             stk_err *err)
+{
+    return read_tensors(path, t, n, true, NULL, err);
 }

@@ -147,7 +147,18 @@ p = subprocess.run([os.path.join(BIN, "train"), "--db", "db", "--out", "init_neg
                    capture_output=True, text=True)
 assert p.returncode == 1 and '"layer3.0.bn1.running_var" element 5 is -0.25, a variance' \
     in p.stderr, (p.returncode, p.stderr)
+# a tensor the model lacks (another model's state dict, a head of another
+# size's extra layer): refused, as load_state_dict(strict=True) refuses it
+extra = dict(base)
+extra["layer4.0.conv1.weight"] = torch.zeros(4, 4, 3, 3)
+ref.save_safetensors("extra.safetensors", extra)
+p = subprocess.run([os.path.join(BIN, "train"), "--db", "db", "--out", "init_extra",
+                    *COMMON, "--epochs", "1", "--init-from", "extra.safetensors"],
+                   capture_output=True, text=True)
+assert p.returncode == 1 and 'extra.safetensors: holds "layer4.0.conv1.weight", which the ' \
+    "model has no tensor for" in p.stderr, (p.returncode, p.stderr)
+assert not os.path.exists("init_extra/checkpoints/BEST"), "a refused --init-from trained"
 print("ok: --init-from takes a state dict's running statistics and counters, starts them "
       "fresh from a file without any (saying so), refuses a file with some or with a "
-      "negative variance")
+      "negative variance, or with a tensor the model lacks")
 print(f"ok: resnet_ddp ({time.time() - t0:.1f} s)")
