@@ -215,7 +215,8 @@ mkdir cifar && head -c $((3073 * 10 + 5)) /dev/urandom > cifar/data_batch_1.bin
 expect_fail 1 "cifar/data_batch_1.bin: 30735 bytes is not a whole number of 3073-byte CIFAR records" "$P" --quiet cifar db; absent db
 mkdir cififo && mkfifo cififo/data_batch_1.bin
 expect_fail 1 "cififo/data_batch_1.bin: not a regular file \(a FIFO\)" timeout -k 5 300 "$P" --quiet cififo db; absent db
-mkdir cifmeta && head -c $((3073 * 10)) /dev/urandom > cifmeta/data_batch_1.bin && mkfifo cifmeta/batches.meta.txt
+mkdir cifmeta && mkfifo cifmeta/batches.meta.txt
+for b in 1 2 3 4 5; do head -c $((3073 * 10)) /dev/urandom > cifmeta/data_batch_$b.bin; done
 expect_fail 1 "cifmeta/batches.meta.txt: not a regular file \(a FIFO\)" timeout -k 5 300 "$P" --quiet cifmeta db; absent db
 
 # --- directories ---------------------------------------------------------------
