@@ -293,8 +293,9 @@ static void seeds_are_whole_unsigned_64_bit_numbers(void **state)
     assert_true(v == 0);
 }
 
-/* A list flag (sweep's and gpu_bench's --workers): an empty item is refused
- * wherever it stands, as are a bad number and one item too many. */
+/* A list flag (sweep's and gpu_bench's --workers, train's --gpus): an
+ * empty item is refused wherever it stands, as are a bad number and one
+ * item too many. */
 static void int_lists_have_no_empty_items(void **state)
 {
     (void)state;
