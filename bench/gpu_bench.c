@@ -46,6 +46,7 @@
  *   stores         "stream" or "plain": --stores
  *   sgemm_tflops   the best of 5 N x N x N stk_gemm calls on the GPU
  *                  (cuBLAS, its default math: no TF32), 2 N^3 flops each */
+#include "common/cli.h"
 #include "kernels/kernels.h"
 #include "loader/loader.h"
 #include "store/store.h"
@@ -65,26 +66,23 @@ typedef struct opts {
     int workers[MAX_COUNTS], nworkers;
 } opts;
 
-/* "1,2,4": distinct worker counts of 0..STK_LOADER_MAX_WORKERS. */
+/* "1,2,4": distinct worker counts of 0..STK_LOADER_MAX_WORKERS; -1 when
+ * not (printed). */
 static int parse_workers(const char *v, opts *o)
 {
-    o->nworkers = 0;
-    for (const char *p = v;; p++) {
-        char *end;
-        long w = strtol(p, &end, 10);
-        if (end == p || w < 0 || w > STK_LOADER_MAX_WORKERS ||
-            o->nworkers == MAX_COUNTS || (*end && *end != ','))
-            return -1;
-        for (int i = 0; i < o->nworkers; i++)
-            if (o->workers[i] == w)
+    if (stk_cli_int_list("gpu_bench", "--workers", v, 0,
+                         STK_LOADER_MAX_WORKERS, o->workers, MAX_COUNTS,
+                         &o->nworkers))
+        return -1;
+    for (int j = 1; j < o->nworkers; j++)
+        for (int i = 0; i < j; i++)
+            if (o->workers[i] == o->workers[j]) {
+                fprintf(stderr, "gpu_bench: --workers: expected distinct "
+                                "counts, got '%s'\n", v);
                 return -1;
-        o->workers[o->nworkers++] = (int)w;
-        if (!*end)
-            return 0;
-        p = end; /* at the comma: a count must follow */
-    }
+            }
+    return 0;
 }
-
 
 static int die(const char *what, const stk_err *err)
 {
@@ -147,12 +145,8 @@ static int parse(int argc, char **argv, opts *o)
             }
             o->device = strcmp(v, "cpu") ? STK_DEV_CUDA : STK_DEV_CPU;
         }
-        else if (parse_workers(v, o)) {
-            fprintf(stderr, "gpu_bench: --workers '%s': expected a list of "
-                            "distinct counts 0..%d such as 1,2,4,8\n", v,
-                    STK_LOADER_MAX_WORKERS);
+        else if (parse_workers(v, o))
             return 2;
-        }
         i++;
     }
     if (!o->db || o->batch < 1 || o->epochs < 1 || o->gemm_n < 0 ||

@@ -89,3 +89,35 @@ int stk_cli_bytes(const char *tool, const char *flag, const char *s,
     *out = (size_t)(v * mul);
     return 0;
 }
+
+int stk_cli_int_list(const char *tool, const char *flag, const char *s,
+                     long lo, long hi, int *out, int max, int *n)
+{
+    char want[96];
+    *n = 0;
+    for (const char *p = s;; p++) {
+        size_t len = strcspn(p, ",");
+        if (!len) { /* ",1", "1,,2", "1," or "" */
+            snprintf(want, sizeof want,
+                     "whole numbers %ld..%ld separated by single commas, "
+                     "such as 0,1,2,4",
+                     lo, hi);
+            return bad(tool, flag, want, s);
+        }
+        if (*n == max) {
+            snprintf(want, sizeof want, "at most %d numbers", max);
+            return bad(tool, flag, want, s);
+        }
+        char *item = strndup(p, len);
+        if (!item)
+            return bad(tool, flag, "a shorter list (out of memory)", s);
+        int rc = stk_cli_int(tool, flag, item, lo, hi, &out[*n]);
+        free(item);
+        if (rc)
+            return rc;
+        ++*n;
+        p += len;
+        if (!*p)
+            return 0;
+    }
+}

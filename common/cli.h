@@ -25,6 +25,13 @@ int stk_cli_float(const char *tool, const char *flag, const char *s,
 int stk_cli_choice(const char *tool, const char *flag, const char *s,
                    const char *const *names, int n, int *out);
 
+/* A comma-separated list of whole numbers in lo..hi, at most max of them,
+ * such as "0,1,2,4", into out[0..*n-1]. An empty item (",1", "1,,2", "1,",
+ * "") is refused, naming the flag and the whole value; a bad item is named
+ * as stk_cli_int names it. */
+int stk_cli_int_list(const char *tool, const char *flag, const char *s,
+                     long lo, long hi, int *out, int max, int *n);
+
 /* A byte count with an optional K/M/G/T suffix (powers of 1024). */
 int stk_cli_bytes(const char *tool, const char *flag, const char *s,
                   size_t *out);

@@ -51,25 +51,8 @@ static const char usage[] =
 
 static int parse_counts(const char *s, config *c)
 {
-    char *copy = strdup(s), *save = NULL;
-    c->ncounts = 0;
-    int rc = 0;
-    for (char *t = strtok_r(copy, ",", &save); t && !rc;
-         t = strtok_r(NULL, ",", &save)) {
-        if (c->ncounts == MAX_COUNTS) {
-            fprintf(stderr, "sweep: --workers: at most %d counts\n", MAX_COUNTS);
-            rc = -1;
-        } else {
-            rc = stk_cli_int("sweep", "--workers", t, 0, STK_LOADER_MAX_WORKERS,
-                             &c->counts[c->ncounts++]);
-        }
-    }
-    if (!rc && !c->ncounts) {
-        fprintf(stderr, "sweep: --workers: expected a list like 0,1,2,4, got '%s'\n", s);
-        rc = -1;
-    }
-    free(copy);
-    return rc;
+    return stk_cli_int_list("sweep", "--workers", s, 0, STK_LOADER_MAX_WORKERS,
+                            c->counts, MAX_COUNTS, &c->ncounts);
 }
 
 static int parse_args(int argc, char **argv, config *c)

@@ -3,6 +3,7 @@
  * bytes + 3072 pixels; the fine label is used) binary batches. */
 #include "source_impl.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,7 +11,7 @@
 
 #define SIDE 32
 #define PIXELS (3 * SIDE * SIDE)
-#define MAX_FILES 16
+#define TRAIN_BATCHES 5 /* CIFAR-10's data_batch_1.bin .. data_batch_5.bin */
 
 typedef struct cifar_file {
     uint8_t *data;
@@ -20,7 +21,7 @@ typedef struct cifar_file {
 typedef struct cifar_data {
     int label_bytes;       /* 1 (CIFAR-10) or 2 (CIFAR-100) */
     int nfiles[2];
-    cifar_file file[2][MAX_FILES];
+    cifar_file file[2][TRAIN_BATCHES];
 } cifar_data;
 
 static int exists(const char *dir, const char *name)
@@ -53,12 +54,16 @@ static void descend(stk_source *s)
         }
 }
 
+/* Reads the batch file name into split k; a missing one is an error that
+ * names it and says which files the dataset has (why). */
 static int add_file(stk_source *s, cifar_data *x, int k, const char *name,
-                    stk_err *err)
+                    const char *why, stk_err *err)
 {
     char path[4096];
     if (stk_path_join(path, sizeof path, s->dir, name))
         return stk_fail(err, STK_ERANGE, "%s: path too long", s->dir);
+    if (access(path, F_OK) != 0 && errno == ENOENT)
+        return stk_fail(err, STK_ENOENT, "%s: missing (%s)", path, why);
     uint8_t *data;
     size_t len;
     int rc = stk_read_file(path, &data, &len, err);
@@ -72,10 +77,6 @@ static int add_file(stk_source *s, cifar_data *x, int k, const char *name,
                         "CIFAR records (truncated?)",
                         path, len, rec);
     }
-    if (x->nfiles[k] == MAX_FILES) {
-        free(data);
-        return stk_fail(err, STK_EFORMAT, "%s: too many batch files", s->dir);
-    }
     cifar_file *f = &x->file[k][x->nfiles[k]++];
     f->data = data;
     f->first = s->split_count[s->nsplits];
@@ -84,32 +85,35 @@ static int add_file(stk_source *s, cifar_data *x, int k, const char *name,
     return 0;
 }
 
+/* The train split is required whole: every one of its batch files, so that
+ * a file missing from a download or a copy is an error, not a smaller
+ * split. The test split is optional. */
 static int open_files(stk_source *s, cifar_data *x, stk_err *err)
 {
+    const char *has =
+        x->label_bytes == 2
+            ? "CIFAR-100 has train.bin and test.bin"
+            : "CIFAR-10 has data_batch_1.bin .. data_batch_5.bin";
     int rc = 0;
     snprintf(s->split_name[0], 32, "train");
     if (x->label_bytes == 2) {
-        rc = add_file(s, x, 0, "train.bin", err);
+        rc = add_file(s, x, 0, "train.bin", has, err);
     } else {
-        for (int b = 1; !rc && b <= MAX_FILES; b++) {
+        for (int b = 1; !rc && b <= TRAIN_BATCHES; b++) {
             char name[64];
             snprintf(name, sizeof name, "data_batch_%d.bin", b);
-            if (exists(s->dir, name))
-                rc = add_file(s, x, 0, name, err);
+            rc = add_file(s, x, 0, name, has, err);
         }
     }
     if (rc)
         return rc;
-    if (x->nfiles[0])
-        s->nsplits++;
+    s->nsplits++;
     const char *test = x->label_bytes == 2 ? "test.bin" : "test_batch.bin";
     if (exists(s->dir, test)) {
         snprintf(s->split_name[s->nsplits], 32, "test");
-        rc = add_file(s, x, 1, test, err);
+        rc = add_file(s, x, 1, test, has, err);
         s->nsplits++;
     }
-    if (!rc && !s->nsplits)
-        rc = stk_fail(err, STK_ENOENT, "%s: no CIFAR batch files", s->dir);
     return rc;
 }
 

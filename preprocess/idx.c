@@ -308,11 +308,15 @@ static int add_classes(stk_source *s, idx_data *x)
         for (size_t i = 0; i < x->split[k].nimages; i++)
             if (x->split[k].labels[8 + i] > top)
                 top = x->split[k].labels[8 + i];
-    char lower[4096];
-    size_t n = strlen(s->dir);
+    /* Fashion-MNIST is told by "fashion" in the folder's resolved path,
+     * so that "." or a link names it as its full path does */
+    char *real = realpath(s->dir, NULL), lower[4096];
+    const char *dir = real ? real : s->dir;
+    size_t n = strlen(dir);
     for (size_t i = 0; i <= n && i < sizeof lower; i++)
-        lower[i] = (char)tolower((unsigned char)s->dir[i]);
+        lower[i] = (char)tolower((unsigned char)dir[i]);
     lower[sizeof lower - 1] = '\0';
+    free(real);
     int fashion = top == 9 && strstr(lower, "fashion");
     for (int c = 0; c <= top; c++) {
         char num[12];

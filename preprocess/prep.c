@@ -625,9 +625,7 @@ static int check_db_dir(const char *db, stk_err *err)
     return rc;
 }
 
-int stk_prep_run(const char *raw_dir, const char *db_dir,
-                 const stk_prep_opts *opts, stk_prep_summary *summary,
-                 stk_err *err)
+int stk_prep_opts_check(const stk_prep_opts *opts, stk_err *err)
 {
     if (opts->workers < 1 || opts->workers > 256)
         return stk_fail(err, STK_EINVAL, "--workers must be 1..256, not %d",
@@ -639,13 +637,23 @@ int stk_prep_run(const char *raw_dir, const char *db_dir,
                         opts->quality);
     if (opts->quality && opts->encoding != STK_ENC_JPEG)
         return stk_fail(err, STK_EINVAL, "--quality needs --encode jpeg");
+    return stk_source_opts_check(&opts->source, err);
+}
+
+int stk_prep_run(const char *raw_dir, const char *db_dir,
+                 const stk_prep_opts *opts, stk_prep_summary *summary,
+                 stk_err *err)
+{
+    int rc = stk_prep_opts_check(opts, err);
+    if (rc)
+        return rc;
     run r;
     memset(&r, 0, sizeof r);
     r.p.opts = opts;
     r.nthreads = opts->workers;
     r.t0 = stk_now();
     stk_source *src = NULL;
-    int rc = check_db_dir(db_dir, err);
+    rc = check_db_dir(db_dir, err);
     if (!rc)
         rc = stk_source_open(raw_dir, &opts->source, &src, err);
     if (!rc && canceled(opts)) /* listing a large tree takes a while */

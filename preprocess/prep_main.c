@@ -223,6 +223,11 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
                     i ? "DB_DIR" : "RAW_DIR");
             return -1;
         }
+    stk_err err = {0}; /* flags that exclude or need each other */
+    if (stk_prep_opts_check(o, &err)) {
+        fprintf(stderr, "prep: %s\n", err.msg);
+        return -1;
+    }
     return 0;
 }
 

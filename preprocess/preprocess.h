@@ -180,6 +180,14 @@ typedef struct stk_source_opts {
 
 typedef struct stk_source stk_source;
 
+/* Checks the options alone, before any file is read: each value in its
+ * range, and the flags that exclude or need each other (size with
+ * short_side/max_side, max_side below short_side, upscale without
+ * short_side). Returns 0 or STK_EINVAL, the message naming the prep flags.
+ * stk_source_open checks the same; a tool calls this to tell bad usage
+ * from a failed run. */
+int stk_source_opts_check(const stk_source_opts *opts, stk_err *err);
+
 /* Opens a raw dataset directory and indexes it (reads IDX/CIFAR files into
  * memory, lists image folders). Errors name the file and the problem. */
 int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
@@ -281,6 +289,11 @@ typedef struct stk_prep_summary {
     int channels, height, width;  /* height, width 0: variable size */
     int encoding;
 } stk_prep_summary;
+
+/* stk_source_opts_check for prep's options: also workers 1..256, the
+ * encoding, quality 0..100 and quality only with STK_ENC_JPEG. Returns 0 or
+ * STK_EINVAL; stk_prep_run checks the same before anything else. */
+int stk_prep_opts_check(const stk_prep_opts *opts, stk_err *err);
 
 /* Converts raw_dir into a complete database at db_dir, or leaves db_dir as
  * it was. Returns 0, STK_ECANCELED when *cancel became non-zero, or the

@@ -33,10 +33,8 @@ int stk_source_add_class(stk_source *s, const char *name)
     return 0;
 }
 
-int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
-                    stk_source **out, stk_err *err)
+int stk_source_opts_check(const stk_source_opts *opts, stk_err *err)
 {
-    *out = NULL;
     stk_source_opts o = opts ? *opts : (stk_source_opts){0};
     if (o.channels != 0 && o.channels != 1 && o.channels != 3)
         return stk_fail(err, STK_EINVAL, "channels must be 1 or 3, not %d",
@@ -54,8 +52,7 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
         return stk_fail(err, STK_EINVAL,
                         "--short-side must be 1..4096 and --max-side "
                         "1..8192");
-    bool aspect = o.short_side || o.max_side;
-    if (aspect && o.size)
+    if ((o.short_side || o.max_side) && o.size)
         return stk_fail(err, STK_EINVAL,
                         "--size crops to a square, --short-side/--max-side "
                         "keep the aspect ratio: give one or the other");
@@ -65,7 +62,18 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
                         o.short_side);
     if (o.upscale && !o.short_side)
         return stk_fail(err, STK_EINVAL, "--upscale needs --short-side");
-    int rc = 0;
+    return 0;
+}
+
+int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
+                    stk_source **out, stk_err *err)
+{
+    *out = NULL;
+    stk_source_opts o = opts ? *opts : (stk_source_opts){0};
+    int rc = stk_source_opts_check(&o, err);
+    if (rc)
+        return rc;
+    bool aspect = o.short_side || o.max_side;
     if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
         return rc;
     if (o.holdout && o.format != STK_SRC_FOLDER)

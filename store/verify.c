@@ -111,6 +111,20 @@ static void check_record(const stk_view *v, const stk_meta *m,
         add_pixels(t, &r, m->channels);
 }
 
+/* The significant digits, 6 at least, at which a and b print apart: two
+ * numbers that differ beyond the tolerance must not read the same. */
+static int digits_apart(double a, double b)
+{
+    for (int p = 6; p < 17 && a != b; p++) {
+        char x[32], y[32];
+        snprintf(x, sizeof x, "%.*g", p, a);
+        snprintf(y, sizeof y, "%.*g", p, b);
+        if (strcmp(x, y))
+            return p;
+    }
+    return a == b ? 6 : 17; /* 17 digits tell any two doubles apart */
+}
+
 /* The split's label counts, mean and std against its metadata (the mean
  * and std computed as prep computes them, from integer sums). */
 static void check_totals(const stk_meta *m, const stk_split_meta *sp,
@@ -130,11 +144,15 @@ static void check_totals(const stk_meta *m, const stk_split_meta *sp,
          c++) {
         double mean, std;
         stk_channel_stats(t->sums[2 * c], t->sums[2 * c + 1], n, &mean, &std);
-        if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9)
+        if (fabs(mean - sp->mean[c]) > 1e-9 || fabs(std - sp->std[c]) > 1e-9) {
+            int pm = digits_apart(mean, sp->mean[c]);
+            int ps = digits_apart(std, sp->std[c]);
             problem(rep,
-                    "split \"%s\": channel %d has mean %.6f and std "
-                    "%.6f, the metadata says %.6f and %.6f",
-                    sp->name, c, mean, std, sp->mean[c], sp->std[c]);
+                    "split \"%s\": channel %d has mean %.*g and std "
+                    "%.*g, the metadata says %.*g and %.*g",
+                    sp->name, c, pm, mean, ps, std, pm, sp->mean[c], ps,
+                    sp->std[c]);
+        }
     }
 }
 

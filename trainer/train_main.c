@@ -152,19 +152,15 @@ static int parse_gpus(const char *s, dist_opts *d)
             d->gpus[i] = i;
         return 0;
     }
-    char copy[512];
-    snprintf(copy, sizeof copy, "%s", s);
-    d->ngpus = 0;
-    for (char *tok = strtok(copy, ","); tok; tok = strtok(NULL, ",")) {
-        if (d->ngpus == 64 || num_i("--gpus", tok, 0, 1023, &d->gpus[d->ngpus]))
-            return -1;
-        for (int i = 0; i < d->ngpus; i++)
-            if (d->gpus[i] == d->gpus[d->ngpus]) {
+    if (stk_cli_int_list("train", "--gpus", s, 0, 1023, d->gpus, 64,
+                         &d->ngpus))
+        return -1;
+    for (int j = 1; j < d->ngpus; j++)
+        for (int i = 0; i < j; i++)
+            if (d->gpus[i] == d->gpus[j]) {
                 fprintf(stderr, "train: --gpus %s names GPU %d twice\n", s, d->gpus[i]);
                 return -1;
             }
-        d->ngpus++;
-    }
     return 0;
 }
 

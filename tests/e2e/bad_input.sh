@@ -215,7 +215,8 @@ mkdir cifar && head -c $((3073 * 10 + 5)) /dev/urandom > cifar/data_batch_1.bin
 expect_fail 1 "cifar/data_batch_1.bin: 30735 bytes is not a whole number of 3073-byte CIFAR records" "$P" --quiet cifar db; absent db
 mkdir cififo && mkfifo cififo/data_batch_1.bin
 expect_fail 1 "cififo/data_batch_1.bin: not a regular file \(a FIFO\)" timeout -k 5 300 "$P" --quiet cififo db; absent db
-mkdir cifmeta && head -c $((3073 * 10)) /dev/urandom > cifmeta/data_batch_1.bin && mkfifo cifmeta/batches.meta.txt
+mkdir cifmeta && mkfifo cifmeta/batches.meta.txt
+for b in 1 2 3 4 5; do head -c $((3073 * 10)) /dev/urandom > cifmeta/data_batch_$b.bin; done
 expect_fail 1 "cifmeta/batches.meta.txt: not a regular file \(a FIFO\)" timeout -k 5 300 "$P" --quiet cifmeta db; absent db
 
 # --- directories ---------------------------------------------------------------
@@ -263,6 +264,12 @@ expect_fail 2 "--workers: expected a whole number 1..256, got 'two'" "$P" --work
 expect_fail 2 "--size: expected a whole number 1..4096, got '-3'" "$P" --size -3 good db
 expect_fail 2 "--format: expected idx, cifar or folder, got 'tar'" "$P" --format tar good db
 expect_fail 2 "--map-max: expected a size in bytes" "$P" --map-max lots good db
+# flags that exclude or need each other are bad usage, as in train and sweep
+expect_fail 2 "prep: --quality needs --encode jpeg" "$P" --quality 80 good db
+expect_fail 2 "prep: --size crops to a square, --short-side/--max-side keep the aspect ratio: give one or the other" "$P" --size 32 --short-side 48 good db
+expect_fail 2 "prep: --size crops to a square" "$P" --max-side 64 --size 32 good db
+expect_fail 2 "prep: --max-side 20 is below --short-side 48" "$P" --short-side 48 --max-side 20 good db
+expect_fail 2 "prep: --upscale needs --short-side" "$P" --upscale good db
 expect_fail 2 "unknown option '--frobnicate'" "$P" --frobnicate good db
 expect_fail 2 "--workers needs a value" "$P" good db --workers
 expect_fail 2 "expected RAW_DIR and DB_DIR" "$P" good

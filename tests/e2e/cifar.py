@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """prep of CIFAR-10 and CIFAR-100 binary batches (synthetic, in the exact
 published layout) stores every record's bytes and label unchanged, as CHW
-uint8 3x32x32, with the class names of the batch metadata."""
+uint8 3x32x32, with the class names of the batch metadata; a missing train
+batch is refused by name."""
 import os, shutil, subprocess
 import numpy as np
 import stoke_test as t
@@ -24,7 +25,8 @@ os.makedirs("c10/cifar-10-batches-bin")
 names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 open("c10/cifar-10-batches-bin/batches.meta.txt", "w").write("\n".join(names) + "\n\n")
 expect = {"train": [], "test": []}
-for name, split, n in [("data_batch_1.bin", "train", 300), ("data_batch_2.bin", "train", 200), ("test_batch.bin", "test", 150)]:
+files = [(f"data_batch_{b}.bin", "train", n) for b, n in enumerate([100, 120, 80, 100, 100], 1)]
+for name, split, n in files + [("test_batch.bin", "test", 150)]:
     labels, pixels, raw = batch(n, 1)
     open(f"c10/cifar-10-batches-bin/{name}", "wb").write(raw)
     expect[split] += list(zip(labels[:, 0], pixels))
@@ -37,6 +39,16 @@ for split in ("train", "test"):
         got_label, got = r["read_sample"](env, meta, split, i)
         assert got_label == label and np.array_equal(got.reshape(-1), px), (split, i)
 print("ok: CIFAR-10: 500 + 150 records equal the batch bytes")
+
+# a train batch missing (a download or copy cut short) is an error naming
+# it, not a smaller train split, and nothing is written
+shutil.copytree("c10/cifar-10-batches-bin", "gap")
+os.remove("gap/data_batch_3.bin")
+p = subprocess.run([prep, "--quiet", "gap", "dbgap"], capture_output=True, text=True)
+assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+assert "gap/data_batch_3.bin: missing (CIFAR-10 has data_batch_1.bin .. data_batch_5.bin)" in p.stderr, p.stderr
+assert not os.path.exists("dbgap") and not os.path.exists(".dbgap.partial"), os.listdir(".")
+print("ok: CIFAR-10 without data_batch_3.bin:", p.stderr.strip())
 
 # CIFAR-100: the fine label (second byte) is stored
 os.makedirs("c100")

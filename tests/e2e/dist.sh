@@ -362,6 +362,7 @@ expect_fail 2 "nnodes 2 needs --master-addr" "$T" --db db --nnodes 2 --nproc 1 -
 expect_fail 2 "node-rank 2 must be below --nnodes 2" "$T" --db db --nnodes 2 --node-rank 2 \
   --master-addr 127.0.0.1 --master-port 1 --out bad
 expect_fail 2 "gpus 0,0 names GPU 0 twice" "$T" --db db --gpus 0,0 --out bad
+expect_fail 2 "^train: --gpus: expected whole numbers 0..1023 separated by single commas, such as 0,1,2,4, got '0,,1'\$" "$T" --db db --gpus 0,,1 --out bad
 expect_fail 2 "nproc 3 disagrees with --gpus" "$T" --db db --gpus 2 --nproc 3 --out bad
 expect_fail 2 "nproc: expected a whole number 1..64, got '0'" "$T" --db db --nproc 0 --out bad
 # node 0 alone: its rank waits for a second node that never comes

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # prep of Fashion-MNIST gives 60000 + 10000 records whose pixels and labels
 # equal the IDX source bytes, read back by the Python reader of
-# docs/formats.md (an independent implementation of the format).
+# docs/formats.md (an independent implementation of the format); the class
+# names do not depend on how RAW_DIR is spelled.
 source "$STK_SRC/tests/e2e/lib.sh"
 "$STK_BIN/prep" --workers 2 --quiet "$FASHION" db
 $PY - <<'PY'
@@ -31,6 +32,21 @@ for split, prefix, count in (("train", "train", 60000), ("test", "t10k", 10000))
     print(f"ok: {split}: {count} records, {len(idx)} sampled equal the IDX bytes, "
           f"mean {mean:.4f} std {std:.4f}")
 PY
+# Fashion-MNIST's class names whatever RAW_DIR's spelling: "." from inside
+# its folder, and a link named otherwise, name the folder its path names
+$PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" fashion-sub 300 100
+ln -s fashion-sub fm
+(cd fashion-sub && "$STK_BIN/prep" --quiet . ../db-dot) || fail "prep . in fashion-sub"
+"$STK_BIN/prep" --quiet fm db-link || fail "prep fm"
+$PY - <<'PY'
+import stoke_test as t
+r = t.formats_reader()
+for db in ("db-dot", "db-link"):
+    env, meta = r["open_stoke"](db)
+    assert meta["classes"][:2] == ["T-shirt/top", "Trouser"], (db, meta["classes"])
+print("ok: prep . and prep LINK of a Fashion-MNIST folder name its classes")
+PY
+
 # and the documented reader's own command line
 $PY -c 'import stoke_test as t, runpy, sys' >/dev/null
 awk '/^```python/{f=1;next}/^```/{f=0}f' "$STK_SRC/docs/formats.md" > reader.py

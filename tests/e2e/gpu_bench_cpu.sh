@@ -74,4 +74,6 @@ expect_fail 2 "--stores 'bogus': expected stream or plain" "$B" --db db --device
 expect_fail 2 "--link only with --device cpu" "$B" --db db --link 4
 expect_fail 2 "--link 'x': expected GB/s > 0" "$B" --db db --device cpu --link x
 expect_fail 2 "--device 'tpu': expected cuda or cpu" "$B" --db db --device tpu
+expect_fail 2 "^gpu_bench: --workers: expected whole numbers 0..64 separated by single commas, such as 0,1,2,4, got '1,2,'\$" "$B" --db db --device cpu --workers 1,2,
+expect_fail 2 "^gpu_bench: --workers: expected distinct counts, got '1,2,1'\$" "$B" --db db --device cpu --workers 1,2,1
 expect_fail 1 "nodb" "$B" --db nodb --device cpu --gemm 0

@@ -40,6 +40,9 @@ ok "--augment rrc, --eval and --augment crop over the database and --raw"
 expect_fail 2 "--augment: expected none, crop or rrc, got 'x'" "$S" --db db --augment x
 expect_fail 2 "--eval and --augment rrc exclude each other" "$S" --db db --eval --augment rrc
 expect_fail 2 "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
+for w in 0,,2 2, ,2 ""; do
+  expect_fail 2 "^sweep: --workers: expected whole numbers 0..64 separated by single commas, such as 0,1,2,4, got '$w'\$" "$S" --db db --workers "$w"
+done
 expect_fail 2 "--db DB_DIR is required" "$S" --workers 1
 expect_fail 2 "unknown option '--turbo'" "$S" --db db --turbo
 expect_fail 2 "--split: no split \"test\"" "$S" --db db --split test --json no.json

@@ -293,6 +293,27 @@ static void seeds_are_whole_unsigned_64_bit_numbers(void **state)
     assert_true(v == 0);
 }
 
+/* A list flag (sweep's and gpu_bench's --workers, train's --gpus): an
+ * empty item is refused wherever it stands, as are a bad number and one
+ * item too many. */
+static void int_lists_have_no_empty_items(void **state)
+{
+    (void)state;
+    int v[4], n = -1;
+    assert_int_equal(stk_cli_int_list("test", "--w", "0,1,2,4", 0, 8, v, 4, &n),
+                     0);
+    assert_int_equal(n, 4);
+    assert_int_equal(v[0] * 1000 + v[1] * 100 + v[2] * 10 + v[3], 124);
+    assert_int_equal(stk_cli_int_list("test", "--w", "3", 0, 8, v, 4, &n), 0);
+    assert_int_equal(n, 1);
+    assert_int_equal(v[0], 3);
+    const char *bad[] = {"0,,2", "1,", ",1", "", ",", "1,x", "9", "1,2,3,4,5",
+                         "1;2"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        if (stk_cli_int_list("test", "--w", bad[i], 0, 8, v, 4, &n) != -1)
+            fail_msg("'%s' was accepted (%d items)", bad[i], n);
+}
+
 /* Nesterov without momentum is refused by the library itself (not only by
  * train's flags), naming the flag, before anything is opened or created. */
 static void nesterov_needs_momentum(void **state)
@@ -330,6 +351,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(out_of_range_label_names_split_and_key),
     cmocka_unit_test(uneven_shards_may_be_empty),
     cmocka_unit_test(seeds_are_whole_unsigned_64_bit_numbers),
+    cmocka_unit_test(int_lists_have_no_empty_items),
     cmocka_unit_test(nesterov_needs_momentum),
 };
 

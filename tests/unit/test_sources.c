@@ -147,6 +147,18 @@ static void write_cifar(const char *dir, const char *name, int label_bytes,
     free(buf);
 }
 
+/* CIFAR-10's five train batches, of 2 + 2 + 1 + 2 + 2 records numbered on
+ * from 0 across them: 9 records. */
+static void write_cifar10_train(const char *dir)
+{
+    static const int n[5] = {2, 2, 1, 2, 2};
+    for (int b = 0, first = 0; b < 5; first += n[b++]) {
+        char name[32];
+        snprintf(name, sizeof name, "data_batch_%d.bin", b + 1);
+        write_cifar(dir, name, 1, n[b], first);
+    }
+}
+
 static void check_cifar(const char *dir, uint64_t ntrain, const char *cls0)
 {
     stk_source *s;
@@ -174,8 +186,7 @@ static void cifar10_and_100(void **state)
 {
     (void)state;
     const char *d = scratch("cifar10");
-    write_cifar(d, "data_batch_1.bin", 1, 4, 0);
-    write_cifar(d, "data_batch_2.bin", 1, 5, 4);
+    write_cifar10_train(d);
     write_cifar(d, "test_batch.bin", 1, 3, 1000);
     const char *names = "airplane\nautomobile\nbird\ncat\ndeer\ndog\nfrog\n"
                         "horse\nship\ntruck\n\n";
@@ -185,6 +196,37 @@ static void cifar10_and_100(void **state)
     write_cifar(d, "train.bin", 2, 6, 0);
     write_cifar(d, "test.bin", 2, 3, 1000);
     check_cifar(d, 6, "0");
+}
+
+/* Every train batch is required: one missing (from a download or a copy) is
+ * named, not a smaller train split; so is a missing CIFAR-100 train.bin. */
+static void cifar_missing_batch(void **state)
+{
+    (void)state;
+    const char *d = scratch("cifar10_gap");
+    write_cifar10_train(d);
+    write_cifar(d, "test_batch.bin", 1, 3, 1000);
+    char p[1200];
+    snprintf(p, sizeof p, "%s/data_batch_3.bin", d);
+    assert_int_equal(remove(p), 0);
+    expect_open_error(d, "cifar10_gap/data_batch_3.bin: missing (CIFAR-10 has "
+                         "data_batch_1.bin .. data_batch_5.bin)");
+    snprintf(p, sizeof p, "%s/data_batch_5.bin", d);
+    assert_int_equal(remove(p), 0);
+    expect_open_error(d, "cifar10_gap/data_batch_3.bin: missing");
+    d = scratch("cifar10_test_only");
+    write_cifar(d, "test_batch.bin", 1, 3, 1000);
+    expect_open_error(d, "cifar10_test_only/data_batch_1.bin: missing");
+    d = scratch("cifar100_test_only");
+    write_cifar(d, "test.bin", 2, 3, 1000);
+    stk_source_opts o = {.format = STK_SRC_CIFAR};
+    stk_source *s;
+    stk_err err = {0};
+    assert_int_equal(stk_source_open(d, &o, &s, &err), STK_ENOENT);
+    assert_null(s);
+    assert_non_null(strstr(err.msg, "cifar100_test_only/train.bin: missing "
+                                    "(CIFAR-100 has train.bin and "
+                                    "test.bin)"));
 }
 
 static void png_at(const char *root, const char *rel, uint8_t value)
@@ -702,12 +744,12 @@ static void cifar_fifo_and_names(void **state)
     assert_int_equal(mkfifo(p, 0600), 0);
     expect_open_error(d, "data_batch_1.bin: not a regular file (a FIFO)");
     d = scratch("cifar_meta_fifo");
-    write_cifar(d, "data_batch_1.bin", 1, 4, 0);
+    write_cifar10_train(d);
     snprintf(p, sizeof p, "%s/batches.meta.txt", d);
     assert_int_equal(mkfifo(p, 0600), 0);
     expect_open_error(d, "batches.meta.txt: not a regular file (a FIFO)");
     d = scratch("cifar_meta_long");
-    write_cifar(d, "data_batch_1.bin", 1, 4, 0);
+    write_cifar10_train(d);
     char names[600];
     memset(names, 'x', sizeof names);
     memcpy(names, "cat\n", 4);
@@ -758,6 +800,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(idx_raw_and_gzip),
     cmocka_unit_test(idx_errors_name_the_file),
     cmocka_unit_test(cifar10_and_100),
+    cmocka_unit_test(cifar_missing_batch),
     cmocka_unit_test(folder_order_and_labels),
     cmocka_unit_test(folder_split_layout),
     cmocka_unit_test(idx_gzip_bomb_costs_no_memory),

@@ -330,8 +330,10 @@ static void pixel_stats(stk_split_meta *sp, int k, uint64_t n, size_t plane)
 }
 
 /* Builds dir with splits "train" (ntrain records) and "test" (20) of shape
- * 3 x h x 5; pixels from fill(), label i % 3. */
-static void build_db(const char *dir, int h, uint64_t ntrain)
+ * 3 x h x 5; pixels from fill(), label i % 3; the metadata's train mean of
+ * channel 0 off by skew (0: as computed). */
+static void build_db_skewed(const char *dir, int h, uint64_t ntrain,
+                            double skew)
 {
     stk_store *s;
     stk_err err = {0};
@@ -352,10 +354,16 @@ static void build_db(const char *dir, int h, uint64_t ntrain)
     m.height = h;
     for (int k = 0; k < 2; k++)
         pixel_stats(&m.splits[k], k, counts[k], (size_t)h * 5);
+    m.splits[0].mean[0] += skew;
     assert_int_equal(stk_store_finish(s, &m, &err), 0);
     stk_store_close(s);
     free(rec);
     free(px);
+}
+
+static void build_db(const char *dir, int h, uint64_t ntrain)
+{
+    build_db_skewed(dir, h, ntrain, 0);
 }
 
 static uint8_t *read_all(const char *path, size_t *len)
@@ -792,6 +800,35 @@ static void names_made_printable(void **state)
     assert_string_equal(stk_text_printable(b, 1, "abc"), "");
 }
 
+/* A mean off by a little more than verify's tolerance (1e-9) is shown with
+ * the digits that tell the two apart (%.6f printed the same number twice);
+ * the std, which agrees, with 6. */
+static void verify_shows_the_difference(void **state)
+{
+    (void)state;
+    const char *dir = scratch("verify_digits");
+    build_db_skewed(dir, 4, 200, 3e-9);
+    stk_store *s;
+    stk_err err = {0};
+    stk_verify_report rep;
+    assert_int_equal(stk_store_open(dir, 0, &s, &err), 0);
+    assert_int_equal(stk_store_verify(s, &rep, &err), STK_EFORMAT);
+    stk_store_close(s);
+    assert_int_equal(rep.problems, 1);
+    char mean[40], std[40], mmean[40], mstd[40];
+    assert_int_equal(sscanf(rep.first[0],
+                            "split \"train\": channel 0 has mean %39s and "
+                            "std %39[^,], the metadata says %39s and %39s",
+                            mean, std, mmean, mstd),
+                     4);
+    print_message("%s\n", rep.first[0]);
+    if (!strcmp(mean, mmean))
+        fail_msg("the means print alike: \"%s\"", rep.first[0]);
+    assert_string_equal(std, mstd);
+    assert_true(strlen(std) <= 8); /* 0.dddddd: 6 digits where they agree */
+    assert_true(strtod(mmean, NULL) > strtod(mean, NULL));
+}
+
 /* A stop request ends a verify (prep's Ctrl-C during its end-of-run read
  * back), and only a set one does. */
 static void verify_stops_when_asked(void **state)
@@ -1089,6 +1126,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(damaged_file_never_crashes),
     cmocka_unit_test(damage_is_named),
     cmocka_unit_test(verify_names_each_problem),
+    cmocka_unit_test(verify_shows_the_difference),
     cmocka_unit_test(verify_stops_when_asked),
     cmocka_unit_test(finish_verifies_before_publishing),
     cmocka_unit_test(meta_bounds_refused),
