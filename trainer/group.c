@@ -139,6 +139,131 @@ int group_agree(run_state *r, int rc, stk_err *err)
     return 0;
 }
 
+/* The model's parameters: their count and an FNV-1a hash of each one's
+ * name and size, so that two models of one count but another layout
+ * differ too. */
+static void model_layout(const stk_model *m, char *s, size_t n)
+{
+    uint64_t h = 1469598103934665603u;
+    for (int i = 0; i < stk_model_nparams(m); i++) {
+        const stk_param *p = stk_model_param(m, i);
+        char one[STK_NAME_MAX + 64];
+        int len = snprintf(one, sizeof one, "%s:%zu;", p->name, p->count);
+        for (int k = 0; k < len && k < (int)sizeof one; k++)
+            h = (h ^ (uint8_t)one[k]) * 1099511628211u;
+    }
+    snprintf(s, n, "%zu parameters in %d tensors (layout %016llx)",
+             stk_model_param_count(m), stk_model_nparams(m),
+             (unsigned long long)h);
+}
+
+/* What the ranks of one run must share, as "field=value" items each
+ * ended by '\n': the model, the data's shape and the flags that decide
+ * the data order, the arithmetic and the number of steps. */
+static void config_text(const run_state *r, char *s, size_t n)
+{
+    static const char *const scheds[] = {"constant", "step", "cosine",
+                                         "linear", "onecycle"};
+    static const char *const augs[] = {"auto", "none", "crop", "rrc"};
+    const stk_train_opts *o = r->o;
+    char model[160];
+    model_layout(r->model, model, sizeof model);
+    snprintf(s, n,
+             "model=%s\ndevice=%s\ndatabase=%dx%dx%d, %d classes, %llu train "
+             "samples a rank\n--batch=%d\n--epochs=%d\n--accum=%d\n"
+             "--max-steps=%d\n--seed=%llu\n--optim=%s\n--lr=%.9g\n"
+             "--momentum=%.9g\n--nesterov=%d\n--weight-decay=%.9g\n"
+             "--no-decay-norm-bias=%d\n--clip=%.9g\n--label-smoothing=%.9g\n"
+             "--schedule=%s\n--warmup=%d\n--step-size=%d\n--gamma=%.9g\n"
+             "--augment=%s\n--crop-size=%d\n--crop-ratio=%.9g\n"
+             "--rrc-scale=%.9g,%.9g\n--no-dropout=%d\n--conv=%s\n"
+             "--sync-bn=%d\n--bucket-mb=%.9g\n",
+             model, stk_backend_name(r->be), r->in_c, r->in_h, r->in_w,
+             stk_store_meta(r->store)->nclasses, (unsigned long long)r->shard,
+             o->batch, o->epochs, o->accum, o->max_steps,
+             (unsigned long long)o->seed,
+             o->optim == STK_OPT_SGD ? "sgd" : "adamw", (double)o->lr,
+             (double)o->momentum, o->nesterov, (double)o->weight_decay,
+             o->no_decay_norm_bias, (double)o->clip,
+             (double)o->label_smoothing, scheds[o->sched], o->warmup,
+             o->step_size, (double)o->gamma, augs[r->augment], o->crop_size,
+             (double)o->crop_ratio, o->rrc_scale[0], o->rrc_scale[1],
+             !o->dropout, o->conv == STK_CONV_IM2COL ? "im2col" : "auto",
+             o->sync_bn, (double)o->bucket_mb);
+}
+
+/* The first item of mine that theirs does not hold alike, as an error. */
+static int config_differs(const run_state *r, const char *mine,
+                          const char *theirs, stk_err *err)
+{
+    for (;;) {
+        size_t a = strcspn(mine, "\n"), b = strcspn(theirs, "\n");
+        if (!mine[a] || !theirs[b]) /* both end alike: equal throughout */
+            return 0;
+        if (a != b || memcmp(mine, theirs, a)) {
+            size_t eq = strcspn(mine, "=");
+            return stk_fail(err, STK_EINVAL,
+                            "rank %d's %.*s is %.*s, rank 0's %.*s: the "
+                            "ranks of one run need the same flags, model "
+                            "and database (nodes started by hand?)",
+                            r->rank.rank, (int)eq, mine, (int)(a - eq - 1),
+                            mine + eq + 1,
+                            (int)(b - strcspn(theirs, "=") - 1),
+                            theirs + strcspn(theirs, "=") + 1);
+        }
+        mine += a + 1;
+        theirs += b + 1;
+    }
+}
+
+/* Rank 0's configuration against this rank's (0 when they agree). */
+static int compare_config(run_state *r, const char *mine, stk_err *err)
+{
+    void *v = NULL;
+    size_t n = 0;
+    int rc = stk_kv_get(r->kv, "train/config", r->o->timeout_s * 1000, &v, &n,
+                        err);
+    if (!rc && (!n || ((char *)v)[n - 1]))
+        rc = stk_fail(err, STK_EFORMAT,
+                      "rank 0's configuration in the store is not text");
+    if (!rc)
+        rc = config_differs(r, mine, v, err);
+    free(v);
+    return rc;
+}
+
+int group_check_config(run_state *r, stk_err *err)
+{
+    if (r->rank.world == 1)
+        return 0;
+    char mine[1400];
+    config_text(r, mine, sizeof mine);
+    int rc = r->rank.rank == 0
+                 ? stk_kv_set(r->kv, "train/config", mine, strlen(mine) + 1, err)
+                 : compare_config(r, mine, err);
+    /* a rank that differs leaves its message where every rank reads it
+     * once they have agreed that one failed: a launcher may stop that
+     * rank before its own line is out */
+    stk_err ignored;
+    if (rc)
+        stk_kv_set(r->kv, "train/config-differs", err->msg,
+                   strlen(err->msg) + 1, &ignored);
+    float none[1] = {0};
+    int failed = 0;
+    if ((rc = group_sum_failed(r, rc, none, 1, &failed, err)) || !failed)
+        return rc;
+    void *why = NULL;
+    size_t n = 0;
+    if (stk_kv_get(r->kv, "train/config-differs", 1000, &why, &n, &ignored) ||
+        !n || ((char *)why)[n - 1])
+        rc = stk_fail(err, STK_EPEER, "%d other rank(s) could not start (their "
+                      "messages say why)", failed);
+    else
+        rc = stk_fail(err, STK_EINVAL, "%s", (char *)why);
+    free(why);
+    return rc;
+}
+
 /* Where rank 0 starts (fresh or resumed), for every rank. */
 typedef struct start_pos {
     uint64_t step, start_batch;

@@ -1040,6 +1040,8 @@ static int setup(run_state *r, stk_err *err)
         rc = open_metrics(r, err);
     rc = group_agree(r, rc, err); /* a rank that failed ends them all now */
     if (!rc)
+        rc = group_check_config(r, err);
+    if (!rc)
         rc = group_share_start(r, err);
     if (!rc)
         rc = group_ddp(r, err);

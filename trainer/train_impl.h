@@ -133,6 +133,12 @@ int group_open(run_state *r, stk_err *err);
  * waiting out --timeout for this rank. */
 void group_abort(run_state *r);
 void group_close(run_state *r);
+/* Every rank's run against rank 0's, before the first collective that
+ * depends on it: the model's parameters (the collectives' lengths), the
+ * training flags and the database's shape. A rank that differs fails
+ * naming the first field (nodes started by hand with other flags), and
+ * the others with it (group_agree). */
+int group_check_config(run_state *r, stk_err *err);
 /* Rank 0's weights, buffers, optimizer state and position to every rank. */
 int group_share_start(run_state *r, stk_err *err);
 /* Rank 0's batchnorm buffers and counters to every rank (DDP's

@@ -199,6 +199,26 @@ wait $N1 || { cat n1.out; fail "node 1"; }
 [ "$(epochs n0)" = "2 10000 0" ] || fail "two nodes: $(epochs n0)"
 [ ! -e n1 ] || fail "node 1 (rank 1) wrote a run directory"
 ok "two launchers (--nnodes 2) trained one model as world 2"
+# nodes started with other flags or another model: refused before the first
+# collective, node 0 naming the field whichever rank differs (another
+# model's larger buffer had killed a rank with SIGBUS; another --batch
+# misaligned the collectives); node 1's launcher may stop its rank first
+differ() { # what node 1 adds, the message
+  port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  nodes=(--nnodes 2 --nproc 1 --master-addr 127.0.0.1 --master-port $port --timeout 60)
+  "$T" "${common[@]}" "${nodes[@]}" --node-rank 1 --epochs 1 $1 --out d1 > d1.out 2>&1 &
+  local n1=$! rc0=0 rc1=0
+  "$T" "${common[@]}" "${nodes[@]}" --node-rank 0 --epochs 1 --out d0 > d0.out 2>&1 || rc0=$?
+  wait $n1 || rc1=$?
+  [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] || { cat d0.out d1.out; fail "$1 on node 1: exits $rc0, $rc1"; }
+  grep -q "$2" d0.out || { cat d0.out d1.out; fail "$1 on node 1: node 0's message"; }
+  [ ! -e d0/checkpoints/BEST ] || fail "$1 on node 1: node 0 trained"
+  rm -rf d0 d1
+}
+differ "--batch 32" "rank 1's --batch is 32, rank 0's 64: the ranks of one run need the same flags"
+other=cnn; [ "$M" = cnn ] && other=mlp
+differ "--model $other" "rank 1's model is [0-9]* parameters in [0-9]* tensors (layout [0-9a-f]*), rank 0's"
+ok "nodes with another --batch or model refused at the start, node 0 naming what differs"
 
 # ---- resume with another number of ranks -------------------------------------
 "$T" "${common[@]}" --nproc 2 --batch 64 --epochs 1 --out regrow --log-every 10
