@@ -439,15 +439,27 @@ int main(int argc, char **argv)
     dist_opts d = {.nnodes = 1, .node_rank = -1};
     if (parse(argc, argv, &o, &d) || check_dist(&o, &d))
         return 2;
+    /* launcher flags start a launcher, also inside a SLURM step (one srun
+     * task per node); RANK (set by a launcher) makes a rank */
+    bool launcher_flags = d.nproc || d.gpus_given || d.nnodes > 1;
+    if ((d.nnodes > 1 || (d.nproc && !d.gpus_given)) && getenv("RANK") &&
+        !getenv("STOKE_LAUNCHER_PID")) {
+        /* RANK from another launcher (torchrun) or left in the shell: the
+         * flags would be ignored, this process one rank of that job (--gpus
+         * I,J still maps its LOCAL_RANK to a GPU) */
+        fprintf(stderr, "train: RANK=%s is set (by torchrun, or left in this "
+                        "shell), so this process is one rank of that job and "
+                        "--nproc/--nnodes would be ignored: unset RANK and "
+                        "WORLD_SIZE to start the ranks here, or leave those "
+                        "flags out\n", getenv("RANK"));
+        return 2;
+    }
     stk_rank_info ri;
     stk_err err = {0};
     if (stk_rank_from_env(&ri, &err)) {
         fprintf(stderr, "train: error: %s\n", err.msg);
         return 2;
     }
-    /* launcher flags start a launcher, also inside a SLURM step (one srun
-     * task per node); RANK (set by a launcher) makes a rank */
-    bool launcher_flags = d.nproc || d.gpus_given || d.nnodes > 1;
     if (!getenv("RANK") && launcher_flags)
         return d.gpus_given && check_gpus(&d) ? 2 : launch(&o, &d, argv);
     bool is_rank = getenv("RANK") || ri.world > 1;

@@ -385,6 +385,10 @@ expect_fail 2 "gpus 0,0 names GPU 0 twice" "$T" --db db --gpus 0,0 --out bad
 expect_fail 2 "^train: --gpus: expected whole numbers 0..1023 separated by single commas, such as 0,1,2,4, got '0,,1'\$" "$T" --db db --gpus 0,,1 --out bad
 expect_fail 2 "nproc 3 disagrees with --gpus" "$T" --db db --gpus 2 --nproc 3 --out bad
 expect_fail 2 "nproc: expected a whole number 1..64, got '0'" "$T" --db db --nproc 0 --out bad
+# torchrun's RANK (or one left in the shell) with launcher flags: refused,
+# not a silent single process
+expect_fail 2 "train: RANK=0 is set \(by torchrun, or left in this shell\), so this process is one rank of that job and --nproc/--nnodes would be ignored" \
+  env RANK=0 WORLD_SIZE=1 "$T" --db db --nproc 2 --out bad
 # node 0 alone: its rank waits for a second node that never comes
 expect_fail 1 "timed out after 2 s at 'train/joined': 1 of 2 ranks arrived" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 0 --nproc 1 --master-addr 127.0.0.1 \
