@@ -518,6 +518,33 @@ static size_t record_guess(int c, int h, int w, int short_side, int max_side,
     return (size_t)(c * px / (encoding == STK_ENC_JPEG ? 6 : 1));
 }
 
+/* The classes of a --holdout run that --skip-bad left with no record in
+ * one split although two or more of theirs were written (a class of one
+ * file stays in train by design), as a warning line. */
+static void holdout_warning(const run *r, stk_prep_summary *s)
+{
+    const stk_source *src = r->p.src;
+    if (!r->p.opts->source.holdout || stk_source_nsplits(src) != 2 ||
+        !(r->stats[0].skipped + r->stats[1].skipped))
+        return;
+    size_t u = 0;
+    int n = 0;
+    for (int c = 0; c < stk_source_nclasses(src); c++) {
+        uint64_t train = r->stats[0].labels[c], test = r->stats[1].labels[c];
+        if ((train && test) || train + test < 2 || n++ >= 3)
+            continue;
+        int w = snprintf(s->warning + u, sizeof s->warning - u, "%s\"%.40s\"",
+                         u ? ", " : "", stk_source_class_name(src, c));
+        u += w > 0 && (size_t)w < sizeof s->warning - u ? (size_t)w : 0;
+    }
+    if (n)
+        snprintf(s->warning + u, sizeof s->warning - u,
+                 "%s: %d class(es) with no record in one split: their files "
+                 "there were skipped (--skip-bad) after --holdout divided them; "
+                 "mend or remove the bad files, or try another --holdout-seed",
+                 n > 3 ? " and others" : "", n);
+}
+
 static void fill_summary(const run *r, stk_prep_summary *s)
 {
     if (!s)
@@ -536,6 +563,7 @@ static void fill_summary(const run *r, stk_prep_summary *s)
     s->encoding = r->p.encoding;
     s->bytes = r->bytes;
     s->seconds = stk_now() - r->t0;
+    holdout_warning(r, s);
 }
 
 static int run_all(run *r, const char *raw_dir, const char *db_dir,

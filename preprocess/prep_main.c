@@ -253,6 +253,8 @@ static void print_summary(const char *db, const stk_prep_summary *s)
     if (skipped)
         printf("prep: skipped %llu bad file(s); `dbinfo %s` lists them\n",
                (unsigned long long)skipped, db);
+    if (*s->warning)
+        fprintf(stderr, "prep: warning: %s\n", s->warning);
 }
 
 int main(int argc, char **argv)

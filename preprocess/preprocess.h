@@ -288,6 +288,10 @@ typedef struct stk_prep_summary {
     double seconds;
     int channels, height, width;  /* height, width 0: variable size */
     int encoding;
+    /* "" or a line to show: --holdout's promise (each class of two files
+     * or more in both splits) broken by --skip-bad's skipped files, which
+     * are found only after the files were divided */
+    char warning[400];
 } stk_prep_summary;
 
 /* stk_source_opts_check for prep's options: also workers 1..256, the

@@ -957,11 +957,13 @@ static PyObject *summary_dict(const stk_prep_summary *s)
     }
     if (!splits)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s}", "splits", splits,
-                         "samples", (unsigned long long)s->samples, "bytes",
-                         (unsigned long long)s->bytes, "seconds", s->seconds,
-                         "shape", s->channels, s->height, s->width, "encoding",
-                         s->encoding == STK_ENC_JPEG ? "jpeg" : "raw");
+    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s,s:s}", "splits",
+                         splits, "samples", (unsigned long long)s->samples,
+                         "bytes", (unsigned long long)s->bytes, "seconds",
+                         s->seconds, "shape", s->channels, s->height,
+                         s->width, "encoding",
+                         s->encoding == STK_ENC_JPEG ? "jpeg" : "raw",
+                         "warning", s->warning);
 }
 
 static int parse_format(module_state *st, const char *name,

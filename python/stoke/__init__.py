@@ -715,4 +715,7 @@ def prep(raw_dir, db_dir, workers=None, size=None, channels=None,
         holdout_seed=_u64("holdout_seed", holdout_seed))
     if progress and getattr(progress, "__name__", "") == "show":
         sys.stderr.write("\n")
+    if summary["warning"]:
+        import warnings
+        warnings.warn("stoke.prep: " + summary["warning"], stacklevel=2)
     return summary

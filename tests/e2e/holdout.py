@@ -158,6 +158,21 @@ if stoke is not None:
         if "--holdout" not in str(e) and "holdout" not in str(e):
             sys.exit(f"FAIL: stoke.prep(holdout=1.5) says {e}")
 
+# --skip-bad finds a bad file only after --holdout divided the files: emu's
+# one held-out file is empty, so emu has no test record; prep says so
+# (warning, exit 0) instead of breaking the rule silently
+shutil.copytree("raw", "rawbad")
+emu_test = [r for r in expected_test(0.25, 0) if r.startswith("emu/")]
+assert len(emu_test) == 1, emu_test
+open(os.path.join("rawbad", emu_test[0]), "wb").close()
+out = run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "rawbad", "dbskip")
+if ('prep: warning: "emu": 1 class(es) with no record in one split: their files there '
+        "were skipped (--skip-bad) after --holdout divided them") not in out:
+    sys.exit(f"FAIL: an emptied class of the holdout: {out}")
+if "warning" in run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "raw", "dbok"):
+    sys.exit("FAIL: a warning without a skipped file")
+print("ok: a class that --skip-bad left without test records is named")
+
 # refusals: each names the flag, nothing is written
 for bad in ("0", "1", "1.5", "-0.1", "abc", "0.1x"):
     out = run("prep", "--holdout", bad, "raw", "dbx", code=2)
