@@ -37,6 +37,13 @@ typedef struct folder_data {
     item *items[SRC_MAX_SPLITS];
 } folder_data;
 
+/* Files a listing passed over (neither a folder nor an image by its
+ * extension), and the first of them. */
+typedef struct passed_over {
+    size_t n;
+    char first[200];
+} passed_over;
+
 static int push(strvec *sv, char *s)
 {
     if (!s)
@@ -143,7 +150,7 @@ static void classify(const char *path, const struct dirent *de, int *is_dir,
  * --skip-bad records it. *others counts the entries that are neither (may
  * be NULL). */
 static int list_dir(const char *dir, strvec *dirs, itemvec *files,
-                    size_t *others, stk_err *err)
+                    passed_over *others, stk_err *err)
 {
     DIR *d = opendir(dir);
     if (!d)
@@ -169,9 +176,9 @@ static int list_dir(const char *dir, strvec *dirs, itemvec *files,
         } else if (files && is_image(de->d_name)) {
             rc = push_item(files, full, other);
         } else {
+            if (others && !others->n++)
+                snprintf(others->first, sizeof others->first, "%s", full);
             free(full);
-            if (others)
-                ++*others;
         }
         errno = 0;
     }
@@ -195,9 +202,9 @@ typedef struct walk_frame {
     const struct walk_frame *up;
 } walk_frame;
 
-/* Collects every image below dir, recursively. */
+/* Collects every image below dir, recursively; counts the other files. */
 static int walk(const char *dir, const walk_frame *up, itemvec *files,
-                stk_err *err)
+                passed_over *others, stk_err *err)
 {
     struct stat st;
     if (stat(dir, &st) != 0)
@@ -210,13 +217,13 @@ static int walk(const char *dir, const walk_frame *up, itemvec *files,
                             f->path);
     walk_frame here = {st.st_dev, st.st_ino, dir, up};
     strvec sub = {0};
-    int rc = list_dir(dir, &sub, files, NULL, err);
+    int rc = list_dir(dir, &sub, files, others, err);
     for (size_t i = 0; !rc && i < sub.n; i++) {
         char *p;
         if (asprintf(&p, "%s/%s", dir, sub.v[i]) < 0)
             rc = stk_fail(err, STK_ENOMEM, "%s: out of memory", dir);
         else {
-            rc = walk(p, &here, files, err);
+            rc = walk(p, &here, files, others, err);
             free(p);
         }
     }
@@ -235,7 +242,7 @@ static int class_index(const stk_source *s, const char *name)
 /* Lists split folder root/<class>/... into the split's items: each class's
  * images sorted by path, the classes in name order. */
 static int index_split(stk_source *s, folder_data *x, int k, const char *root,
-                       stk_err *err)
+                       passed_over *others, stk_err *err)
 {
     strvec classes = {0};
     itemvec all = {0};
@@ -247,7 +254,7 @@ static int index_split(stk_source *s, folder_data *x, int k, const char *root,
             break;
         }
         size_t first = all.n;
-        rc = walk(cdir, NULL, &all, err);
+        rc = walk(cdir, NULL, &all, others, err);
         free(cdir);
         if (all.n - first > 1) /* an empty class folder has nothing to sort */
             qsort(all.v + first, all.n - first, sizeof *all.v, cmp_item);
@@ -379,13 +386,13 @@ static int find_splits(stk_source *s, strvec *top, int *layout_split,
 static void describe(const char *dir, char *buf, size_t n)
 {
     itemvec files = {0};
-    size_t others = 0;
+    passed_over others = {0};
     if (list_dir(dir, NULL, &files, &others, NULL) == 0)
         snprintf(buf, n,
-                 files.n || others ? "; it holds %zu image file(s) and %zu "
-                                     "other file(s) but no folder"
-                                   : "; it is empty",
-                 files.n, others);
+                 files.n || others.n ? "; it holds %zu image file(s) and %zu "
+                                       "other file(s) but no folder"
+                                     : "; it is empty",
+                 files.n, others.n);
     else
         buf[0] = '\0';
     itemvec_free(&files);
@@ -468,6 +475,39 @@ static const char *folder_file(const stk_source *s, int split, uint64_t i)
 
 static const source_ops folder_ops = {folder_load, folder_free, folder_file};
 
+/* What a user would miss, in s->notice: files the folders hold that prep
+ * does not read (torchvision's ImageFolder also reads .bmp, .webp, .tif,
+ * ...), and classes with no image in train (ImageFolder refuses a class
+ * folder without a file; here the class keeps its index). */
+static void note_passed_over(stk_source *s, const folder_data *x,
+                             const passed_over *others)
+{
+    size_t u = 0, cap = sizeof s->notice;
+    if (others->n)
+        u = (size_t)snprintf(s->notice, cap,
+                             "%zu file(s) that are not .png, .jpg or .jpeg "
+                             "were passed over (the first: %s)",
+                             others->n, others->first);
+    unsigned char *has = calloc((size_t)s->nclasses, 1);
+    for (uint64_t i = 0; has && i < s->split_count[0]; i++)
+        if (x->items[0][i].label >= 0)
+            has[x->items[0][i].label] = 1;
+    int empty = 0;
+    for (int c = 0; has && c < s->nclasses && u < cap; c++) {
+        if (has[c] || empty++ >= 3)
+            continue;
+        int w = snprintf(s->notice + u, cap - u, "%s\"%.40s\"",
+                         empty > 1 ? ", " : u ? "\n" : "",
+                         s->classes[c]);
+        u += w > 0 ? (size_t)w : 0;
+    }
+    if (empty && u < cap)
+        snprintf(s->notice + u, cap - u,
+                 "%s: %d class(es) with no image in train (kept, with "
+                 "their indices)", empty > 3 ? " and others" : "", empty);
+    free(has); /* out of memory: the notice is a help, not a need */
+}
+
 int stk_folder_open(stk_source *s, stk_err *err)
 {
     s->ops = &folder_ops;
@@ -492,12 +532,15 @@ int stk_folder_open(stk_source *s, stk_err *err)
                       s->dir, s->dir, s->dir);
     if (!rc)
         rc = collect_classes(s, layout_split, err);
+    passed_over others = {0};
     for (int k = 0; !rc && k < s->nsplits; k++) {
         char *root = split_root(s, layout_split, k);
-        rc = root ? index_split(s, s->impl, k, root, err)
+        rc = root ? index_split(s, s->impl, k, root, &others, err)
                   : stk_fail(err, STK_ENOMEM, "%s: out of memory", s->dir);
         free(root);
     }
+    if (!rc)
+        note_passed_over(s, s->impl, &others);
     if (!rc && s->holdout)
         rc = hold_out(s, s->impl, err);
     return rc;

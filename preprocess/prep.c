@@ -527,14 +527,15 @@ static void holdout_warning(const run *r, stk_prep_summary *s)
     if (!r->p.opts->source.holdout || stk_source_nsplits(src) != 2 ||
         !(r->stats[0].skipped + r->stats[1].skipped))
         return;
-    size_t u = 0;
+    size_t u = strlen(s->warning), start = u;
     int n = 0;
     for (int c = 0; c < stk_source_nclasses(src); c++) {
         uint64_t train = r->stats[0].labels[c], test = r->stats[1].labels[c];
         if ((train && test) || train + test < 2 || n++ >= 3)
             continue;
         int w = snprintf(s->warning + u, sizeof s->warning - u, "%s\"%.40s\"",
-                         u ? ", " : "", stk_source_class_name(src, c));
+                         u > start ? ", " : start ? "\n" : "",
+                         stk_source_class_name(src, c));
         u += w > 0 && (size_t)w < sizeof s->warning - u ? (size_t)w : 0;
     }
     if (n)
@@ -563,6 +564,7 @@ static void fill_summary(const run *r, stk_prep_summary *s)
     s->encoding = r->p.encoding;
     s->bytes = r->bytes;
     s->seconds = stk_now() - r->t0;
+    snprintf(s->warning, sizeof s->warning, "%s", stk_source_notice(src));
     holdout_warning(r, s);
 }
 

@@ -253,8 +253,11 @@ static void print_summary(const char *db, const stk_prep_summary *s)
     if (skipped)
         printf("prep: skipped %llu bad file(s); `dbinfo %s` lists them\n",
                (unsigned long long)skipped, db);
-    if (*s->warning)
-        fprintf(stderr, "prep: warning: %s\n", s->warning);
+    for (const char *w = s->warning; *w;) { /* one line each */
+        size_t n = strcspn(w, "\n");
+        fprintf(stderr, "prep: warning: %.*s\n", (int)n, w);
+        w += n + (w[n] == '\n');
+    }
 }
 
 int main(int argc, char **argv)

@@ -211,6 +211,9 @@ int stk_source_nsplits(const stk_source *s);
 const char *stk_source_split_name(const stk_source *s, int split);
 uint64_t stk_source_split_count(const stk_source *s, int split);
 int stk_source_nclasses(const stk_source *s);
+/* "" or lines on what the reader passed over that a user would miss
+ * (folders: files it does not read, classes with no image in train). */
+const char *stk_source_notice(const stk_source *s);
 const char *stk_source_class_name(const stk_source *s, int cls);
 /* Output shape of every sample (CHW); h and w are 0 when variable. */
 void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
@@ -288,10 +291,11 @@ typedef struct stk_prep_summary {
     double seconds;
     int channels, height, width;  /* height, width 0: variable size */
     int encoding;
-    /* "" or a line to show: --holdout's promise (each class of two files
-     * or more in both splits) broken by --skip-bad's skipped files, which
-     * are found only after the files were divided */
-    char warning[400];
+    /* "" or lines to show: what the source passed over (files it does not
+     * read, empty classes: stk_source_notice), and --holdout's promise
+     * (each class of two files or more in both splits) broken by
+     * --skip-bad's skipped files, found only after the division */
+    char warning[900];
 } stk_prep_summary;
 
 /* stk_source_opts_check for prep's options: also workers 1..256, the

@@ -153,6 +153,7 @@ uint64_t stk_source_split_count(const stk_source *s, int i)
     return s->split_count[i];
 }
 int stk_source_nclasses(const stk_source *s) { return s->nclasses; }
+const char *stk_source_notice(const stk_source *s) { return s->notice; }
 const char *stk_source_class_name(const stk_source *s, int i)
 {
     return s->classes[i];

@@ -172,6 +172,21 @@ if ('prep: warning: "emu": 1 class(es) with no record in one split: their files 
 if "warning" in run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "raw", "dbok"):
     sys.exit("FAIL: a warning without a skipped file")
 print("ok: a class that --skip-bad left without test records is named")
+# what a folder holds that prep passes over is said, not silent: files of
+# other types (ImageFolder reads .webp and .bmp too) and a class folder
+# without an image (ImageFolder refuses it; here it keeps its index)
+shutil.copytree("raw", "rawx")
+open(os.path.join("rawx", "cat", "x.webp"), "wb").write(b"RIFF")
+os.makedirs(os.path.join("rawx", "gnu", "empty"))
+out = run("prep", "--size", "16", "rawx", "dbpassed")
+for want in ("prep: warning: 1 file(s) that are not .png, .jpg or .jpeg were passed over "
+             "(the first: rawx/cat/x.webp)",
+             'prep: warning: "gnu": 1 class(es) with no image in train (kept, with their indices)'):
+    if want not in out:
+        sys.exit(f"FAIL: {want!r} not in\n{out}")
+if "warning" in run("prep", "--size", "16", "raw", "dbquiet"):
+    sys.exit("FAIL: a warning for a folder with nothing passed over")
+print("ok: files of other types and classes without an image are named")
 
 # refusals: each names the flag, nothing is written
 for bad in ("0", "1", "1.5", "-0.1", "abc", "0.1x"):
