@@ -153,7 +153,8 @@ int stk_rank_from_env(stk_rank_info *out, stk_err *err)
     memset(out, 0, sizeof *out);
     out->world = out->local_world = 1;
     snprintf(out->master_addr, sizeof out->master_addr, "127.0.0.1");
-    if (getenv("RANK") || getenv("WORLD_SIZE")) {
+    const char *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
+    if ((rank && *rank) || (world && *world)) { /* empty: unset, as env_int */
         out->source = "torchrun variables";
         return from_torchrun(out, err);
     }

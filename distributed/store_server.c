@@ -680,8 +680,9 @@ static int bind_error(const char *host, int port, int rc, stk_err *err)
     if (rc == UV_EADDRINUSE)
         return stk_fail(err, STK_EEXIST,
                         "--master-port %d: the port is already in use on %s "
-                        "(another training job's store?); choose another port, "
-                        "or leave --master-port out to take a free one",
+                        "(another training job's store?); choose another port "
+                        "(on one node, leaving --master-port out takes a free "
+                        "one)",
                         port, host);
     return stk_fail(err, STK_EIO, "rendezvous store: cannot listen on %s:%d: %s",
                     host, port, uv_strerror(rc));

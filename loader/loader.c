@@ -517,7 +517,8 @@ int stk_loader_crop_plan(const stk_meta *m, int crop_size, double crop_ratio,
                         "%s: its records keep their aspect ratio with only "
                         "the longer side capped (prep --max-side), so there "
                         "is no shorter side to size the crops from: give a "
-                        "crop size",
+                        "crop size (train --crop-size, stoke.Loader's "
+                        "crop_size)",
                         db);
     int side = crop_size ? crop_size
                : m->variable ? (int)lround(0.875 * stored)

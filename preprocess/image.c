@@ -194,7 +194,9 @@ int stk_image_decode(stk_decoder *d, const uint8_t *data, size_t len,
     if (len >= 3 && data[0] == 0xff && data[1] == 0xd8 && data[2] == 0xff)
         return decode_jpeg(d, data, len, (tjscalingfactor){1, 1}, out, wbuf,
                            wlen);
-    return why(wbuf, wlen, "%s", "not a PNG or JPEG file (bad magic bytes)");
+    return why(wbuf, wlen, "%s",
+               len ? "not a PNG or JPEG file (bad magic bytes)"
+                   : "an empty file (0 bytes), not a PNG or JPEG");
 }
 
 int stk_image_jpeg_size(stk_decoder *d, const uint8_t *data, size_t len,

@@ -442,7 +442,10 @@ int main(int argc, char **argv)
     /* launcher flags start a launcher, also inside a SLURM step (one srun
      * task per node); RANK (set by a launcher) makes a rank */
     bool launcher_flags = d.nproc || d.gpus_given || d.nnodes > 1;
-    if ((d.nnodes > 1 || (d.nproc && !d.gpus_given)) && getenv("RANK") &&
+    const char *rank = getenv("RANK");
+    if (rank && !*rank)
+        rank = NULL; /* set but empty: unset, as the rank variables read it */
+    if ((d.nnodes > 1 || (d.nproc && !d.gpus_given)) && rank &&
         !getenv("STOKE_LAUNCHER_PID")) {
         /* RANK from another launcher (torchrun) or left in the shell: the
          * flags would be ignored, this process one rank of that job (--gpus
@@ -451,7 +454,7 @@ int main(int argc, char **argv)
                         "shell), so this process is one rank of that job and "
                         "--nproc/--nnodes would be ignored: unset RANK and "
                         "WORLD_SIZE to start the ranks here, or leave those "
-                        "flags out\n", getenv("RANK"));
+                        "flags out\n", rank);
         return 2;
     }
     stk_rank_info ri;
@@ -460,9 +463,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "train: error: %s\n", err.msg);
         return 2;
     }
-    if (!getenv("RANK") && launcher_flags)
+    if (!rank && launcher_flags)
         return d.gpus_given && check_gpus(&d) ? 2 : launch(&o, &d, argv);
-    bool is_rank = getenv("RANK") || ri.world > 1;
+    bool is_rank = rank || ri.world > 1;
     if (is_rank && place_rank(&o, &d, &ri))
         return 2;
     o.rank = &ri;

@@ -300,6 +300,12 @@ def _world(rank, world_size):
         if dist is not None and dist.is_available() and dist.is_initialized():
             r, w = dist.get_rank(), dist.get_world_size()
     if r is None:
+        given = [k for k in ("RANK", "WORLD_SIZE") if os.environ.get(k)]
+        if len(given) == 1:  # torchrun sets both; train refuses one alone
+            raise _arg_error("%s is set in the environment but %s is not "
+                             "(torchrun sets both; rank= and world_size= "
+                             "override them)" % (given[0], {"RANK": "WORLD_SIZE",
+                                                            "WORLD_SIZE": "RANK"}[given[0]]))
         r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     return (_c_int("rank", rank) if rank is not None else r,
             _c_int("world_size", world_size) if world_size is not None else w)
@@ -308,7 +314,7 @@ def _world(rank, world_size):
 def _env_int(name, default):
     """An integer variable of the environment (torchrun's RANK, ...)."""
     v = os.environ.get(name)
-    if v is None:
+    if not v:  # unset or empty, as train reads it
         return default
     try:
         return _c_int(name, int(v))

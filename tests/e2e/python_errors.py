@@ -83,7 +83,9 @@ def main():
            crop_ratio=float("nan"))
     os.environ["RANK"], os.environ["WORLD_SIZE"] = "x", "2"
     raises(A, "RANK='x' in the environment is not an integer", stoke.Loader, db)
-    del os.environ["RANK"], os.environ["WORLD_SIZE"]
+    del os.environ["RANK"]
+    raises(A, "WORLD_SIZE is set in the environment but RANK is not", stoke.Loader, db)
+    del os.environ["WORLD_SIZE"]
     # what int() would round or parse is a TypeError naming the argument
     # (DataLoader refuses batch_size=1.5), not a silent 1
     for kw, pattern in ((dict(batch_size=1.5), "batch_size must be an integer, not float 1.5"),

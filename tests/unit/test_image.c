@@ -129,6 +129,7 @@ static void garbage_is_named(void **state)
     assert_non_null(strstr(why, "not a PNG or JPEG"));
     assert_int_equal(stk_image_decode(dec, junk, 0, &im, why, sizeof why),
                      STK_EFORMAT);
+    assert_string_equal(why, "an empty file (0 bytes), not a PNG or JPEG");
 }
 
 static void fit_native_is_a_transpose(void **state)
