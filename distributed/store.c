@@ -20,6 +20,7 @@ struct stk_kv {
     int fd;         /* open until stk_kv_close, so that stk_kv_interrupt
                        from another thread never meets a reused number */
     bool dead;      /* an error or timeout left the stream unusable */
+    bool answered;  /* a reply of this protocol came: it is a stoke store */
     int timeout_ms; /* bounds SET and ADD too: a store that vanished with
                        its machine never answers */
     char where[300]; /* host:port, for messages */
@@ -126,8 +127,23 @@ static void retire(stk_kv *kv)
     kv->dead = true;
 }
 
+/* What a server that never answered as a stoke store is likely to be. */
+static int not_ours(stk_kv *kv, const char *what, stk_err *err)
+{
+    retire(kv);
+    return stk_fail(err, STK_EPEER,
+                    "the server at %s (%s) never answered as a stoke store "
+                    "does: is it one? (torchrun's TCPStore speaks another "
+                    "protocol: start stoke's ranks with train --nproc, "
+                    "--nnodes or --gpus, or with srun; a stoke store also "
+                    "disconnects a first request over one of its limits)",
+                    kv->where, what);
+}
+
 static int lost(stk_kv *kv, const char *what, stk_err *err)
 {
+    if (!kv->answered)
+        return not_ours(kv, what, err);
     retire(kv);
     return stk_fail(err, STK_EPEER,
                     "lost the rendezvous store at %s (%s); the launcher or rank 0 "
@@ -205,6 +221,9 @@ static int status(stk_kv *kv, const char *key, double deadline, stk_err *err)
     int rc = io_all(kv, &st, 1, false, deadline, err);
     if (rc)
         return rc;
+    if (st > STORE_NO_MEMORY && !kv->answered)
+        return not_ours(kv, "an unknown status byte", err);
+    kv->answered = true;
     if (st == STORE_OK)
         return 0;
     if (st == STORE_NO_MEMORY)

@@ -377,6 +377,22 @@ closed=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 expect_fail 1 "cannot reach the rendezvous store at 127.0.0.1:$closed" \
   "$T" "${common[@]}" --nnodes 2 --node-rank 1 --nproc 1 --master-addr 127.0.0.1 \
   --master-port "$closed" --timeout 2 --out unreachable
+# a server of another protocol at MASTER_PORT (torchrun's TCPStore closes
+# the connection on a stoke request): named as perhaps not a stoke store,
+# not as a store that was lost
+$PY -c '
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(4)
+print(s.getsockname()[1], flush=True)
+for _ in range(4):
+    c, _ = s.accept(); c.recv(64); c.close()
+' > foreign.txt &
+F=$!
+for _ in $(seq 50); do [ -s foreign.txt ] && break; sleep 0.1; done
+expect_fail 1 "the server at 127.0.0.1:$(cat foreign.txt) \(connection closed\) never answered as a stoke store does: is it one\? \(torchrun's TCPStore speaks another protocol" \
+  env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$(cat foreign.txt)" \
+  "$T" "${common[@]}" --timeout 5 --out foreign
+kill $F 2>/dev/null || true
 # flags that cannot work
 expect_fail 2 "nnodes 2 needs --master-addr" "$T" --db db --nnodes 2 --nproc 1 --out bad
 expect_fail 2 "node-rank 2 must be below --nnodes 2" "$T" --db db --nnodes 2 --node-rank 2 \
