@@ -90,8 +90,11 @@ int stk_kv_connect(const char *host, int port, int timeout_ms, stk_kv **out,
     if (fd < 0)
         return stk_fail(err, STK_ETIMEDOUT,
                         "cannot reach the rendezvous store at %s:%d within %g s "
-                        "(%s); is node 0's launcher (or rank 0) running, and are "
-                        "MASTER_ADDR and MASTER_PORT the same on every node?",
+                        "(%s); is node 0's launcher (or, under SLURM, rank 0) "
+                        "running, and are MASTER_ADDR and MASTER_PORT the same "
+                        "on every node? (ranks that another tool started with "
+                        "RANK and WORLD_SIZE find no stoke store: start them "
+                        "with train --nproc, --nnodes or --gpus)",
                         host, port, timeout_ms / 1000.0, strerror(e));
     stk_kv *kv = calloc(1, sizeof *kv);
     if (!kv) {
