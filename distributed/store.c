@@ -21,6 +21,7 @@ struct stk_kv {
                        from another thread never meets a reused number */
     bool dead;      /* an error or timeout left the stream unusable */
     bool answered;  /* a reply of this protocol came: it is a stoke store */
+    double first_ms; /* when the first request went out (0: none yet) */
     int timeout_ms; /* bounds SET and ADD too: a store that vanished with
                        its machine never answers */
     char where[300]; /* host:port, for messages */
@@ -145,7 +146,10 @@ static int not_ours(stk_kv *kv, const char *what, stk_err *err)
 
 static int lost(stk_kv *kv, const char *what, stk_err *err)
 {
-    if (!kv->answered)
+    /* closed at once on the first request: another protocol's server (a
+     * blocking GET that waited for its key and then lost the store is no
+     * such case) */
+    if (!kv->answered && kv->first_ms && now_ms() - kv->first_ms < 1000)
         return not_ours(kv, what, err);
     retire(kv);
     return stk_fail(err, STK_EPEER,
@@ -205,6 +209,8 @@ static int request(stk_kv *kv, uint8_t op, const char *key, const void *val,
                         STORE_MAX_VALUE);
     uint8_t head[5];
     uint32_t klen32 = (uint32_t)klen, n32 = (uint32_t)n; /* both checked */
+    if (!kv->first_ms)
+        kv->first_ms = now_ms();
     head[0] = op;
     memcpy(head + 1, &klen32, 4);
     int rc = io_all(kv, head, sizeof head, true, -1, err);

@@ -301,6 +301,30 @@ static int open_split(stk_source *s, idx_data *x, int k, stk_err *err)
     return 0;
 }
 
+/* Whether a folder's own name holds "fashion" (any case), or, for
+ * torchvision's layout (ROOT/FashionMNIST/raw), its parent's: as typed,
+ * and as resolved ("." or a link), never a folder further up. */
+static bool named_fashion(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s", dir);
+    for (int up = 0; up < 2; up++) {
+        size_t n = strlen(p);
+        while (n > 1 && p[n - 1] == '/')
+            p[--n] = '\0';
+        char *name = strrchr(p, '/');
+        name = name ? name + 1 : p;
+        for (char *c = name; *c; c++)
+            *c = (char)tolower((unsigned char)*c);
+        if (strstr(name, "fashion"))
+            return true;
+        if (strcmp(name, "raw") || name == p)
+            return false;
+        name[-1] = '\0'; /* ROOT/FashionMNIST/raw: the parent's name */
+    }
+    return false;
+}
+
 static int add_classes(stk_source *s, idx_data *x)
 {
     int top = 0;
@@ -308,16 +332,10 @@ static int add_classes(stk_source *s, idx_data *x)
         for (size_t i = 0; i < x->split[k].nimages; i++)
             if (x->split[k].labels[8 + i] > top)
                 top = x->split[k].labels[8 + i];
-    /* Fashion-MNIST is told by "fashion" in the folder's resolved path,
-     * so that "." or a link names it as its full path does */
-    char *real = realpath(s->dir, NULL), lower[4096];
-    const char *dir = real ? real : s->dir;
-    size_t n = strlen(dir);
-    for (size_t i = 0; i <= n && i < sizeof lower; i++)
-        lower[i] = (char)tolower((unsigned char)dir[i]);
-    lower[sizeof lower - 1] = '\0';
+    char *real = realpath(s->dir, NULL);
+    int fashion = top == 9 && (named_fashion(s->dir) ||
+                               (real && named_fashion(real)));
     free(real);
-    int fashion = top == 9 && strstr(lower, "fashion");
     for (int c = 0; c <= top; c++) {
         char num[12];
         snprintf(num, sizeof num, "%d", c);

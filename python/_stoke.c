@@ -957,13 +957,21 @@ static PyObject *summary_dict(const stk_prep_summary *s)
     }
     if (!splits)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s,s:s}", "splits",
+    /* file and class names in the warning need not be UTF-8 (Linux file
+     * names are bytes): escaped, as raise_stk escapes paths */
+    PyObject *warning = PyUnicode_DecodeUTF8(s->warning, strlen(s->warning),
+                                             "backslashreplace");
+    if (!warning) {
+        Py_DECREF(splits);
+        return NULL;
+    }
+    return Py_BuildValue("{s:N,s:K,s:K,s:d,s:(iii),s:s,s:N}", "splits",
                          splits, "samples", (unsigned long long)s->samples,
                          "bytes", (unsigned long long)s->bytes, "seconds",
                          s->seconds, "shape", s->channels, s->height,
                          s->width, "encoding",
                          s->encoding == STK_ENC_JPEG ? "jpeg" : "raw",
-                         "warning", s->warning);
+                         "warning", warning);
 }
 
 static int parse_format(module_state *st, const char *name,

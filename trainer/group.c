@@ -158,8 +158,9 @@ static void model_layout(const stk_model *m, char *s, size_t n)
 }
 
 /* What the ranks of one run must share, as "field=value" items each
- * ended by '\n': the model, the data's shape and the flags that decide
- * the data order, the arithmetic and the number of steps. */
+ * ended by '\n': the model, the device kind (not its number: each rank has
+ * its own GPU), the data's shape and the flags that decide the data order,
+ * the arithmetic and the number of steps. */
 static void config_text(const run_state *r, char *s, size_t n)
 {
     static const char *const scheds[] = {"constant", "step", "cosine",
@@ -178,7 +179,8 @@ static void config_text(const run_state *r, char *s, size_t n)
              "--augment=%s\n--crop-size=%d\n--crop-ratio=%.9g\n"
              "--rrc-scale=%.9g,%.9g\n--no-dropout=%d\n--conv=%s\n"
              "--sync-bn=%d\n--bucket-mb=%.9g\n",
-             model, stk_backend_name(r->be), r->in_c, r->in_h, r->in_w,
+             model, o->device == STK_DEV_CUDA ? "cuda" : "cpu", r->in_c,
+             r->in_h, r->in_w,
              stk_store_meta(r->store)->nclasses, (unsigned long long)r->shard,
              o->batch, o->epochs, o->accum, o->max_steps,
              (unsigned long long)o->seed,

@@ -986,7 +986,13 @@ static int open_metrics(run_state *r, stk_err *err)
  * --batch): refused before the first step, naming the remainder. */
 static int check_last_batch(const run_state *r, stk_err *err)
 {
-    uint64_t b = (uint64_t)r->o->batch, last = r->shard % b;
+    uint64_t b = (uint64_t)r->o->batch, last = r->shard % b,
+             accum = (uint64_t)r->o->accum;
+    /* a run that --max-steps ends before the epoch's last batch never
+     * meets it (a short smoke test) */
+    uint64_t left = (r->batches + accum - 1) / accum - r->start_batch / accum;
+    if (r->o->max_steps && r->step + left > (uint64_t)r->o->max_steps)
+        return 0;
     char name[STK_NAME_MAX + 32];
     const char *bn = last == 1 ? stk_model_single_value_bn(r->model, 1, name,
                                                           sizeof name)

@@ -274,9 +274,10 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
                   "optimizer is adamw (the default), whose momentum is its betas";
     else if (step_given && o->sched != STK_SCHED_STEP)
         ignored = "--step-size and --gamma apply to --schedule step (StepLR)";
-    else if (gpu_given && d->gpus_given)
-        ignored = "--gpu does not apply with --gpus, which names each rank's "
-                  "GPU (--gpus 2, --gpus 1,3)";
+    else if (gpu_given && (d->gpus_given || d->nproc > 1 || d->nnodes > 1))
+        ignored = "--gpu does not apply to data-parallel ranks, which take "
+                  "cuda:LOCAL_RANK or the GPUs --gpus names (--gpus 2, "
+                  "--gpus 1,3)";
     else if (gpu_given && o->device != STK_DEV_CUDA)
         ignored = "--gpu N picks the GPU of --device cuda; this run is on the CPU "
                   "(--gpus runs one rank per GPU)";

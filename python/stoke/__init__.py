@@ -279,6 +279,10 @@ class _EpochEnd(Exception):
     """The ring's epoch ended (Loader._next)."""
 
 
+class _Ended(Exception):
+    """The iteration was ended while its batch came (Loader._next)."""
+
+
 def _default_workers():
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -317,11 +321,12 @@ def _env_int(name, default):
     if not v:  # unset or empty, as train reads it
         return default
     try:
-        return _c_int(name, int(v))
+        v = int(v)
     except ValueError:
         raise _arg_error("%s=%r in the environment is not an integer (torchrun "
                          "sets it; rank= and world_size= override it)"
                          % (name, v)) from None
+    return _c_int(name, v)
 
 
 class Loader:
@@ -490,12 +495,16 @@ class Loader:
                 self._torch.from_numpy(labels.astype(np.int64)))
 
     # -- iteration --
-    def _next(self, epoch):
-        """The iteration's next batch, converted; _EpochEnd at the end."""
+    def _next(self, epoch, token):
+        """The iteration's next batch, converted; _EpochEnd at the end;
+        _Ended when close() in another thread ended the iteration while
+        the ring handed the batch over (its position is not ours then)."""
         if self._pending is not None:  # the loop is back: its copy of the
             self._retire(self._pending)  # last pinned batch is queued
             self._pending = None
         raw = self._ring.next()
+        if self._live is not token:
+            raise _Ended
         if raw is None:
             raise _EpochEnd
         self._batch = raw[4] + 1
@@ -560,7 +569,9 @@ class Loader:
         if self._live is not token:
             raise ended
         try:
-            return self._next(epoch)
+            return self._next(epoch, token)
+        except _Ended:
+            raise ended from None
         except (Error, AttributeError):  # the ring closed under it
             if self._live is not token:
                 raise ended from None

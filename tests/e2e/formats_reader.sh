@@ -38,13 +38,22 @@ $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" fashion-sub 300 100
 ln -s fashion-sub fm
 (cd fashion-sub && "$STK_BIN/prep" --quiet . ../db-dot) || fail "prep . in fashion-sub"
 "$STK_BIN/prep" --quiet fm db-link || fail "prep fm"
+# torchvision's layout, ROOT/FashionMNIST/raw; and a folder whose parent
+# (not itself) says fashion is no Fashion-MNIST
+mkdir -p tv/FashionMNIST fashion-proj && cp -r fashion-sub tv/FashionMNIST/raw \
+  && cp -r fashion-sub fashion-proj/mnist
+"$STK_BIN/prep" --quiet tv/FashionMNIST/raw db-tv || fail "prep tv/FashionMNIST/raw"
+"$STK_BIN/prep" --quiet fashion-proj/mnist db-parent || fail "prep fashion-proj/mnist"
 $PY - <<'PY'
 import stoke_test as t
 r = t.formats_reader()
-for db in ("db-dot", "db-link"):
+for db in ("db-dot", "db-link", "db-tv"):
     env, meta = r["open_stoke"](db)
     assert meta["classes"][:2] == ["T-shirt/top", "Trouser"], (db, meta["classes"])
-print("ok: prep . and prep LINK of a Fashion-MNIST folder name its classes")
+env, meta = r["open_stoke"]("db-parent")
+assert meta["classes"][:2] == ["0", "1"], meta["classes"]
+print("ok: prep ., prep LINK and torchvision's FashionMNIST/raw name Fashion-MNIST's "
+      "classes; a parent folder's name does not")
 PY
 
 # and the documented reader's own command line

@@ -186,6 +186,18 @@ for want in ("prep: warning: 1 file(s) that are not .png, .jpg or .jpeg were pas
         sys.exit(f"FAIL: {want!r} not in\n{out}")
 if "warning" in run("prep", "--size", "16", "raw", "dbquiet"):
     sys.exit("FAIL: a warning for a folder with nothing passed over")
+# names that are not UTF-8 (Linux file names are bytes) reach stoke.prep's
+# warning escaped, after the database is written, not as a UnicodeDecodeError
+if stoke is not None:
+    import warnings
+    shutil.copytree("raw", "rawb")
+    os.makedirs(b"rawb/caf\xe9/empty")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        summary = stoke.prep("rawb", "dbbytes", size=16, progress=False)
+    if '"caf\\xe9": 1 class(es) with no image in train' not in summary["warning"] \
+            or not seen:
+        sys.exit(f"FAIL: a class name that is not UTF-8: {summary['warning']!r}")
 print("ok: files of other types and classes without an image are named")
 
 # refusals: each names the flag, nothing is written

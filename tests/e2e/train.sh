@@ -138,6 +138,8 @@ expect_fail 1 "model: bn: a batchnorm over 1x1 inputs sees one value per channel
   "$T" --db sdb --model bn1d.model --batch 63 --quiet --out bn63
 "$T" --db sdb --model bn1d.model --batch 32 --epochs 1 --quiet --out bn32 > /dev/null \
   || fail "bn1d.model at --batch 32"
+"$T" --db sdb --model bn1d.model --batch 63 --max-steps 1 --quiet --out bn63short > /dev/null \
+  || fail "bn1d.model at --batch 63, a step that never meets the last batch"
 ok "an epoch's last batch of one sample through a 1x1 batchnorm is refused at the start"
 
 # adamw (the default): one file holds both moments; the cnn with

@@ -199,7 +199,8 @@ expect_fail 2 "train: --step-size and --gamma apply to --schedule step" \
   "$T" --db db --optim sgd --gamma 0.5
 expect_fail 2 "train: --step-size and --gamma apply to --schedule step" "$T" --db db --step-size 3
 expect_fail 2 "train: --gpu N picks the GPU of --device cuda; this run is on the CPU" "$T" --db db --gpu 1
-expect_fail 2 "train: --gpu does not apply with --gpus" "$T" --db db --gpus 1 --gpu 0
+expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --gpus 1 --gpu 0
+expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --device cuda --nproc 2 --gpu 1
 [ ! -e runs ] || fail "a refused flag created the default --out"
 t "$T" "${c[@]}" --epochs 1 --seed 18446744073709551615 --out bigseed >/dev/null || fail "seed 2^64-1"
 # a seed above 2^53 is recorded exactly: its neighbour (the same double) is
