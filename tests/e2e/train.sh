@@ -116,11 +116,12 @@ grep -q "note: stale/checkpoints/step-00000005/state.json was written with --lr 
 ok "a resume with another --lr or --accum says so"
 # Ctrl-C during an epoch's evaluation ends the run with that epoch's
 # checkpoint (it trained a step of the next epoch and wrote a second): a
-# 1-step epoch of resnet20 and a 10000-sample evaluation; SIGINT once the
-# step's line is out
+# 1-step epoch of the cnn and a 10000-sample evaluation; SIGINT once the
+# step's line is out (a signal after the evaluation still finds the stop
+# before the next epoch's first step)
 $PY "$STK_SRC/tests/e2e/fm_subset.py" "$FASHION" small 64
 "$STK_BIN/prep" --quiet small sdb
-"$T" --db sdb --model resnet20 --batch 64 --epochs 3 --workers 1 --log-every 1 --quiet \
+"$T" --db sdb --model cnn --batch 64 --epochs 3 --workers 1 --log-every 1 --quiet \
   --out evstop > /dev/null 2> evstop.txt &
 pid=$!
 for _ in $(seq 600); do grep -qs '"type":"step"' evstop/metrics.jsonl && break; sleep 0.05; done
