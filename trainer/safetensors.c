@@ -185,36 +185,33 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
     return 0;
 }
 
-/* Whether header key k names t (as it is, or with DDP's "module."). */
-static bool names(const char *k, const stk_tensor *t)
-{
-    return !strcmp(k, t->name) ||
-           (!strncmp(k, "module.", 7) && !strcmp(k + 7, t->name));
-}
-
 /* Refuses the header's tensors that are none of t[0, n): what PyTorch's
- * load_state_dict (strict, its default) calls unexpected keys. */
+ * load_state_dict (strict, its default) calls unexpected keys. Each
+ * tensor found took one entry (find), so there are some exactly when the
+ * header holds more; the first is looked for only then. */
 static int check_unexpected(const char *path, const cJSON *hdr,
                             const stk_tensor *t, int n, stk_err *err)
 {
+    int entries = cJSON_GetArraySize(hdr), found = 0;
+    for (int i = 0; i < n; i++)
+        found += t[i].found;
+    int extra = entries - found -
+                (cJSON_GetObjectItemCaseSensitive(hdr, "__metadata__") != NULL);
+    if (extra <= 0)
+        return 0;
     const char *first = NULL;
-    int extra = 0;
-    for (const cJSON *e = hdr->child; e; e = e->next) {
-        if (!strcmp(e->string, "__metadata__"))
-            continue;
+    for (const cJSON *e = hdr->child; e && !first; e = e->next) {
         int i = 0;
-        while (i < n && !names(e->string, &t[i]))
+        while (i < n && find(hdr, t[i].name) != e)
             i++;
-        if (i == n && !extra++)
+        if (i == n && strcmp(e->string, "__metadata__"))
             first = e->string;
     }
-    if (!extra)
-        return 0;
     return stk_fail(err, STK_EINVAL,
                     "%s: holds \"%.200s\"%s, which the model has no tensor "
                     "for: a state dict of another model? (read strictly, as "
                     "PyTorch's load_state_dict)",
-                    path, first, extra > 1 ? " and others" : "");
+                    path, first ? first : "?", extra > 1 ? " and others" : "");
 }
 
 static int read_tensors(const char *path, stk_tensor *t, int n, bool strict,
