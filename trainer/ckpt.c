@@ -725,17 +725,17 @@ static bool lies_in(const char *dir, const char *ckdir)
 
 /* --resume PATH continues PATH's run in --out, whose checkpoints must be
  * that run's up to PATH: a newer one there (the run rewound to PATH) or
- * any at all where PATH lies elsewhere (another run) would be taken by
- * --resume auto, BEST and the pruning of --keep for this run's own. */
-static int check_line(const run_state *r, const char *dir, stk_err *err)
+ * any at all where PATH lies elsewhere (!here: another run) would be taken
+ * by --resume auto, BEST and the pruning of --keep for this run's own. */
+static int check_line(const run_state *r, const char *dir, bool here,
+                      stk_err *err)
 {
-    char ck[4200], last[4300];
-    snprintf(ck, sizeof ck, "%s/checkpoints", r->o->out);
+    char last[4300];
     newest(r->o->out, last, sizeof last);
     if (!*last)
         return 0;
     const char *name = strrchr(last, '/') + 1;
-    if (!lies_in(dir, ck))
+    if (!here)
         return stk_fail(err, STK_EEXIST,
                         "--resume %s: --out %s holds the checkpoints of "
                         "another run (the newest %s), which this one would "
@@ -751,33 +751,23 @@ static int check_line(const run_state *r, const char *dir, stk_err *err)
     return 0;
 }
 
-bool stk_checkpoint_continues_run_dir(const run_state *r)
-{
-    const char *which = r->o->resume;
-    char ck[4200], last[4300];
-    if (!which)
-        return false;
-    snprintf(ck, sizeof ck, "%s/checkpoints", r->o->out);
-    if (strcmp(which, "auto"))
-        return lies_in(which, ck);
-    newest(r->o->out, last, sizeof last);
-    return *last != '\0';
-}
-
 int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
 {
     char dir[4200], path[4300];
-    if (!strcmp(which, "auto")) {
+    bool latest = !strcmp(which, "auto"), here = latest;
+    if (latest) {
         newest(r->o->out, dir, sizeof dir);
         if (!*dir)
             return 0; /* nothing to resume: a fresh run */
     } else {
         snprintf(dir, sizeof dir, "%s", which);
+        snprintf(path, sizeof path, "%s/checkpoints", r->o->out);
+        here = lies_in(dir, path);
     }
     bool sgd = r->o->optim == STK_OPT_SGD;
     int rc = read_state(r, dir, err);
-    if (!rc && strcmp(which, "auto"))
-        rc = check_line(r, dir, err);
+    if (!rc && !latest)
+        rc = check_line(r, dir, here, err);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (!rc)
         rc = load_model(r, path, true, err);
@@ -789,5 +779,6 @@ int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err)
     if (!rc && !r->o->quiet)
         fprintf(stderr, "train: resumed from %s (epoch %d, step %llu)\n", dir,
                 r->epoch + 1, (unsigned long long)r->step);
+    r->resumed_here = !rc && here;
     return rc;
 }

@@ -926,7 +926,7 @@ static int lock_run_dir(run_state *r, const char *dir, stk_err *err)
 static int set_metrics_aside(run_state *r, const char *path, stk_err *err)
 {
     struct stat st;
-    if (stk_checkpoint_continues_run_dir(r) || lstat(path, &st) != 0 ||
+    if (r->resumed_here || lstat(path, &st) != 0 ||
         !S_ISREG(st.st_mode) || st.st_size == 0)
         return 0; /* anything but a regular file: stk_open_output says */
     char aside[4300]; /* path is at most 4200 */

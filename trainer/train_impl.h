@@ -98,6 +98,8 @@ typedef struct run_state {
     double train_loss, train_acc, best_acc;
     FILE *metrics;
     int lock_fd; /* rank 0: the flock on RUN_DIR/.lock, or -1 */
+    bool resumed_here; /* rank 0 resumed a checkpoint of RUN_DIR: its
+                          metrics.jsonl is this run's to append to */
     int tty;
     /* data parallelism (group.c) */
     stk_rank_info rank;
@@ -185,13 +187,9 @@ int stk_curves_write(const char *metrics_path, const char *svg_path,
 int stk_checkpoint_save(run_state *r, bool is_best, stk_err *err);
 
 /* Restores weights, optimizer state and position from a checkpoint
- * directory ("auto": the newest in RUN_DIR/checkpoints). */
+ * directory ("auto": the newest in RUN_DIR/checkpoints); sets
+ * r->resumed_here when that directory lies in RUN_DIR/checkpoints. */
 int stk_checkpoint_resume(run_state *r, const char *which, stk_err *err);
-
-/* Whether the run continues a checkpoint of its own RUN_DIR (--resume auto
- * finding one, or --resume PATH in RUN_DIR/checkpoints): the run whose
- * metrics.jsonl it appends to. */
-bool stk_checkpoint_continues_run_dir(const run_state *r);
 
 /* Checks what RUN_DIR/checkpoints holds besides step directories (BEST)
  * is what a run wrote there: a regular file. */
