@@ -204,7 +204,7 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     cJSON_AddNumberToObject(pos, "world", (double)r->rank.world);
     cJSON_AddStringToObject(s, "seed", seed);
     cJSON_AddNumberToObject(s, "best_acc", r->best_acc);
-    cJSON_AddStringToObject(s, "optim", o->optim == STK_OPT_SGD ? "sgd" : "adamw");
+    cJSON_AddStringToObject(s, "optim", stk_optim_names[o->optim]);
     cJSON_AddStringToObject(s, "model", o->model);
     cJSON_AddNumberToObject(s, "batch", o->batch);
     cJSON_AddNumberToObject(s, "lr", o->lr);
@@ -615,7 +615,7 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
     const cJSON *opt = cJSON_GetObjectItemCaseSensitive(s, "optim");
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(s, "seed");
     const cJSON *best = cJSON_GetObjectItemCaseSensitive(s, "best_acc");
-    const char *want = o->optim == STK_OPT_SGD ? "sgd" : "adamw";
+    const char *want = stk_optim_names[o->optim];
     char why[96], found[96];
     *v = (saved_state){.world = 1, .accum = 1};
     if (!cJSON_IsObject(s))

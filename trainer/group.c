@@ -163,8 +163,6 @@ static void model_layout(const stk_model *m, char *s, size_t n)
  * the arithmetic and the number of steps. */
 static void config_text(const run_state *r, char *s, size_t n)
 {
-    static const char *const scheds[] = {"constant", "step", "cosine",
-                                         "linear", "onecycle"};
     static const char *const augs[] = {"auto", "none", "crop", "rrc"};
     const stk_train_opts *o = r->o;
     char model[160];
@@ -184,13 +182,13 @@ static void config_text(const run_state *r, char *s, size_t n)
              stk_store_meta(r->store)->nclasses, (unsigned long long)r->shard,
              o->batch, o->epochs, o->accum, o->max_steps,
              (unsigned long long)o->seed,
-             o->optim == STK_OPT_SGD ? "sgd" : "adamw", (double)o->lr,
+             stk_optim_names[o->optim], (double)o->lr,
              (double)o->momentum, o->nesterov, (double)o->weight_decay,
              o->no_decay_norm_bias, (double)o->clip,
-             (double)o->label_smoothing, scheds[o->sched], o->warmup,
+             (double)o->label_smoothing, stk_sched_names[o->sched], o->warmup,
              o->step_size, (double)o->gamma, augs[r->augment], o->crop_size,
              (double)o->crop_ratio, o->rrc_scale[0], o->rrc_scale[1],
-             !o->dropout, o->conv == STK_CONV_IM2COL ? "im2col" : "auto",
+             !o->dropout, stk_conv_names[o->conv],
              o->sync_bn, (double)o->bucket_mb);
 }
 

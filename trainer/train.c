@@ -70,6 +70,11 @@ static double onecycle_lr(double lr, uint64_t step, uint64_t total)
     return cos_anneal(lr, min, pct < 1.0 ? pct : 1.0);
 }
 
+const char *const stk_optim_names[2] = {"sgd", "adamw"};
+const char *const stk_sched_names[5] = {"constant", "step", "cosine", "linear",
+                                        "onecycle"};
+const char *const stk_conv_names[2] = {"auto", "im2col"};
+
 float stk_train_lr(const stk_train_opts *o, uint64_t step, uint64_t total,
                    int epoch)
 {

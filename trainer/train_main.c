@@ -195,10 +195,6 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"crop-ratio", 1, 0, O_CRATIO}, {"rrc-scale", 1, 0, O_RRCSCALE},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
-    static const char *const optims[] = {"sgd", "adamw"};
-    static const char *const scheds[] = {"constant", "step", "cosine", "linear",
-                                         "onecycle"};
-    static const char *const convs[] = {"auto", "im2col"};
     static const char *const binds[] = {"cpus", "none"};
     int ch, rc = 0, v;
     bool warmup_given = false, sgd_given = false, step_given = false,
@@ -212,7 +208,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case 'e': rc = num_i("--epochs", optarg, 1, 100000, &o->epochs); break;
         case 'b': rc = num_i("--batch", optarg, 1, 1 << 16, &o->batch); break;
         case 'l': rc = num_f("--lr", optarg, 0, 100, &o->lr); break;
-        case 'o': rc = choose("--optim", optarg, optims, 2, &v); o->optim = (stk_optim)v; break;
+        case 'o': rc = choose("--optim", optarg, stk_optim_names, 2, &v); o->optim = (stk_optim)v; break;
         case 'M': rc = num_f("--momentum", optarg, 0, 0.9999, &o->momentum); sgd_given = true; break;
         case 'w': rc = num_i("--workers", optarg, 0, 64, &o->workers); break;
         case 's': rc = stk_cli_u64("train", "--seed", optarg, &o->seed); break;
@@ -220,7 +216,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_NEST: o->nesterov = sgd_given = true; break;
         case O_WD: rc = num_f("--weight-decay", optarg, 0, 10, &o->weight_decay); break;
         case O_CLIP: rc = num_f("--clip", optarg, 0, 1e9, &o->clip); break;
-        case O_SCHED: rc = choose("--schedule", optarg, scheds, 5, &v); o->sched = (stk_sched)v; break;
+        case O_SCHED: rc = choose("--schedule", optarg, stk_sched_names, 5, &v); o->sched = (stk_sched)v; break;
         case O_WARM: rc = num_i("--warmup", optarg, 0, 1 << 30, &o->warmup); warmup_given = true; break;
         case O_SS: rc = num_i("--step-size", optarg, 1, 100000, &o->step_size); step_given = true; break;
         case O_GAMMA: rc = num_f("--gamma", optarg, 0, 1, &o->gamma); step_given = true; break;
@@ -247,7 +243,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_LOGALL: d->log_all_ranks = true; break;
         case O_BUCKET: rc = num_f("--bucket-mb", optarg, 0.001, 4096, &o->bucket_mb); break;
         case O_TIMEOUT: rc = num_i("--timeout", optarg, 1, 1 << 20, &o->timeout_s); break;
-        case O_CONV: rc = choose("--conv", optarg, convs, 2, &v); o->conv = (stk_conv_algo)v; break;
+        case O_CONV: rc = choose("--conv", optarg, stk_conv_names, 2, &v); o->conv = (stk_conv_algo)v; break;
         case O_BIND: rc = choose("--bind", optarg, binds, 2, &v); d->no_bind = v == 1; break;
         case O_SMOOTH: rc = num_f("--label-smoothing", optarg, 0, 1, &o->label_smoothing); break;
         case O_NODECAY: o->no_decay_norm_bias = true; break;

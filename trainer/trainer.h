@@ -191,6 +191,13 @@ typedef enum stk_sched {
     STK_SCHED_ONECYCLE
 } stk_sched;
 
+/* The flags' spellings of stk_optim (--optim), stk_sched (--schedule) and
+ * stk_conv_algo (--conv), in enum order: the one table that the parser,
+ * state.json and the ranks' configuration check read. */
+extern const char *const stk_optim_names[2];
+extern const char *const stk_sched_names[5];
+extern const char *const stk_conv_names[2];
+
 /* The training transform (--augment). CROP is the CIFAR recipe's random
  * crop with h/8 zero padding and a horizontal flip, drawn on the device
  * (or the CPU backend) as the batch is normalised; RRC is ImageNet's
