@@ -482,30 +482,21 @@ static const source_ops folder_ops = {folder_load, folder_free, folder_file};
 static void note_passed_over(stk_source *s, const folder_data *x,
                              const passed_over *others)
 {
-    size_t u = 0, cap = sizeof s->notice;
     if (others->n)
-        u = (size_t)snprintf(s->notice, cap,
-                             "%zu file(s) that are not .png, .jpg or .jpeg "
-                             "were passed over (the first: %s)",
-                             others->n, others->first);
-    unsigned char *has = calloc((size_t)s->nclasses, 1);
-    for (uint64_t i = 0; has && i < s->split_count[0]; i++)
+        snprintf(s->notice, sizeof s->notice,
+                 "%zu file(s) that are not .png, .jpg or .jpeg were passed "
+                 "over (the first: %s)",
+                 others->n, others->first);
+    unsigned char *empty = malloc((size_t)s->nclasses + 1);
+    if (!empty)
+        return; /* the notice is a help, not a need */
+    memset(empty, 1, (size_t)s->nclasses + 1);
+    for (uint64_t i = 0; i < s->split_count[0]; i++)
         if (x->items[0][i].label >= 0)
-            has[x->items[0][i].label] = 1;
-    int empty = 0;
-    for (int c = 0; has && c < s->nclasses && u < cap; c++) {
-        if (has[c] || empty++ >= 3)
-            continue;
-        int w = snprintf(s->notice + u, cap - u, "%s\"%.40s\"",
-                         empty > 1 ? ", " : u ? "\n" : "",
-                         s->classes[c]);
-        u += w > 0 ? (size_t)w : 0;
-    }
-    if (empty && u < cap)
-        snprintf(s->notice + u, cap - u,
-                 "%s: %d class(es) with no image in train (kept, with "
-                 "their indices)", empty > 3 ? " and others" : "", empty);
-    free(has); /* out of memory: the notice is a help, not a need */
+            empty[x->items[0][i].label] = 0;
+    stk_source_name_classes(s, empty, "with no image in train (kept, with "
+                            "their indices)", s->notice, sizeof s->notice);
+    free(empty);
 }
 
 int stk_folder_open(stk_source *s, stk_err *err)

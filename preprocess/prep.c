@@ -527,23 +527,20 @@ static void holdout_warning(const run *r, stk_prep_summary *s)
     if (!r->p.opts->source.holdout || stk_source_nsplits(src) != 2 ||
         !(r->stats[0].skipped + r->stats[1].skipped))
         return;
-    size_t u = strlen(s->warning), start = u;
-    int n = 0;
-    for (int c = 0; c < stk_source_nclasses(src); c++) {
+    int nc = stk_source_nclasses(src);
+    unsigned char *emptied = malloc((size_t)nc + 1);
+    if (!emptied)
+        return; /* a warning is a help, not a need */
+    for (int c = 0; c < nc; c++) {
         uint64_t train = r->stats[0].labels[c], test = r->stats[1].labels[c];
-        if ((train && test) || train + test < 2 || n++ >= 3)
-            continue;
-        int w = snprintf(s->warning + u, sizeof s->warning - u, "%s\"%.40s\"",
-                         u > start ? ", " : start ? "\n" : "",
-                         stk_source_class_name(src, c));
-        u += w > 0 && (size_t)w < sizeof s->warning - u ? (size_t)w : 0;
+        emptied[c] = (!train || !test) && train + test >= 2;
     }
-    if (n)
-        snprintf(s->warning + u, sizeof s->warning - u,
-                 "%s: %d class(es) with no record in one split: their files "
-                 "there were skipped (--skip-bad) after --holdout divided them; "
-                 "mend or remove the bad files, or try another --holdout-seed",
-                 n > 3 ? " and others" : "", n);
+    stk_source_name_classes(src, emptied, "with no record in one split: "
+                            "their files there were skipped (--skip-bad) "
+                            "after --holdout divided them; mend or remove the "
+                            "bad files, or try another --holdout-seed",
+                            s->warning, sizeof s->warning);
+    free(emptied);
 }
 
 static void fill_summary(const run *r, stk_prep_summary *s)

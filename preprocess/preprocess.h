@@ -214,6 +214,12 @@ int stk_source_nclasses(const stk_source *s);
 /* "" or lines on what the reader passed over that a user would miss
  * (folders: files it does not read, classes with no image in train). */
 const char *stk_source_notice(const stk_source *s);
+/* Appends to buf (as a line of its own after any text there) a warning
+ * naming the classes c with which[c] set: up to three, quoted, " and
+ * others" past them, then ": N class(es) " and what. Nothing when none is
+ * set; the text is cut at cap. */
+void stk_source_name_classes(const stk_source *s, const unsigned char *which,
+                             const char *what, char *buf, size_t cap);
 const char *stk_source_class_name(const stk_source *s, int cls);
 /* Output shape of every sample (CHW); h and w are 0 when variable. */
 void stk_source_shape(const stk_source *s, int *c, int *h, int *w);

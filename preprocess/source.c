@@ -154,6 +154,23 @@ uint64_t stk_source_split_count(const stk_source *s, int i)
 }
 int stk_source_nclasses(const stk_source *s) { return s->nclasses; }
 const char *stk_source_notice(const stk_source *s) { return s->notice; }
+
+void stk_source_name_classes(const stk_source *s, const unsigned char *which,
+                             const char *what, char *buf, size_t cap)
+{
+    size_t start = strlen(buf), u = start;
+    int n = 0;
+    for (int c = 0; c < s->nclasses && u < cap; c++) {
+        if (!which[c] || n++ >= 3)
+            continue;
+        int w = snprintf(buf + u, cap - u, "%s\"%.40s\"",
+                         u > start ? ", " : start ? "\n" : "", s->classes[c]);
+        u += w > 0 ? (size_t)w : 0;
+    }
+    if (n && u < cap)
+        snprintf(buf + u, cap - u, "%s: %d class(es) %s",
+                 n > 3 ? " and others" : "", n, what);
+}
 const char *stk_source_class_name(const stk_source *s, int i)
 {
     return s->classes[i];
