@@ -306,10 +306,10 @@ def _world(rank, world_size):
     if r is None:
         given = [k for k in ("RANK", "WORLD_SIZE") if os.environ.get(k)]
         if len(given) == 1:  # torchrun sets both; train refuses one alone
+            missing = "WORLD_SIZE" if given == ["RANK"] else "RANK"
             raise _arg_error("%s is set in the environment but %s is not "
                              "(torchrun sets both; rank= and world_size= "
-                             "override them)" % (given[0], {"RANK": "WORLD_SIZE",
-                                                            "WORLD_SIZE": "RANK"}[given[0]]))
+                             "override them)" % (given[0], missing))
         r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     return (_c_int("rank", rank) if rank is not None else r,
             _c_int("world_size", world_size) if world_size is not None else w)
@@ -497,12 +497,18 @@ class Loader:
     # -- iteration --
     def _next(self, epoch, token):
         """The iteration's next batch, converted; _EpochEnd at the end;
-        _Ended when close() in another thread ended the iteration while
-        the ring handed the batch over (its position is not ours then)."""
+        _Ended when close() in another thread ended the iteration while it
+        waited in the ring or as the ring handed the batch over (its
+        position is not ours then)."""
         if self._pending is not None:  # the loop is back: its copy of the
             self._retire(self._pending)  # last pinned batch is queued
             self._pending = None
-        raw = self._ring.next()
+        try:
+            raw = self._ring.next()
+        except (Error, AttributeError):  # the ring closed under it (None)
+            if self._live is not token:
+                raise _Ended from None
+            raise
         if self._live is not token:
             raise _Ended
         if raw is None:
@@ -561,21 +567,16 @@ class Loader:
         another iteration, set_epoch(), load_state_dict() or close() has
         ended it (also while it waited in the ring: close() from another
         thread)."""
-        ended = RuntimeError(
-            "stoke.Loader: this iteration (epoch %d) was ended by a newer "
-            "iteration, set_epoch(), load_state_dict() or close() on the same "
-            "loader; a loader runs one iteration at a time: make a second "
-            "Loader for two at once" % epoch)
-        if self._live is not token:
-            raise ended
         try:
+            if self._live is not token:
+                raise _Ended
             return self._next(epoch, token)
         except _Ended:
-            raise ended from None
-        except (Error, AttributeError):  # the ring closed under it
-            if self._live is not token:
-                raise ended from None
-            raise
+            raise RuntimeError(
+                "stoke.Loader: this iteration (epoch %d) was ended by a newer "
+                "iteration, set_epoch(), load_state_dict() or close() on the "
+                "same loader; a loader runs one iteration at a time: make a "
+                "second Loader for two at once" % epoch) from None
 
     def _end_live(self, next_epoch=False):
         """Ends a running iteration (its iterator raises if used again);
