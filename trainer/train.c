@@ -967,8 +967,8 @@ static int open_run_dir(run_state *r, stk_err *err)
     return stk_checkpoint_check_dir(r, err);
 }
 
-/* RUN_DIR/metrics.jsonl, once the run knows what it continues (after a
- * resume's checks: a refused one changes nothing). */
+/* RUN_DIR/metrics.jsonl, once the run knows what it continues and has
+ * passed every check: a refused run changes nothing there. */
 static int open_metrics(run_state *r, stk_err *err)
 {
     char path[4200];
@@ -1047,16 +1047,18 @@ static int setup(run_state *r, stk_err *err)
         rc = stk_checkpoint_load_weights(r, o->init_from, err);
     if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
-    if (!rc && lead)
-        rc = open_metrics(r, err);
     rc = group_agree(r, rc, err); /* a rank that failed ends them all now */
     if (!rc)
         rc = group_check_config(r, err);
     if (!rc)
         rc = group_share_start(r, err);
-    if (!rc)
-        rc = group_ddp(r, err);
-    return rc ? rc : check_last_batch(r, err);
+    if (!rc) { /* metrics.jsonl is touched by a run that passed every check */
+        rc = check_last_batch(r, err);
+        if (!rc && lead)
+            rc = open_metrics(r, err);
+        rc = group_agree(r, rc, err);
+    }
+    return rc ? rc : group_ddp(r, err);
 }
 
 static void teardown(run_state *r)

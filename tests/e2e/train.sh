@@ -135,8 +135,11 @@ ok "Ctrl-C during an epoch's evaluation stops with that epoch's checkpoint alone
 # refused before the first step (it failed after the epoch's work, its
 # message blaming --batch), naming the remainder
 printf 'flatten\nfc1: linear 32\nbn: batchnorm\nrelu\nfc2: linear classes\n' > bn1d.model
+mkdir -p bn63 && printf '{"type":"step","step":1,"loss":2}\n' > bn63/metrics.jsonl
 expect_fail 1 "model: bn: a batchnorm over 1x1 inputs sees one value per channel in the epoch's last batch, of 1 sample \(64 train samples a rank = 1 x --batch 63 \+ 1\)" \
   "$T" --db sdb --model bn1d.model --batch 63 --quiet --out bn63
+[ ! -e bn63/metrics.jsonl.1 ] && [ "$(cat bn63/metrics.jsonl)" = '{"type":"step","step":1,"loss":2}' ] \
+  || fail "a refused run set an earlier run's metrics.jsonl aside"
 "$T" --db sdb --model bn1d.model --batch 32 --epochs 1 --quiet --out bn32 > /dev/null \
   || fail "bn1d.model at --batch 32"
 "$T" --db sdb --model bn1d.model --batch 63 --max-steps 1 --quiet --out bn63short > /dev/null \
