@@ -518,6 +518,31 @@ int stk_path_join(char *out, size_t n, const char *dir, const char *name)
     return (w < 0 || (size_t)w >= n) ? STK_ERANGE : 0;
 }
 
+size_t stk_utf8_fit(const char *s, size_t n)
+{
+    size_t p = n; /* back over the continuation bytes at n to their lead */
+    while (p > 0 && n - p < 3 && ((unsigned char)s[p] & 0xC0) == 0x80)
+        p--;
+    return p < n && (unsigned char)s[p] >= 0xC0 ? p : n;
+}
+
+int stk_snprintf_text(char *buf, size_t cap, const char *fmt, ...)
+{
+    va_list ap, again;
+    va_start(ap, fmt);
+    va_copy(again, ap);
+    int w = vsnprintf(buf, cap, fmt, ap);
+    char *all = w >= 0 && cap && (size_t)w >= cap ? malloc((size_t)w + 1) : NULL;
+    if (all) { /* the whole text says whether the cut splits a character */
+        vsnprintf(all, (size_t)w + 1, fmt, again);
+        buf[stk_utf8_fit(all, cap - 1)] = '\0';
+        free(all);
+    }
+    va_end(again);
+    va_end(ap);
+    return w;
+}
+
 /* Under this a streamed copy does not pay: the head and tail are most of
  * it, and a few lines left in the cache cost the reader little. */
 enum { STREAM_MIN = 256 };

@@ -199,6 +199,17 @@ void stk_san_wrote(void *p, size_t n);
 /* Joins dir and name into out (size n); returns STK_ERANGE when too long. */
 int stk_path_join(char *out, size_t n, const char *dir, const char *name);
 
+/* The length of s[0, n) less a UTF-8 character that a cut at n splits
+ * (s[n] one of its continuation bytes), so that a name shortened for a
+ * message stays valid text; bytes that are not UTF-8 are cut where asked.
+ * n is at most strlen(s). */
+size_t stk_utf8_fit(const char *s, size_t n);
+
+/* snprintf that, where it must cut, cuts before a UTF-8 character rather
+ * than through it. Returns what snprintf returns. */
+int stk_snprintf_text(char *buf, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* Version string of the stoke tools. */
 #define STK_VERSION "0.1.0"
 

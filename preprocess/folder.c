@@ -177,7 +177,8 @@ static int list_dir(const char *dir, strvec *dirs, itemvec *files,
             rc = push_item(files, full, other);
         } else {
             if (others && !others->n++)
-                snprintf(others->first, sizeof others->first, "%s", full);
+                stk_snprintf_text(others->first, sizeof others->first,
+                                  "%s", full);
             free(full);
         }
         errno = 0;
@@ -483,10 +484,10 @@ static void note_passed_over(stk_source *s, const folder_data *x,
                              const passed_over *others)
 {
     if (others->n)
-        snprintf(s->notice, sizeof s->notice,
-                 "%zu file(s) that are not .png, .jpg or .jpeg were passed "
-                 "over (the first: %s)",
-                 others->n, others->first);
+        stk_snprintf_text(s->notice, sizeof s->notice,
+                          "%zu file(s) that are not .png, .jpg or .jpeg were "
+                          "passed over (the first: %s)",
+                          others->n, others->first);
     unsigned char *empty = malloc((size_t)s->nclasses + 1);
     if (!empty)
         return; /* the notice is a help, not a need */

@@ -163,13 +163,16 @@ void stk_source_name_classes(const stk_source *s, const unsigned char *which,
     for (int c = 0; c < s->nclasses && u < cap; c++) {
         if (!which[c] || n++ >= 3)
             continue;
-        int w = snprintf(buf + u, cap - u, "%s\"%.40s\"",
-                         u > start ? ", " : start ? "\n" : "", s->classes[c]);
+        const char *name = s->classes[c];
+        size_t len = strlen(name), keep = len > 40 ? stk_utf8_fit(name, 40) : len;
+        int w = stk_snprintf_text(buf + u, cap - u, "%s\"%.*s%s\"",
+                                  u > start ? ", " : start ? "\n" : "",
+                                  (int)keep, name, keep < len ? "..." : "");
         u += w > 0 ? (size_t)w : 0;
     }
     if (n && u < cap)
-        snprintf(buf + u, cap - u, "%s: %d class(es) %s",
-                 n > 3 ? " and others" : "", n, what);
+        stk_snprintf_text(buf + u, cap - u, "%s: %d class(es) %s",
+                          n > 3 ? " and others" : "", n, what);
 }
 const char *stk_source_class_name(const stk_source *s, int i)
 {

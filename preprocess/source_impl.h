@@ -32,7 +32,7 @@ struct stk_source {
     int nsplits;
     char split_name[SRC_MAX_SPLITS][32];
     uint64_t split_count[SRC_MAX_SPLITS];
-    char notice[400];         /* "" or what the reader passed over and a
+    char notice[512];         /* "" or what the reader passed over and a
                                  user would miss (files it does not read,
                                  classes without an image) */
     void *impl;

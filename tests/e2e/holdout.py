@@ -186,6 +186,16 @@ for want in ("prep: warning: 1 file(s) that are not .png, .jpg or .jpeg were pas
         sys.exit(f"FAIL: {want!r} not in\n{out}")
 if "warning" in run("prep", "--size", "16", "raw", "dbquiet"):
     sys.exit("FAIL: a warning for a folder with nothing passed over")
+# long UTF-8 names are shortened between characters, never through one
+# (run() decodes strictly)
+shutil.copytree("raw", "rawu8")
+open(os.path.join("rawu8", "cat", "\u00e9" * 100 + ".webp"), "wb").write(b"RIFF")
+os.makedirs(os.path.join("rawu8", "\u03b6" * 30, "empty"))
+out = run("prep", "--size", "16", "rawu8", "dbutf8")
+for want in ("(the first: rawu8/cat/" + "\u00e9" * 94 + ")",
+             '"' + "\u03b6" * 20 + '...": 1 class(es) with no image in train'):
+    if want not in out:
+        sys.exit(f"FAIL: {want!r} not in\n{out}")
 # names that are not UTF-8 (Linux file names are bytes) reach stoke.prep's
 # warning escaped, after the database is written, not as a UnicodeDecodeError
 if stoke is not None:

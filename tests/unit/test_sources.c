@@ -732,6 +732,26 @@ static void folder_non_utf8_names(void **state)
     stk_source_close(s);
 }
 
+/* Names shortened for a message are cut between UTF-8 characters (of 2,
+ * 3 and 4 bytes), never through one; bytes that are not UTF-8 are cut
+ * where asked. */
+static void utf8_cuts_between_characters(void **state)
+{
+    (void)state;
+    const char *s = "a\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80z"; /* a é € 😀 z */
+    size_t want[] = {0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10, 11};
+    for (size_t n = 0; n < sizeof want / sizeof *want; n++)
+        assert_int_equal(stk_utf8_fit(s, n), want[n]);
+    assert_int_equal(stk_utf8_fit("\xe9\xe9\xe9", 2), 2); /* Latin-1 */
+    assert_int_equal(stk_utf8_fit("\x80\x80\x80\x80", 4), 4);
+    assert_int_equal(stk_utf8_fit("\x80\x80\x80\x80\x80", 4), 4); /* no lead */
+    char buf[6];
+    assert_int_equal(stk_snprintf_text(buf, sizeof buf, "ab%s", "\xe2\x82\xac!"), 6);
+    assert_string_equal(buf, "ab\xe2\x82\xac"); /* fits whole */
+    assert_int_equal(stk_snprintf_text(buf, sizeof buf, "abc%s", "\xe2\x82\xac"), 6);
+    assert_string_equal(buf, "abc"); /* the euro sign would be cut */
+}
+
 /* CIFAR: a FIFO as a batch or as the class names file is refused by name;
  * so is a names file with an overlong line. */
 static void cifar_fifo_and_names(void **state)
@@ -815,5 +835,6 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(folder_non_utf8_names),
     cmocka_unit_test(cifar_fifo_and_names),
     cmocka_unit_test(png_write_refuses_fifo),
+    cmocka_unit_test(utf8_cuts_between_characters),
 };
 UNIT_MAIN(tests)
