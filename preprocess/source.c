@@ -33,6 +33,28 @@ int stk_source_add_class(stk_source *s, const char *name)
     return 0;
 }
 
+/* The flags that only a folder of class folders takes, against the
+ * format (what names the dataset: its directory or --format). */
+static int fits_format(const char *what, const stk_source_opts *o,
+                       stk_err *err)
+{
+    if (o->format == STK_SRC_FOLDER || o->format == STK_SRC_AUTO)
+        return 0;
+    const char *name = o->format == STK_SRC_IDX ? "IDX" : "CIFAR";
+    if (o->holdout)
+        return stk_fail(err, STK_EINVAL,
+                        "%s: --holdout needs a folder of class folders; an "
+                        "%s dataset comes with its own train and test "
+                        "splits",
+                        what, name);
+    if (o->short_side || o->max_side) /* one size already */
+        return stk_fail(err, STK_EINVAL,
+                        "%s: --short-side/--max-side apply to image folders; "
+                        "%s images all have one size already",
+                        what, name);
+    return 0;
+}
+
 int stk_source_opts_check(const stk_source_opts *opts, stk_err *err)
 {
     stk_source_opts o = opts ? *opts : (stk_source_opts){0};
@@ -62,7 +84,8 @@ int stk_source_opts_check(const stk_source_opts *opts, stk_err *err)
                         o.short_side);
     if (o.upscale && !o.short_side)
         return stk_fail(err, STK_EINVAL, "--upscale needs --short-side");
-    return 0;
+    return fits_format(o.format == STK_SRC_IDX ? "--format idx" : "--format cifar",
+                       &o, err);
 }
 
 int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
@@ -73,20 +96,9 @@ int stk_source_open(const char *raw_dir, const stk_source_opts *opts,
     int rc = stk_source_opts_check(&o, err);
     if (rc)
         return rc;
-    bool aspect = o.short_side || o.max_side;
-    if (o.format == STK_SRC_AUTO && (rc = detect(raw_dir, &o.format, err)))
+    if (o.format == STK_SRC_AUTO && ((rc = detect(raw_dir, &o.format, err)) ||
+                                     (rc = fits_format(raw_dir, &o, err))))
         return rc;
-    if (o.holdout && o.format != STK_SRC_FOLDER)
-        return stk_fail(err, STK_EINVAL,
-                        "%s: --holdout needs a folder of class folders; an "
-                        "%s dataset comes with its own train and test "
-                        "splits",
-                        raw_dir, o.format == STK_SRC_IDX ? "IDX" : "CIFAR");
-    if (aspect && o.format != STK_SRC_FOLDER) /* one size already */
-        return stk_fail(err, STK_EINVAL,
-                        "%s: --short-side/--max-side apply to image folders; "
-                        "IDX and CIFAR images all have one size already",
-                        raw_dir);
     stk_source *s = calloc(1, sizeof *s);
     if (!s || !(s->dir = strdup(raw_dir))) {
         free(s);

@@ -167,7 +167,10 @@ assert out.returncode == 0 and "jpeg" in out.stdout, out.stdout + out.stderr
 for args, pat, code in ((["--size", "32", "--short-side", "48"], "--size", 2),
                         (["--quality", "80"], "--encode jpeg", 2),
                         (["--short-side", "48", "--max-side", "20"], "--max-side 20", 2),
-                        (["--short-side", "48", "--format", "idx"], None, 1)):
+                        (["--short-side", "48", "--format", "idx"],
+                         "--format idx: --short-side/--max-side apply to image folders", 2),
+                        (["--holdout", "0.1", "--format", "cifar"],
+                         "--format cifar: --holdout needs a folder of class folders", 2)):
     p = subprocess.run([prep, "--quiet", *args, "raw", "db_bad"], capture_output=True, text=True)
     assert p.returncode == code and (pat is None or pat in p.stderr), (args, p.returncode, p.stderr)
 p = subprocess.run([prep, "--quiet", "--short-side", "20", t.FASHION, "db_bad"],
