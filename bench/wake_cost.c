@@ -81,18 +81,40 @@ static double broadcast_cost(int n, int reps)
     return sum / reps;
 }
 
+/* "1,2,8": counts 1..MAX_SLEEPERS, no empty item; returns how many or -1. */
+static int parse_counts(const char *s, int *out)
+{
+    int k = 0;
+    for (const char *p = s;; p++) {
+        char *end;
+        long n = strtol(p, &end, 10);
+        if (end == p || n < 1 || n > MAX_SLEEPERS || k == MAX_SLEEPERS ||
+            (*end && *end != ','))
+            return -1;
+        out[k++] = (int)n;
+        if (!*end)
+            return k;
+        p = end;
+    }
+}
+
 int main(int argc, char **argv)
 {
-    const char *counts = "1,2,8";
-    int reps = 2000;
+    const char *counts = "1,2,8", *reps_s = "2000";
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--sleepers"))
             counts = argv[i + 1];
         else if (!strcmp(argv[i], "--reps"))
-            reps = atoi(argv[i + 1]);
+            reps_s = argv[i + 1];
+        else
+            argc = 0; /* an unknown flag: the usage below */
     }
-    if (reps < 1 || argc % 2 == 0) {
-        fprintf(stderr, "usage: wake_cost [--sleepers 1,2,8] [--reps N]\n");
+    char *end;
+    long reps = strtol(reps_s, &end, 10);
+    int n[MAX_SLEEPERS], k = parse_counts(counts, n);
+    if (reps < 1 || reps > 1000000000 || *end || argc % 2 == 0 || k < 0) {
+        fprintf(stderr, "usage: wake_cost [--sleepers 1,2,8] [--reps N]: "
+                        "counts 1..%d, no empty item\n", MAX_SLEEPERS);
         return 2;
     }
     double clock_s = 0;
@@ -101,17 +123,8 @@ int main(int argc, char **argv)
         clock_s += (now() - t0) / 1000;
     }
     printf("{");
-    for (const char *p = counts; *p;) {
-        char *end;
-        long n = strtol(p, &end, 10);
-        if (end == p || n < 1 || n > MAX_SLEEPERS) {
-            fprintf(stderr, "wake_cost: --sleepers: counts 1..%d\n",
-                    MAX_SLEEPERS);
-            return 2;
-        }
-        printf("\"%ld\": %.2f, ", n, broadcast_cost((int)n, reps) * 1e6);
-        p = *end == ',' ? end + 1 : end;
-    }
+    for (int i = 0; i < k; i++)
+        printf("\"%d\": %.2f, ", n[i], broadcast_cost(n[i], (int)reps) * 1e6);
     printf("\"clock_us\": %.3f}\n", clock_s * 1e6);
     return 0;
 }
