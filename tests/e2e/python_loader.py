@@ -232,8 +232,39 @@ def views(db, X, Y):
     except RuntimeError as e:
         check("close()" in str(e), "message: %s" % e)
     closer.join()
+
+    # the two instants a thread's close() can meet the loop, made exact: a
+    # ring whose next() runs close() before it waits (the ring closes under
+    # the waiting loop) or after it took a batch (as the ring hands it over)
+    class CloseIn:
+        def __init__(self, loader, after):
+            self.loader, self.real, self.after = loader, loader._ring, after
+
+        def next(self):
+            if not self.after:
+                self.loader.close()
+            raw = self.real.next()
+            if self.after:
+                self.loader.close()
+            return raw
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    for after in (False, True):
+        it = iter(L)
+        next(it)
+        L._ring = CloseIn(L, after)
+        try:
+            next(it)
+            check(False, "close() %s the ring's hand-over: a batch came out"
+                  % ("at" if after else "before"))
+        except RuntimeError as e:
+            check("close()" in str(e), "message: %s" % e)
+        check(L._ring is None, "close() left a ring")
     print("ok: close() ends a running iteration (%d of 2000 batches taken), "
-          "also from another thread" % taken)
+          "also from another thread, while it waits and as a batch is "
+          "handed over" % taken)
     del peek, it
     # copy=True: keep them all
     L = stoke.Loader(db, split="test", batch_size=500, seed=1, workers=2,
