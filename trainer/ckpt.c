@@ -210,6 +210,9 @@ static int write_state(run_state *r, const char *path, stk_err *err)
     cJSON_AddNumberToObject(s, "lr", o->lr);
     cJSON_AddNumberToObject(s, "epochs", o->epochs);
     cJSON_AddNumberToObject(s, "accum", o->accum);
+    char config[GROUP_CONFIG_MAX];
+    group_config_text(r, config, sizeof config);
+    cJSON_AddStringToObject(s, "config", config);
     if (r->epoch_steps_known) {
         cJSON *es = cJSON_AddArrayToObject(s, "epoch_steps");
         for (uint64_t e = 0; e < r->pos_epoch; e++)
@@ -561,6 +564,65 @@ static void note_changes(const run_state *r, const char *path, const cJSON *s,
                 path, (unsigned long long)v->accum, r->o->accum);
 }
 
+/* The configuration's items that a resume may change without a refusal
+ * or a note of their own, but that then make it end otherwise than the
+ * uninterrupted run: not the model (its tensors are checked), the device,
+ * the database's shape (a rank's share follows the rank count), --batch,
+ * --seed and --optim (refused), --lr and --accum (noted above),
+ * --max-steps, --bucket-mb, nor --epochs where the schedule does not
+ * span the run. */
+static bool changes_result(const char *item, size_t len,
+                           const stk_train_opts *o)
+{
+    static const char *const same[] = {
+        "model", "device", "database", "--batch", "--seed", "--optim",
+        "--lr", "--accum", "--max-steps", "--bucket-mb"};
+    for (size_t i = 0; i < sizeof same / sizeof *same; i++)
+        if (strlen(same[i]) == len && !memcmp(item, same[i], len))
+            return false;
+    bool spans = o->sched != STK_SCHED_CONSTANT && o->sched != STK_SCHED_STEP;
+    return spans || len != 8 || memcmp(item, "--epochs", 8);
+}
+
+/* The line of configuration text after the one at t. */
+static const char *next_item(const char *t)
+{
+    size_t n = strcspn(t, "\n");
+    return t + n + (t[n] != 0);
+}
+
+/* The value of field name[0, len) in configuration text, and its length. */
+static const char *config_value(const char *text, const char *name,
+                                size_t len, size_t *vlen)
+{
+    for (const char *t = text; *t; t = next_item(t))
+        if (!strncmp(t, name, len) && t[len] == '=') {
+            *vlen = strcspn(t + len + 1, "\n");
+            return t + len + 1;
+        }
+    return NULL;
+}
+
+/* A line for each item of state.json's configuration (older checkpoints
+ * lack it) that this run changes and that changes the run's end. */
+static void note_config(const run_state *r, const char *path, const char *was)
+{
+    char now[GROUP_CONFIG_MAX];
+    group_config_text(r, now, sizeof now);
+    for (const char *a = was; *a; a = next_item(a)) {
+        size_t line = strcspn(a, "\n"), eq = strcspn(a, "="), vlen;
+        if (eq >= line || !changes_result(a, eq, r->o))
+            continue;
+        const char *v = config_value(now, a, eq, &vlen);
+        if (v && (vlen != line - eq - 1 || memcmp(v, a + eq + 1, vlen)))
+            fprintf(stderr, "train: note: %s was written with %.*s %.*s, this "
+                            "run uses %.*s: it will not end as the "
+                            "uninterrupted run\n",
+                    path, (int)eq, a, (int)(line - eq - 1), a + eq + 1,
+                    (int)vlen, v);
+    }
+}
+
 /* state.json's epoch_steps (older checkpoints lack it): one entry per
  * finished epoch, each 1..most, adding up with the steps of the current
  * epoch to step. Copied to r->epoch_steps for the checkpoints to come. */
@@ -670,8 +732,11 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
                        &v->step, err);
     if (!rc)
         rc = check_epoch_steps(r, path, s, v, most, in_epoch, err);
+    const cJSON *config = cJSON_GetObjectItemCaseSensitive(s, "config");
     if (!rc)
         note_changes(r, path, s, v);
+    if (!rc && cJSON_IsString(config))
+        note_config(r, path, config->valuestring);
     v->best_acc = cJSON_IsNumber(best) ? best->valuedouble : 0;
     if (!rc && best &&
         !(cJSON_IsNumber(best) && v->best_acc >= 0 && v->best_acc <= 1))

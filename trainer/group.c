@@ -157,39 +157,53 @@ static void model_layout(const stk_model *m, char *s, size_t n)
              (unsigned long long)h);
 }
 
-/* What the ranks of one run must share, as "field=value" items each
- * ended by '\n': the model, the device kind (not its number: each rank has
- * its own GPU), the data's shape and the flags that decide the data order,
- * the arithmetic and the number of steps. */
-static void config_text(const run_state *r, char *s, size_t n)
+/* v in the fewest digits that read back as the same value (a float's as
+ * that float: --lr 0.07, not 0.0700000003), so a message shows the
+ * number as it was typed. */
+static const char *short_num(char *buf, size_t n, double v, bool single)
+{
+    for (int digits = 6; digits < 17; digits++) {
+        snprintf(buf, n, "%.*g", digits, v);
+        double back = strtod(buf, NULL);
+        if (single ? (float)back == (float)v : back == v)
+            return buf;
+    }
+    snprintf(buf, n, "%.17g", v);
+    return buf;
+}
+
+void group_config_text(const run_state *r, char *s, size_t n)
 {
     static const char *const augs[] = {"auto", "none", "crop", "rrc"};
     const stk_train_opts *o = r->o;
-    char model[160];
+    char model[160], f[10][32];
     model_layout(r->model, model, sizeof model);
+    const float floats[] = {o->lr, o->momentum, o->weight_decay, o->clip,
+                            o->label_smoothing, o->gamma, o->crop_ratio,
+                            o->bucket_mb};
+    for (int i = 0; i < 8; i++)
+        short_num(f[i], sizeof f[i], floats[i], true);
+    short_num(f[8], sizeof f[8], o->rrc_scale[0], false);
+    short_num(f[9], sizeof f[9], o->rrc_scale[1], false);
     snprintf(s, n,
              "model=%s\ndevice=%s\ndatabase=%dx%dx%d, %d classes, %llu train "
              "samples a rank\n--batch=%d\n--epochs=%d\n--accum=%d\n"
-             "--max-steps=%d\n--seed=%llu\n--optim=%s\n--lr=%.9g\n"
-             "--momentum=%.9g\n--nesterov=%d\n--weight-decay=%.9g\n"
-             "--no-decay-norm-bias=%d\n--clip=%.9g\n--label-smoothing=%.9g\n"
-             "--schedule=%s\n--warmup=%d\n--step-size=%d\n--gamma=%.9g\n"
-             "--augment=%s\n--crop-size=%d\n--crop-ratio=%.9g\n"
-             "--rrc-scale=%.9g,%.9g\n--no-dropout=%d\n--conv=%s\n"
-             "--sync-bn=%d\n--bucket-mb=%.9g\n",
+             "--max-steps=%d\n--seed=%llu\n--optim=%s\n--lr=%s\n"
+             "--momentum=%s\n--nesterov=%d\n--weight-decay=%s\n"
+             "--no-decay-norm-bias=%d\n--clip=%s\n--label-smoothing=%s\n"
+             "--schedule=%s\n--warmup=%d\n--step-size=%d\n--gamma=%s\n"
+             "--augment=%s\n--crop-size=%d\n--crop-ratio=%s\n"
+             "--rrc-scale=%s,%s\n--no-dropout=%d\n--conv=%s\n"
+             "--sync-bn=%d\n--bucket-mb=%s\n",
              model, o->device == STK_DEV_CUDA ? "cuda" : "cpu", r->in_c,
              r->in_h, r->in_w,
              stk_store_meta(r->store)->nclasses, (unsigned long long)r->shard,
              o->batch, o->epochs, o->accum, o->max_steps,
-             (unsigned long long)o->seed,
-             stk_optim_names[o->optim], (double)o->lr,
-             (double)o->momentum, o->nesterov, (double)o->weight_decay,
-             o->no_decay_norm_bias, (double)o->clip,
-             (double)o->label_smoothing, stk_sched_names[o->sched], o->warmup,
-             o->step_size, (double)o->gamma, augs[r->augment], o->crop_size,
-             (double)o->crop_ratio, o->rrc_scale[0], o->rrc_scale[1],
-             !o->dropout, stk_conv_names[o->conv],
-             o->sync_bn, (double)o->bucket_mb);
+             (unsigned long long)o->seed, stk_optim_names[o->optim], f[0],
+             f[1], o->nesterov, f[2], o->no_decay_norm_bias, f[3], f[4],
+             stk_sched_names[o->sched], o->warmup, o->step_size, f[5],
+             augs[r->augment], o->crop_size, f[6], f[8], f[9], !o->dropout,
+             stk_conv_names[o->conv], o->sync_bn, f[7]);
 }
 
 /* The first item of mine that theirs does not hold alike, as an error. */
@@ -236,8 +250,8 @@ int group_check_config(run_state *r, stk_err *err)
 {
     if (r->rank.world == 1)
         return 0;
-    char mine[1400];
-    config_text(r, mine, sizeof mine);
+    char mine[GROUP_CONFIG_MAX];
+    group_config_text(r, mine, sizeof mine);
     int rc = r->rank.rank == 0
                  ? stk_kv_set(r->kv, "train/config", mine, strlen(mine) + 1, err)
                  : compare_config(r, mine, err);

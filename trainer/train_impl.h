@@ -141,6 +141,13 @@ void group_close(run_state *r);
  * naming the first field (nodes started by hand with other flags), and
  * the others with it (group_agree). */
 int group_check_config(run_state *r, stk_err *err);
+/* What the ranks of one run must share, as "field=value" items each ended
+ * by '\n': the model, the device kind (not its number: each rank has its
+ * own GPU), the data's shape and the flags that decide the data order,
+ * the arithmetic and the number of steps. A checkpoint's state.json keeps
+ * it too, so that a resume can name what it changes. */
+enum { GROUP_CONFIG_MAX = 1400 };
+void group_config_text(const run_state *r, char *s, size_t n);
 /* Rank 0's weights, buffers, optimizer state and position to every rank. */
 int group_share_start(run_state *r, stk_err *err);
 /* Rank 0's batchnorm buffers and counters to every rank (DDP's

@@ -110,10 +110,25 @@ grep -q '"step":10,"loss":9' stale/metrics.jsonl && fail "a new run appended to 
 ok "a new run in a RUN_DIR with an earlier run's metrics and no checkpoint keeps them apart"
 # a resume may change --lr and --accum, and says it will not end as the
 # uninterrupted run would
-"$T" "${common[@]}" --epochs 1 --max-steps 7 --lr 0.07 --accum 2 --out stale --resume auto 2> note.txt
+"$T" "${common[@]}" --epochs 1 --max-steps 7 --lr 0.07 --accum 2 --out stale --resume auto \
+  --weight-decay 0.25 --momentum 0.5 2> note.txt
 grep -q "note: stale/checkpoints/step-00000005/state.json was written with --lr 0.02, this run uses 0.07" note.txt \
-  && grep -q "state.json was written with --accum 1, this run uses 2" note.txt || fail "resume notes: $(cat note.txt)"
-ok "a resume with another --lr or --accum says so"
+  && grep -q "state.json was written with --accum 1, this run uses 2" note.txt \
+  && grep -q "state.json was written with --weight-decay 0, this run uses 0.25: it will not end as the uninterrupted run" note.txt \
+  && grep -q "state.json was written with --momentum 0.9, this run uses 0.5" note.txt \
+  && [ "$(grep -c note: note.txt)" -eq 4 ] || fail "resume notes: $(cat note.txt)"
+# a longer run under a schedule that does not span it (constant, step) is
+# the uninterrupted longer run: no note; under cosine, --epochs is noted
+"$T" "${common[@]}" "${const[@]}" --epochs 1 --max-steps 2 --out longer > /dev/null
+"$T" "${common[@]}" "${const[@]}" --epochs 2 --max-steps 3 --out longer --resume auto 2> note.txt
+grep -q note: note.txt && fail "a longer constant-rate run: $(cat note.txt)"
+"$T" "${common[@]}" "${const[@]}" --schedule cosine --epochs 2 --max-steps 4 --out longer --resume auto 2> note.txt
+grep -q "was written with --schedule constant, this run uses cosine" note.txt && \
+  [ "$(grep -c note: note.txt)" -eq 1 ] || fail "constant to cosine: $(cat note.txt)"
+"$T" "${common[@]}" "${const[@]}" --schedule cosine --epochs 3 --max-steps 5 --out longer --resume auto 2> note.txt
+grep -q "was written with --epochs 2, this run uses 3" note.txt || fail "cosine over more epochs: $(cat note.txt)"
+ok "a resume that changes what its end depends on (--lr, --accum, --weight-decay, --momentum, --schedule, --epochs under cosine) says so"
+
 # Ctrl-C during an epoch's evaluation ends the run with that epoch's
 # checkpoint (it trained a step of the next epoch and wrote a second): a
 # 1-step epoch of the cnn and a 10000-sample evaluation; SIGINT once the
