@@ -755,6 +755,12 @@ static int input_shape(run_state *r, const stk_meta *m, stk_err *err)
     r->augment = o->augment != STK_AUG_AUTO ? o->augment
                  : m->variable              ? STK_AUG_RRC
                                             : STK_AUG_NONE;
+    if (o->rrc_scale[1] > 0 && r->augment != STK_AUG_RRC) /* the default */
+        return stk_fail(err, STK_EINVAL,
+                        "--rrc-scale applies to --augment rrc "
+                        "(RandomResizedCrop); %s holds records of one size, "
+                        "which train as stored by default: add --augment rrc",
+                        o->db);
     r->in_c = m->channels;
     r->in_h = m->height;
     r->in_w = m->width;

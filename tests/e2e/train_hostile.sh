@@ -201,6 +201,8 @@ expect_fail 2 "train: --step-size and --gamma apply to --schedule step" "$T" --d
 expect_fail 2 "train: --gpu N picks the GPU of --device cuda; this run is on the CPU" "$T" --db db --gpu 1
 expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --gpus 1 --gpu 0
 expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --device cuda --nproc 2 --gpu 1
+expect_fail 1 "train: error: --rrc-scale applies to --augment rrc \(RandomResizedCrop\); db holds records of one size, which train as stored by default: add --augment rrc" \
+  "$T" --db db --rrc-scale 0.5,1
 [ ! -e runs ] || fail "a refused flag created the default --out"
 t "$T" "${c[@]}" --epochs 1 --seed 18446744073709551615 --out bigseed >/dev/null || fail "seed 2^64-1"
 # a seed above 2^53 is recorded exactly: its neighbour (the same double) is
