@@ -227,7 +227,7 @@ static void cifar_free(stk_source *s)
     free(x);
 }
 
-static const source_ops cifar_ops = {cifar_load, cifar_free, NULL};
+static const source_ops cifar_ops = {cifar_load, cifar_free, NULL, NULL};
 
 int stk_cifar_open(stk_source *s, stk_err *err)
 {

@@ -474,7 +474,14 @@ static const char *folder_file(const stk_source *s, int split, uint64_t i)
     return x->items[split][i].path;
 }
 
-static const source_ops folder_ops = {folder_load, folder_free, folder_file};
+static int32_t folder_label(const stk_source *s, int split, uint64_t i)
+{
+    const folder_data *x = s->impl;
+    return x->items[split][i].label;
+}
+
+static const source_ops folder_ops = {folder_load, folder_free, folder_file,
+                                      folder_label};
 
 /* What a user would miss, in s->notice: files the folders hold that prep
  * does not read (torchvision's ImageFolder also reads .bmp, .webp, .tif,

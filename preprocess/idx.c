@@ -377,7 +377,7 @@ static void idx_free(stk_source *s)
     free(x);
 }
 
-static const source_ops idx_ops = {idx_load, idx_free, NULL};
+static const source_ops idx_ops = {idx_load, idx_free, NULL, NULL};
 
 int stk_idx_open(stk_source *s, stk_err *err)
 {

@@ -518,9 +518,9 @@ static size_t record_guess(int c, int h, int w, int short_side, int max_side,
     return (size_t)(c * px / (encoding == STK_ENC_JPEG ? 6 : 1));
 }
 
-/* The classes of a --holdout run that --skip-bad left with no record in
- * one split although two or more of theirs were written (a class of one
- * file stays in train by design), as a warning line. */
+/* The classes of a --holdout run that held out some of their files (a
+ * class of one file stays in train by design) and that --skip-bad left
+ * with no record in one split, as a warning line. */
 static void holdout_warning(const run *r, stk_prep_summary *s)
 {
     const stk_source *src = r->p.src;
@@ -528,19 +528,24 @@ static void holdout_warning(const run *r, stk_prep_summary *s)
         !(r->stats[0].skipped + r->stats[1].skipped))
         return;
     int nc = stk_source_nclasses(src);
-    unsigned char *emptied = malloc((size_t)nc + 1);
-    if (!emptied)
+    unsigned char *in = calloc(2 * (size_t)nc + 1, 1); /* files: split, class */
+    if (!in)
         return; /* a warning is a help, not a need */
-    for (int c = 0; c < nc; c++) {
-        uint64_t train = r->stats[0].labels[c], test = r->stats[1].labels[c];
-        emptied[c] = (!train || !test) && train + test >= 2;
-    }
-    stk_source_name_classes(src, emptied, "with no record in one split: "
+    for (int k = 0; k < 2; k++)
+        for (uint64_t i = 0; i < stk_source_split_count(src, k); i++) {
+            int32_t c = stk_source_label(src, k, i);
+            if (c >= 0 && c < nc)
+                in[k * nc + c] = 1;
+        }
+    for (int c = 0; c < nc; c++) /* emptied: the first nc, in place */
+        in[c] = in[c] && in[nc + c] &&
+                (!r->stats[0].labels[c] || !r->stats[1].labels[c]);
+    stk_source_name_classes(src, in, "with no record in one split: "
                             "their files there were skipped (--skip-bad) "
                             "after --holdout divided them; mend or remove the "
                             "bad files, or try another --holdout-seed",
                             s->warning, sizeof s->warning);
-    free(emptied);
+    free(in);
 }
 
 static void fill_summary(const run *r, stk_prep_summary *s)

@@ -221,6 +221,9 @@ const char *stk_source_notice(const stk_source *s);
 void stk_source_name_classes(const stk_source *s, const unsigned char *which,
                              const char *what, char *buf, size_t cap);
 const char *stk_source_class_name(const stk_source *s, int cls);
+/* The label of sample i of split as the source lists it, before any file
+ * is read (a folder's class); -1 where only reading tells (IDX, CIFAR). */
+int32_t stk_source_label(const stk_source *s, int split, uint64_t i);
 /* Output shape of every sample (CHW); h and w are 0 when variable. */
 void stk_source_shape(const stk_source *s, int *c, int *h, int *w);
 

@@ -165,6 +165,10 @@ uint64_t stk_source_split_count(const stk_source *s, int i)
     return s->split_count[i];
 }
 int stk_source_nclasses(const stk_source *s) { return s->nclasses; }
+int32_t stk_source_label(const stk_source *s, int split, uint64_t i)
+{
+    return s->ops->label ? s->ops->label(s, split, i) : -1;
+}
 const char *stk_source_notice(const stk_source *s) { return s->notice; }
 
 void stk_source_name_classes(const stk_source *s, const unsigned char *which,

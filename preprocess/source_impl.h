@@ -15,6 +15,9 @@ typedef struct source_ops {
     /* The file sample i of split comes from; NULL: the source's dir. Every
      * load error of that sample starts with it and ": ". */
     const char *(*file)(const stk_source *s, int split, uint64_t i);
+    /* The label of sample i of split without loading it; NULL: not known
+     * before the sample is read (IDX, CIFAR). */
+    int32_t (*label)(const stk_source *s, int split, uint64_t i);
 } source_ops;
 
 struct stk_source {

@@ -169,6 +169,18 @@ out = run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "rawbad", "
 if ('prep: warning: "emu": 1 class(es) with no record in one split: their files there '
         "were skipped (--skip-bad) after --holdout divided them") not in out:
     sys.exit(f"FAIL: an emptied class of the holdout: {out}")
+# also a class of two files, one a side, whose held-out file is bad (it
+# had been left out: the warning counted the records written, not files)
+shutil.copytree("raw", "rawtwo")
+os.makedirs(os.path.join("rawtwo", "gnu"))
+two = ["gnu/a.png", "gnu/b.png"]
+for rel in two:
+    shutil.copy(os.path.join("raw", "cat", "img_\u00e90.png"), os.path.join("rawtwo", rel))
+held = min(two, key=lambda r: (rank(r, 0), os.fsencode(r)))
+open(os.path.join("rawtwo", held), "wb").close()
+out = run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "rawtwo", "dbtwo")
+if 'prep: warning: "gnu": 1 class(es) with no record in one split' not in out:
+    sys.exit(f"FAIL: a class of two files emptied in test: {out}")
 if "warning" in run("prep", "--holdout", "0.25", "--skip-bad", "--size", "16", "raw", "dbok"):
     sys.exit("FAIL: a warning without a skipped file")
 print("ok: a class that --skip-bad left without test records is named")
