@@ -169,14 +169,16 @@ static stk_loader_opts run_opts(const config *c, const stk_meta *m,
     stk_loader_xform centre = {0};
     crop_plan(c, m, &centre, NULL); /* checked once in main */
     int h = m->height, size = centre.size;
-    if (!strcmp(c->augment, "crop")) { /* train --augment's */
-        o.aug_pad = h / 8;
-        o.aug_flip = true;
-    } else if (!strcmp(c->augment, "rrc")) {
+    if (!strcmp(c->augment, "rrc")) {
         o.xform = (stk_loader_xform){.kind = STK_XFORM_RRC, .size = size,
                                      .flip = true};
-    } else if (c->eval) {
+    } else if (c->eval || m->variable) {
+        /* records of many sizes: train's loader crops them to one for
+         * none and crop alike (crop's padded crop is train's own step) */
         o.xform = centre;
+    } else if (!strcmp(c->augment, "crop")) { /* train --augment's */
+        o.aug_pad = h / 8;
+        o.aug_flip = true;
     }
     return o;
 }
@@ -357,6 +359,53 @@ static int warm_up(stk_store *store, const config *c, stk_err *err)
     return rc;
 }
 
+static int cmp_path(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The files of the split that prep --skip-bad left out of the database,
+ * left out of the raw folder's split too, so both rows time the same
+ * samples. The database lists them by the path prep was given; each is
+ * offered as every tail of it (dog/bad.jpg of _data/photos/dog/bad.jpg),
+ * and the folder drops a file whose path under RAW_DIR is one of them. */
+static int drop_skipped(const config *c, const stk_meta *m, stk_source *src,
+                        int split, stk_err *err)
+{
+    cJSON *sk = m->skipped_json ? cJSON_Parse(m->skipped_json) : NULL;
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(sk, c->split), *f;
+    size_t n = 0, cap = 0;
+    const char **tails = NULL;
+    int rc = 0;
+    cJSON_ArrayForEach(f, list)
+    {
+        const char *p = cJSON_GetStringValue(cJSON_GetObjectItem(f, "file"));
+        for (; p && *p && !rc; p = strchr(p, '/') ? strchr(p, '/') + 1 : NULL) {
+            if (n == cap) {
+                const char **t = realloc(tails, (cap = cap ? 2 * cap : 64) *
+                                                    sizeof *t);
+                if (!t) {
+                    rc = stk_fail(err, STK_ENOMEM, "out of memory");
+                    break;
+                }
+                tails = t;
+            }
+            tails[n++] = p;
+        }
+    }
+    if (!rc && n) {
+        qsort(tails, n, sizeof *tails, cmp_path);
+        uint64_t dropped = stk_source_drop_files(src, split, tails, n);
+        if (dropped)
+            fprintf(stderr, "sweep: --raw leaves out the %llu file(s) that "
+                            "prep --skip-bad left out of %s's split %s\n",
+                    (unsigned long long)dropped, c->db, c->split);
+    }
+    free(tails);
+    cJSON_Delete(sk);
+    return rc;
+}
+
 /* Opens the raw folder with the database's shape, and finds the split. */
 static int open_raw(const config *c, const stk_meta *m, stk_source **src,
                     int *split, stk_err *err)
@@ -371,7 +420,7 @@ static int open_raw(const config *c, const stk_meta *m, stk_source **src,
     for (int k = 0; k < stk_source_nsplits(*src); k++)
         if (!strcmp(stk_source_split_name(*src, k), c->split)) {
             *split = k;
-            return 0;
+            return drop_skipped(c, m, *src, k, err);
         }
     return stk_fail(err, STK_ENOENT, "%s: no split \"%s\"", c->raw, c->split);
 }

@@ -483,6 +483,26 @@ static int32_t folder_label(const stk_source *s, int split, uint64_t i)
 static const source_ops folder_ops = {folder_load, folder_free, folder_file,
                                       folder_label};
 
+uint64_t stk_source_drop_files(stk_source *s, int split,
+                               const char *const *rel, size_t n)
+{
+    if (s->ops != &folder_ops || split < 0 || split >= s->nsplits)
+        return 0;
+    folder_data *x = s->impl;
+    size_t dir = strlen(s->dir) + 1; /* items are DIR/REL */
+    uint64_t kept = 0, count = s->split_count[split];
+    for (uint64_t i = 0; i < count; i++) {
+        item *it = &x->items[split][i];
+        const char *r = it->path + dir;
+        if (bsearch(&r, rel, n, sizeof *rel, cmp_str))
+            free(it->path);
+        else
+            x->items[split][kept++] = *it;
+    }
+    s->split_count[split] = kept;
+    return count - kept;
+}
+
 /* What a user would miss, in s->notice: files the folders hold that prep
  * does not read (torchvision's ImageFolder also reads .bmp, .webp, .tif,
  * ...), and classes with no image in train (ImageFolder refuses a class

@@ -221,6 +221,12 @@ const char *stk_source_notice(const stk_source *s);
 void stk_source_name_classes(const stk_source *s, const unsigned char *which,
                              const char *what, char *buf, size_t cap);
 const char *stk_source_class_name(const stk_source *s, int cls);
+/* Drops from a folder source's split the files whose paths relative to
+ * its directory are in rel[0, n) (sorted by strcmp), as prep --skip-bad
+ * left them out of a database; returns how many (0 for IDX and CIFAR). */
+uint64_t stk_source_drop_files(stk_source *s, int split,
+                               const char *const *rel, size_t n);
+
 /* The label of sample i of split as the source lists it, before any file
  * is read (a folder's class); -1 where only reading tells (IDX, CIFAR). */
 int32_t stk_source_label(const stk_source *s, int split, uint64_t i);

@@ -37,6 +37,30 @@ for t in "--augment rrc --crop-size 24" "--eval --crop-size 24" "--augment crop"
   $PY -c "import json; j = json.load(open('t.json')); assert all(abs(r['bytes_per_s'] / r['samples_per_s'] - 3 * $n * $n) < 1e-6 * r['bytes_per_s'] and r['samples'] == 600 for r in j['results']), j" || fail "sweep $t: sample size"
 done
 ok "--augment rrc, --eval and --augment crop over the database and --raw"
+# a database prep --skip-bad wrote: --raw leaves out the files prep left
+# out (it failed at the first), so both rows time the same 599 samples;
+# prep was given another spelling of the folder than sweep
+cp -r raw rawbad && bad=$(find rawbad -name '*.jpg' | sort | head -1) && : > "$bad"
+"$STK_BIN/prep" --quiet --skip-bad --size 32 ./rawbad/ dbbad > /dev/null
+"$S" --db dbbad --workers 0,1 --batch 64 --epochs 1 --raw rawbad --json bad.json > /dev/null 2> bad.txt \
+  || fail "sweep --raw over a --skip-bad database: $(cat bad.txt)"
+grep -q "sweep: --raw leaves out the 1 file(s) that prep --skip-bad left out of dbbad's split train" bad.txt \
+  || fail "no line for the file left out: $(cat bad.txt)"
+$PY -c "import json; j = json.load(open('bad.json')); assert [r['samples'] for r in j['results']] == [599] * 4, j" \
+  || fail "sweep --raw over a --skip-bad database: the rows' samples"
+ok "--raw leaves out the files a --skip-bad database left out"
+# an aspect-keeping database: rrc by default (as train); none and crop time
+# the centre crop to 0.875 x 40 = 35 that train's loader does for them (they
+# had failed after the table's header)
+"$STK_BIN/prep" --quiet --short-side 40 raw dbv
+"$S" --db dbv --workers 0 --batch 64 --epochs 1 | grep -q "transform rrc (to 35)" || fail "the default on dbv"
+for a in none crop; do
+  "$S" --db dbv --workers 0,1 --batch 64 --epochs 1 --raw raw --augment $a --json v.json > v.txt 2>&1 \
+    || fail "--augment $a on an aspect-keeping database: $(cat v.txt)"
+  $PY -c "import json; j = json.load(open('v.json')); assert all(abs(r['bytes_per_s'] / r['samples_per_s'] - 3 * 35 * 35) < 1e-6 * r['bytes_per_s'] and r['samples'] == 600 for r in j['results']), j" \
+    || fail "--augment $a on an aspect-keeping database: sample size"
+done
+ok "an aspect-keeping database: rrc by default, none and crop time the centre crop"
 expect_fail 2 "--augment: expected none, crop or rrc, got 'x'" "$S" --db db --augment x
 expect_fail 2 "--eval and --augment rrc exclude each other" "$S" --db db --eval --augment rrc
 expect_fail 2 "--workers: expected a whole number 0..64, got 'x'" "$S" --db db --workers 1,x
