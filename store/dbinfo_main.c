@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define GRID 8
 #define GAP 2
@@ -18,8 +20,8 @@ static const char usage[] =
     "usage: dbinfo DB_DIR [--split NAME] [--grid OUT.png] [--verify]\n"
     "Print what a stoke database holds; --grid writes a PNG contact sheet of\n"
     "the first 64 samples of a split (default: the first split); --verify\n"
-    "reads every record and checks it against the metadata and checksums\n"
-    "(exit 1 when anything is wrong).\n";
+    "reads every record of every split and checks it against the metadata\n"
+    "and checksums (exit 1 when anything is wrong).\n";
 
 /* Prints a name from the database for a terminal: valid UTF-8 as is,
  * control characters (C0, DEL, C1), bytes that are not UTF-8 and the
@@ -137,13 +139,16 @@ static void print_split(stk_store *s, const stk_meta *m,
     }
 }
 
-static void print_skipped(const stk_meta *m)
+/* The files prep --skip-bad left out, of one split or (NULL) of all. */
+static void print_skipped(const stk_meta *m, const char *only)
 {
     cJSON *sk = m->skipped_json ? cJSON_Parse(m->skipped_json) : NULL;
     const cJSON *split;
     cJSON_ArrayForEach(split, sk)
     {
         const cJSON *f;
+        if (only && (!split->string || strcmp(only, split->string)))
+            continue;
         printf("\nskipped in ");
         put_name(split->string ? split->string : "?");
         printf(":\n");
@@ -311,11 +316,22 @@ int main(int argc, char **argv)
         stk_store_close(s);
         return 2;
     }
+    /* --grid is written after the report: a path there that is not a
+     * regular file is refused before it (opened without truncating) */
+    if (grid && access(grid, F_OK) == 0) {
+        int fd = stk_open_output(grid, O_WRONLY, &err);
+        if (fd < 0) {
+            fprintf(stderr, "dbinfo: error: %s\n", err.msg);
+            stk_store_close(s);
+            return 1;
+        }
+        close(fd);
+    }
     print_header(dir, m);
     for (int k = 0; k < m->nsplits; k++)
         if (!split || !strcmp(split, m->splits[k].name))
             print_split(s, m, &m->splits[k]);
-    print_skipped(m);
+    print_skipped(m, split);
     int rc = 0;
     if (grid && m->nsplits) {
         const char *gs = split ? split : m->splits[0].name;

@@ -35,6 +35,15 @@ print("ok: --skip-bad recorded", [s["file"] for s in sk])
 PY
 "$STK_BIN/dbinfo" db | grep -q "bad1.png: bad PNG" || fail "dbinfo does not list skipped files"
 rm -rf db
+# dbinfo --split lists the skipped files of that split alone
+"$P" --quiet --skip-bad --holdout 0.5 skip dbh > /dev/null
+for s in train test; do
+  other=$([ $s = train ] && echo test || echo train)
+  out=$("$STK_BIN/dbinfo" dbh --split $s)
+  grep -q "^skipped in $s:" <<<"$out" && ! grep -q "skipped in $other" <<<"$out" \
+    || fail "dbinfo --split $s: $out"
+done
+rm -rf dbh
 
 # meta_py DB CODE: runs CODE with `meta`, DB's metadata read straight from
 # LMDB and decoded as Python decodes file names (bytes that are not UTF-8
@@ -284,6 +293,8 @@ mkfifo sheet.fifo && mkdir sheet.dir
 expect_fail 1 "dbinfo: error: sheet.fifo: not a regular file \(a FIFO\)" timeout -k 5 300 "$STK_BIN/dbinfo" grown --grid sheet.fifo
 expect_fail 1 "dbinfo: error: sheet.dir: not a regular file \(a directory\)" timeout -k 5 300 "$STK_BIN/dbinfo" grown --grid sheet.dir
 [ -p sheet.fifo ] && [ -d sheet.dir ] || fail "a refused --grid replaced its target"
+[ -z "$(timeout -k 5 300 "$STK_BIN/dbinfo" grown --grid sheet.fifo 2> /dev/null)" ] \
+  || fail "a refused --grid printed the report first"
 head -c 100000 /dev/urandom > sheet.png
 "$STK_BIN/dbinfo" grown --grid sheet.png >/dev/null
 $PY -c "from PIL import Image; im = Image.open('sheet.png'); im.load(); assert im.size[0] > 100, im.size" || fail "--grid over a regular file"
