@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the built-in default: build stoke, prepare Fashion-MNIST
 # (Debian's dataset-fashion-mnist) into an LMDB database, show it, and train
-# the cnn on it on the CPU (10 epochs; about 6 minutes on 2 cores).
+# the cnn on it on the CPU (10 epochs; about 2.5 minutes on 2 cores).
 #   scripts/run.sh [DB_DIR [RUN_DIR]]
 #   (defaults: _data/fashion-mnist.db, _data/run; extra train flags via
 #   STOKE_TRAIN_ARGS, e.g. STOKE_TRAIN_ARGS="--epochs 1")
