@@ -68,10 +68,10 @@ fi
 B=$(cd "$BUILD" && pwd)/bin
 smoke=$("$B/test_cuda_smoke" 2>&1); rc=$?
 if [ $rc -eq 77 ]; then
-  echo "gpu_check.sh: no GPU to check: $smoke"
+  echo "gpu_check.sh: no GPU to check: $smoke" | tee -a "$R"
   exit 77
 fi
-[ $rc -eq 0 ] || { echo "gpu_check.sh: CUDA does not work here: $smoke" >&2; exit 1; }
+[ $rc -eq 0 ] || { echo "gpu_check.sh: CUDA does not work here: $smoke" | tee -a "$R" >&2; exit 1; }
 gpus=$(grep -c '^ok: device' <<<"$smoke")
 
 say "# stoke GPU check"

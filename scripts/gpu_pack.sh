@@ -33,7 +33,8 @@ ls "$FASHION"/*-ubyte* >/dev/null 2>&1 ||
   { echo "gpu_pack.sh: no Fashion-MNIST IDX files in $FASHION (install dataset-fashion-mnist or set STK_FASHION)" >&2; exit 1; }
 # paths as given, from where the script was run; then the checkout's root
 BUILD=$(cd "$BUILD" && pwd) FASHION=$(cd "$FASHION" && pwd)
-OUT=$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT")
+mkdir -p "$(dirname "$OUT")" && OUT=$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT") ||
+  { echo "gpu_pack.sh: --out $OUT: cannot make its folder" >&2; exit 1; }
 cd "$SRC"
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
@@ -94,11 +95,17 @@ if [ ! -e "\$here/build/.paths-rewritten" ]; then
 fi
 EOF
 cat >>"$P/env.sh" <<'EOF'
-# the Python the tests and the report run under: Debian's where it has
-# numpy, else the first python3 on PATH (STK_PYTHON, PYTHON: the caller's
-# choice); CTest's files name /usr/bin/python3
-py=/usr/bin/python3
-"$py" -c 'import numpy' 2>/dev/null || py=$(command -v python3 || echo "$py")
+# the Python the tests and the report run under: the first of Debian's and
+# the first python3 on PATH that has numpy and torch (the parity and
+# python_cuda tests need torch), else the first with numpy (STK_PYTHON,
+# PYTHON: the caller's choice); CTest's files name /usr/bin/python3
+py=
+for want in 'numpy, torch' numpy; do
+  for c in /usr/bin/python3 $(command -v python3); do
+    if [ -z "$py" ] && "$c" -c "import $want" 2>/dev/null; then py=$c; fi
+  done
+done
+py=${py:-/usr/bin/python3}
 export STK_PYTHON="${STK_PYTHON:-$py}" PYTHON="${PYTHON:-${STK_PYTHON:-$py}}"
 ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
 [ "$STK_PYTHON" = /usr/bin/python3 ] ||
@@ -114,7 +121,7 @@ else
   grep -L "PYTHONPATH=$shim:" $ctest_files | xargs -r sed -i "s#PYTHONPATH=#PYTHONPATH=$shim:#"
   echo "gpu-pack: tests under $STK_PYTHON, python3-lmdb from tests/e2e/shim"
 fi
-unset here src d ctest_all py ctest_files shim
+unset here src d ctest_all py ctest_files shim want c
 EOF
 tar czf "$OUT" -C "$STAGE" gpu-pack
 echo "gpu_pack.sh: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$P/lib" | wc -l) libraries, $(ls "$P/build/bin" | wc -l) programs"
