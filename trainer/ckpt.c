@@ -603,6 +603,31 @@ static const char *config_value(const char *text, const char *name,
     return NULL;
 }
 
+/* Another model than the checkpoint's, by the layout state.json's
+ * configuration records (older checkpoints lack it; their tensors' shapes
+ * still tell), refused naming both --model values before any tensor. */
+static int check_model(const run_state *r, const char *path, const cJSON *s,
+                       stk_err *err)
+{
+    const cJSON *config = cJSON_GetObjectItemCaseSensitive(s, "config");
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(s, "model");
+    size_t was_len, now_len;
+    const char *was = cJSON_IsString(config)
+                          ? config_value(config->valuestring, "model", 5,
+                                         &was_len)
+                          : NULL;
+    char now[GROUP_CONFIG_MAX];
+    group_config_text(r, now, sizeof now);
+    const char *mine = config_value(now, "model", 5, &now_len);
+    if (!was || !mine || (was_len == now_len && !memcmp(was, mine, now_len)))
+        return 0;
+    return stk_fail(err, STK_EINVAL,
+                    "%s: written with --model %s (%.*s), this run's --model "
+                    "%s has %.*s: resume with the checkpoint's model",
+                    path, cJSON_IsString(name) ? name->valuestring : "?",
+                    (int)was_len, was, r->o->model, (int)now_len, mine);
+}
+
 /* A line for each item of state.json's configuration (older checkpoints
  * lack it) that this run changes and that changes the run's end. */
 static void note_config(const run_state *r, const char *path, const char *was)
@@ -686,10 +711,12 @@ static int check_state(run_state *r, const char *path, const cJSON *s,
         return stk_fail(
             err, STK_EINVAL, "%s: written with --optim %s, this run uses %s",
             path, cJSON_IsString(opt) ? opt->valuestring : "(none)", want);
-    int rc =
-        state_num(path, s, "batch", "batch", (double)b, (double)b,
-                  " (this run's --batch: the position counts its batches)",
-                  &v->size, err);
+    int rc = check_model(r, path, s, err);
+    if (!rc)
+        rc = state_num(path, s, "batch", "batch", (double)b, (double)b,
+                       " (this run's --batch: the position counts its "
+                       "batches)",
+                       &v->size, err);
     if (!rc && !same_seed(seed, o->seed, found, sizeof found))
         rc = stk_fail(
             err, STK_EINVAL,

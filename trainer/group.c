@@ -172,19 +172,38 @@ static const char *short_num(char *buf, size_t n, double v, bool single)
     return buf;
 }
 
+/* The transforms as they run, not as the flags spell them (the defaults
+ * resolved: --crop-size 28 on 28x28 records is the records as stored). */
+static void transforms_text(const run_state *r, char *s, size_t n)
+{
+    const stk_meta *m = stk_store_meta(r->store);
+    const stk_loader_xform *t = &r->test_xf, *a = &r->train_xf;
+    int u = t->kind != STK_XFORM_CENTRE ||
+                    (!m->variable && m->height == m->width &&
+                     t->size == m->height && t->resize == t->size)
+                ? snprintf(s, n, "as stored")
+                : snprintf(s, n, "Resize(%d)+CenterCrop(%d)", t->resize,
+                           t->size);
+    if (a->kind != STK_XFORM_RRC || u < 0 || (size_t)u >= n)
+        return;
+    char lo[32], hi[32]; /* {0, 0}: torchvision's (0.08, 1) */
+    bool dflt = !(a->scale[1] > 0);
+    snprintf(s + u, n - (size_t)u, "\n--rrc-scale=%s,%s",
+             short_num(lo, sizeof lo, dflt ? 0.08 : a->scale[0], false),
+             short_num(hi, sizeof hi, dflt ? 1 : a->scale[1], false));
+}
+
 void group_config_text(const run_state *r, char *s, size_t n)
 {
     static const char *const augs[] = {"auto", "none", "crop", "rrc"};
     const stk_train_opts *o = r->o;
-    char model[160], f[10][32];
+    char model[160], xf[96], f[7][32];
     model_layout(r->model, model, sizeof model);
+    transforms_text(r, xf, sizeof xf);
     const float floats[] = {o->lr, o->momentum, o->weight_decay, o->clip,
-                            o->label_smoothing, o->gamma, o->crop_ratio,
-                            o->bucket_mb};
-    for (int i = 0; i < 8; i++)
+                            o->label_smoothing, o->gamma, o->bucket_mb};
+    for (int i = 0; i < 7; i++)
         short_num(f[i], sizeof f[i], floats[i], true);
-    short_num(f[8], sizeof f[8], o->rrc_scale[0], false);
-    short_num(f[9], sizeof f[9], o->rrc_scale[1], false);
     snprintf(s, n,
              "model=%s\ndevice=%s\ndatabase=%dx%dx%d, %d classes, %llu train "
              "samples a rank\n--batch=%d\n--epochs=%d\n--accum=%d\n"
@@ -192,8 +211,7 @@ void group_config_text(const run_state *r, char *s, size_t n)
              "--momentum=%s\n--nesterov=%d\n--weight-decay=%s\n"
              "--no-decay-norm-bias=%d\n--clip=%s\n--label-smoothing=%s\n"
              "--schedule=%s\n--warmup=%d\n--step-size=%d\n--gamma=%s\n"
-             "--augment=%s\n--crop-size=%d\n--crop-ratio=%s\n"
-             "--rrc-scale=%s,%s\n--no-dropout=%d\n--conv=%s\n"
+             "--augment=%s\nevaluation=%s\n--no-dropout=%d\n--conv=%s\n"
              "--sync-bn=%d\n--bucket-mb=%s\n",
              model, o->device == STK_DEV_CUDA ? "cuda" : "cpu", r->in_c,
              r->in_h, r->in_w,
@@ -202,8 +220,8 @@ void group_config_text(const run_state *r, char *s, size_t n)
              (unsigned long long)o->seed, stk_optim_names[o->optim], f[0],
              f[1], o->nesterov, f[2], o->no_decay_norm_bias, f[3], f[4],
              stk_sched_names[o->sched], o->warmup, o->step_size, f[5],
-             augs[r->augment], o->crop_size, f[6], f[8], f[9], !o->dropout,
-             stk_conv_names[o->conv], o->sync_bn, f[7]);
+             augs[r->augment], xf, !o->dropout, stk_conv_names[o->conv],
+             o->sync_bn, f[6]);
 }
 
 /* The first item of mine that theirs does not hold alike, as an error. */

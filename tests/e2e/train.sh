@@ -127,6 +127,14 @@ grep -q "was written with --schedule constant, this run uses cosine" note.txt &&
   [ "$(grep -c note: note.txt)" -eq 1 ] || fail "constant to cosine: $(cat note.txt)"
 "$T" "${common[@]}" "${const[@]}" --schedule cosine --epochs 3 --max-steps 5 --out longer --resume auto 2> note.txt
 grep -q "was written with --epochs 2, this run uses 3" note.txt || fail "cosine over more epochs: $(cat note.txt)"
+# a flag that spells what the run did anyway is no change: --crop-size 28
+# on 28x28 records is the records as stored
+"$T" "${common[@]}" "${const[@]}" --schedule cosine --epochs 3 --max-steps 6 --crop-size 28 --out longer \
+  --resume auto 2> note.txt
+grep -q note: note.txt && fail "--crop-size 28 on 28x28 records: $(cat note.txt)"
+# another model: refused naming both --model values, before any note
+expect_fail 1 "longer/checkpoints/step-00000006/state.json: written with --model mlp \(235146 parameters in 6 tensors \(layout [0-9a-f]*\)\), this run's --model cnn has [0-9]* parameters" \
+  "$T" "${common[@]}" "${const[@]}" --model cnn --schedule cosine --epochs 3 --out longer --resume auto
 ok "a resume that changes what its end depends on (--lr, --accum, --weight-decay, --momentum, --schedule, --epochs under cosine) says so"
 
 # Ctrl-C during an epoch's evaluation ends the run with that epoch's
