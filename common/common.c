@@ -523,7 +523,9 @@ size_t stk_utf8_fit(const char *s, size_t n)
     size_t p = n; /* back over the continuation bytes at n to their lead */
     while (p > 0 && n - p < 3 && ((unsigned char)s[p] & 0xC0) == 0x80)
         p--;
-    return p < n && (unsigned char)s[p] >= 0xC0 ? p : n;
+    unsigned char lead = (unsigned char)s[p];
+    size_t len = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2; /* its length */
+    return p < n && lead >= 0xC0 && len > n - p ? p : n;
 }
 
 int stk_snprintf_text(char *buf, size_t cap, const char *fmt, ...)

@@ -109,7 +109,7 @@ py=${py:-/usr/bin/python3}
 export STK_PYTHON="${STK_PYTHON:-$py}" PYTHON="${PYTHON:-${STK_PYTHON:-$py}}"
 ctest_files=$(grep -rl PYTHONPATH= "$here/build" --include=CTestTestfile.cmake)
 [ "$STK_PYTHON" = /usr/bin/python3 ] ||
-  sed -i "s#/usr/bin/python3#$STK_PYTHON#g" $ctest_files
+  sed -i "s#\"/usr/bin/python3\"#\"$STK_PYTHON\"#g" $ctest_files # quoted: once
 # python3-lmdb, the tests' independent reader: where that Python lacks it,
 # tests/e2e/shim/lmdb.py (its API over liblmdb) first on their PYTHONPATH
 shim=$src/tests/e2e/shim

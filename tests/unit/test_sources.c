@@ -745,6 +745,7 @@ static void utf8_cuts_between_characters(void **state)
     assert_int_equal(stk_utf8_fit("\xe9\xe9\xe9", 2), 2); /* Latin-1 */
     assert_int_equal(stk_utf8_fit("\x80\x80\x80\x80", 4), 4);
     assert_int_equal(stk_utf8_fit("\x80\x80\x80\x80\x80", 4), 4); /* no lead */
+    assert_int_equal(stk_utf8_fit("\xc3\xa9\xa9", 2), 2); /* é, then a stray byte */
     char buf[6];
     assert_int_equal(stk_snprintf_text(buf, sizeof buf, "ab%s", "\xe2\x82\xac!"), 6);
     assert_string_equal(buf, "ab\xe2\x82\xac"); /* fits whole */
