@@ -1049,10 +1049,15 @@ static int setup(run_state *r, stk_err *err)
     bool lead = r->rank.rank == 0; /* rank 0 owns RUN_DIR; the rest follow it */
     if (!rc && lead)
         rc = open_run_dir(r, err);
-    if (!rc && lead && o->init_from)
-        rc = stk_checkpoint_load_weights(r, o->init_from, err);
     if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
+    /* --resume auto with --init-from: the weights to start from when there
+     * is no checkpoint yet (a job that restarts itself) */
+    if (!rc && lead && o->init_from && r->resumed_here)
+        fprintf(stderr, "train: note: --init-from %s is not read: the run "
+                        "continues its checkpoint\n", o->init_from);
+    else if (!rc && lead && o->init_from)
+        rc = stk_checkpoint_load_weights(r, o->init_from, err);
     rc = group_agree(r, rc, err); /* a rank that failed ends them all now */
     if (!rc)
         rc = group_check_config(r, err);
@@ -1117,6 +1122,12 @@ int stk_train_check_opts(const stk_train_opts *o, stk_err *err)
         return stk_fail(err, STK_EINVAL,
                         "--label-smoothing must be in [0, 1), not %g",
                         (double)o->label_smoothing);
+    if (o->init_from && o->resume && strcmp(o->resume, "auto"))
+        return stk_fail(err, STK_EINVAL,
+                        "--init-from and --resume PATH exclude each other: a "
+                        "resumed run takes its weights from the checkpoint "
+                        "(with --resume auto, --init-from is read when there "
+                        "is none yet)");
     if (o->rrc_scale[1] > 0 && o->augment != STK_AUG_RRC &&
         o->augment != STK_AUG_AUTO)
         return stk_fail(err, STK_EINVAL,

@@ -208,6 +208,16 @@ printf 'conv 8 3\npool 2 pad=1\nflatten\nlinear classes\n' > padpool.txt
 expect_fail 1 "padpool.txt:2: 'pad=1' does not apply to this layer" "$T" --db db --model padpool.txt --out x
 expect_fail 1 "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
   "$T" --db db --model cnn --init-from run1/checkpoints/step-00000235/model.safetensors --out x
+# --init-from with --resume: PATH refused (the checkpoint's weights would
+# win silently); auto reads it only where there is no checkpoint yet
+expect_fail 2 "--init-from and --resume PATH exclude each other" \
+  "$T" --db db --init-from run1/best.safetensors --resume run1/checkpoints/step-00000235 --out x
+"$T" "${common[@]}" --epochs 1 --out run1 --resume auto --init-from no/such.safetensors 2> init.txt \
+  && grep -q "note: --init-from no/such.safetensors is not read: the run continues its checkpoint" init.txt \
+  || fail "--resume auto --init-from with a checkpoint: $(cat init.txt)"
+expect_fail 1 "no/such.safetensors" "$T" "${common[@]}" --epochs 1 --max-steps 1 --out fresh_init \
+  --resume auto --init-from no/such.safetensors
+ok "--init-from with --resume: PATH refused, auto reads it only without a checkpoint"
 expect_fail 1 "loss is (NaN|infinite) at step [0-9]+ \(epoch 2\); stopped, the last good checkpoint is kept" \
   "$T" "${common[@]}" --epochs 3 --out run1 --resume auto --lr 90 --schedule constant --warmup 0
 [ -f run1/checkpoints/step-00000235/model.safetensors ] || fail "the good checkpoint is gone"
