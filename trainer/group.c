@@ -392,14 +392,19 @@ static void sync_bn(run_state *r)
 {
     if (!r->o->sync_bn)
         return;
+    if (r->rank.world == 1) {
+        if (!r->o->quiet)
+            fprintf(stderr, "train: --sync-bn: one rank, whose batch is the "
+                            "whole batch: nothing to synchronise\n");
+        return;
+    }
     if (stk_model_ncounters(r->model) == 0) {
         if (r->rank.rank == 0 && !r->o->quiet)
             fprintf(stderr, "train: --sync-bn: the model has no batchnorm "
                             "layer, nothing to synchronise\n");
         return;
     }
-    if (r->rank.world > 1)
-        stk_model_sync_bn(r->model, sync_bn_sum, r, r->rank.world);
+    stk_model_sync_bn(r->model, sync_bn_sum, r, r->rank.world);
 }
 
 int group_ddp(run_state *r, stk_err *err)

@@ -1019,6 +1019,22 @@ static int check_last_batch(const run_state *r, stk_err *err)
                     (unsigned long long)(r->shard / b), (unsigned long long)b);
 }
 
+/* A warm-up that takes the whole schedule leaves no decay, and the rate
+ * may never reach --lr: said (the default 100 steps outlast a small
+ * dataset's run). */
+static void note_warmup(const run_state *r)
+{
+    const stk_train_opts *o = r->o;
+    if (o->sched == STK_SCHED_ONECYCLE || o->warmup <= 0 ||
+        (uint64_t)o->warmup < r->total_steps)
+        return;
+    fprintf(stderr, "train: note: --warmup %d takes the run's whole %llu "
+                    "steps: the rate rises to %g (--lr %g) and never "
+                    "decays; give a shorter --warmup\n",
+            o->warmup, (unsigned long long)r->total_steps,
+            (double)o->lr * (double)r->total_steps / o->warmup, (double)o->lr);
+}
+
 static int setup(run_state *r, stk_err *err)
 {
     const stk_train_opts *o = r->o;
@@ -1069,6 +1085,8 @@ static int setup(run_state *r, stk_err *err)
             rc = open_metrics(r, err);
         rc = group_agree(r, rc, err);
     }
+    if (!rc && lead)
+        note_warmup(r);
     return rc ? rc : group_ddp(r, err);
 }
 

@@ -168,6 +168,14 @@ expect_fail 1 "model: bn: a batchnorm over 1x1 inputs sees one value per channel
 "$T" --db sdb --model bn1d.model --batch 63 --max-steps 1 --quiet --out bn63short > /dev/null \
   || fail "bn1d.model at --batch 63, a step that never meets the last batch"
 ok "an epoch's last batch of one sample through a 1x1 batchnorm is refused at the start"
+# a warm-up that takes the whole run, and --sync-bn on one rank, are said
+"$T" --db sdb --model mlp --batch 32 --epochs 1 --max-steps 1 --sync-bn --out warm > /dev/null 2> warm.txt
+grep -q "train: note: --warmup 100 takes the run's whole 2 steps: the rate rises to 4e-05 (--lr 0.002) and never decays" warm.txt \
+  && grep -q "train: --sync-bn: one rank, whose batch is the whole batch: nothing to synchronise" warm.txt \
+  || fail "warm-up and --sync-bn lines: $(cat warm.txt)"
+"$T" --db sdb --model mlp --batch 32 --epochs 1 --max-steps 1 --warmup 1 --quiet --out warm2 2> warm.txt
+grep -q note: warm.txt && fail "a warm-up shorter than the run was noted: $(cat warm.txt)"
+ok "a warm-up that takes the whole run and --sync-bn on one rank are said"
 
 # adamw (the default): one file holds both moments; the cnn with
 # augmentation runs
