@@ -84,6 +84,8 @@ int stk_source_opts_check(const stk_source_opts *opts, stk_err *err)
                         o.short_side);
     if (o.upscale && !o.short_side)
         return stk_fail(err, STK_EINVAL, "--upscale needs --short-side");
+    if (o.holdout_seed && !o.holdout)
+        return stk_fail(err, STK_EINVAL, "--holdout-seed needs --holdout");
     return fits_format(o.format == STK_SRC_IDX ? "--format idx" : "--format cifar",
                        &o, err);
 }

@@ -231,6 +231,9 @@ out = run("prep", "--holdout-seed", str(1 << 53), "--holdout", "0.1", "raw",
           "dbx", code=2)
 if "--holdout-seed" not in out:
     sys.exit(f"FAIL: --holdout-seed 2^53: {out}")
+out = run("prep", "--holdout-seed", "3", "raw", "dbx", code=2)  # it was ignored
+if "prep: --holdout-seed needs --holdout" not in out:
+    sys.exit(f"FAIL: --holdout-seed without --holdout: {out}")
 os.makedirs("split/train/a"); os.makedirs("split/test/a")
 shutil.copy(os.path.join("raw", "cat/img_\u00e90.png"), "split/train/a/x.png")
 shutil.copy(os.path.join("raw", "cat/img_\u00e91.png"), "split/test/a/x.png")
