@@ -30,7 +30,8 @@ typedef struct stk_rank_info {
     char master_addr[256];
     int master_port;
     bool host_store; /* this process serves the store itself (SLURM rank 0) */
-    const char *source; /* "torchrun variables", "SLURM", "single process" */
+    const char *source; /* "torchrun variables", "stoke launcher" (which
+                           sets them), "SLURM", "single process" */
     char run_id[64]; /* which run the ranks belong to ("SLURM job J step S"),
                         checked at the store; "" where nothing names it */
 } stk_rank_info;

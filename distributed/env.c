@@ -155,7 +155,9 @@ int stk_rank_from_env(stk_rank_info *out, stk_err *err)
     snprintf(out->master_addr, sizeof out->master_addr, "127.0.0.1");
     const char *rank = getenv("RANK"), *world = getenv("WORLD_SIZE");
     if ((rank && *rank) || (world && *world)) { /* empty: unset, as env_int */
-        out->source = "torchrun variables";
+        /* the stoke launcher sets the same variables, and says so */
+        out->source = getenv("STOKE_LAUNCHER_PID") ? "stoke launcher"
+                                                   : "torchrun variables";
         return from_torchrun(out, err);
     }
     const char *tasks = getenv("SLURM_STEP_NUM_TASKS");

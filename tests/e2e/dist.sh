@@ -40,6 +40,10 @@ for n in 2 3; do
   ok "world $n: 2 epochs, weights identical on every rank after each, 10000 test samples each"
 done
 ok "world 1: 10000 test samples per evaluation"
+# ranks started by the stoke launcher say so (they said "torchrun variables")
+"$T" --db db --model $M --workers 1 --nproc 2 --batch 64 --epochs 1 --max-steps 1 --out src > src.out 2>&1 ||
+  { cat src.out; fail "--nproc 2, one step"; }
+grep -q "rank 0 of 2 on cpu, [0-9]* thread(s) (stoke launcher)" src.out || fail "the ranks' source: $(cat src.out)"
 
 # ---- 2 x 64 and --accum 2 x 64 follow 1 x 128 ------------------------------
 # The same 128 samples make each step's gradient in all three; only the
