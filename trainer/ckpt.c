@@ -452,7 +452,23 @@ static int load_model(run_state *r, const char *path, bool strict, stk_err *err)
 
 int stk_checkpoint_load_weights(run_state *r, const char *path, stk_err *err)
 {
-    return load_model(r, path, false, err);
+    struct stat st;
+    char file[4300];
+    snprintf(file, sizeof file, "%s/model.safetensors", path);
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+        return stk_fail(err, STK_EINVAL,
+                        "--init-from %s: a directory; %s", path,
+                        access(file, F_OK) == 0
+                            ? "a checkpoint's weights are its model.safetensors "
+                              "(--resume continues it whole)"
+                            : "expected a safetensors file of weights");
+    int rc = load_model(r, path, false, err);
+    if (rc && err) { /* which flag named the file */
+        char msg[sizeof err->msg];
+        snprintf(msg, sizeof msg, "%s", err->msg);
+        stk_fail(err, rc, "--init-from: %s", msg);
+    }
+    return rc;
 }
 
 /* The newest complete checkpoint directory, or "" when there is none. */

@@ -122,19 +122,74 @@ static void shape_text(const int *shape, int ndim, char *out, size_t n)
         snprintf(out + u, n - u, "]");
 }
 
-/* Whether the header's dtype and shape are t's; if not, an error that
- * names the tensor, what the model needs and what the file holds. */
+/* The dtypes a file may hold for a tensor of the model's: PyTorch's
+ * load_state_dict copies with a cast, so a half, bfloat16 or double state
+ * dict loads into float weights, an int32 counter into an int64 one. */
+typedef struct file_dtype {
+    const char *name;
+    size_t size;
+    stk_dtype to;
+} file_dtype;
+static const file_dtype file_dtypes[] = {
+    {"F32", 4, STK_DT_F32}, {"F16", 2, STK_DT_F32}, {"BF16", 2, STK_DT_F32},
+    {"F64", 8, STK_DT_F32}, {"I64", 8, STK_DT_I64}, {"I32", 4, STK_DT_I64}};
+
+static float half_to_float(uint16_t h)
+{
+    int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float v = e == 0    ? ldexpf((float)m, -24) /* subnormal */
+              : e == 31 ? (m ? NAN : INFINITY)
+                        : ldexpf((float)(m | 0x400), e - 25);
+    return h & 0x8000 ? -v : v;
+}
+
+/* t->count elements of kind k (F16, BF16, F64 or I32) at src into
+ * t->data, cast to t's dtype. */
+static void cast_into(const file_dtype *k, const uint8_t *src, stk_tensor *t)
+{
+    float *f = t->data;
+    int64_t *q = t->data;
+    bool half = !strcmp(k->name, "F16"), bf16 = !strcmp(k->name, "BF16");
+    for (size_t i = 0; i < t->count; i++) {
+        const uint8_t *p = src + i * k->size;
+        uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+        uint32_t bits = (uint32_t)h << 16; /* BF16: a float's upper half */
+        double d;
+        int32_t n;
+        if (half)
+            f[i] = half_to_float(h);
+        else if (bf16)
+            memcpy(&f[i], &bits, sizeof bits);
+        else if (k->to == STK_DT_F32) /* F64 */
+            memcpy(&d, p, sizeof d), f[i] = (float)d;
+        else /* I32 */
+            memcpy(&n, p, sizeof n), q[i] = n;
+    }
+}
+
+/* Whether the header's dtype (one that casts to t's: *kind) and shape are
+ * t's; if not, an error that names the tensor, what the model needs and
+ * what the file holds. */
 static int check_kind(const char *path, const cJSON *e, const stk_tensor *t,
-                      stk_err *err)
+                      const file_dtype **kind, stk_err *err)
 {
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
     const char *want_dt = dtype_name(t->dtype);
-    if (!cJSON_IsString(dt) || strcmp(dt->valuestring, want_dt))
+    *kind = NULL;
+    for (size_t i = 0; i < sizeof file_dtypes / sizeof *file_dtypes; i++)
+        if (cJSON_IsString(dt) && file_dtypes[i].to == t->dtype &&
+            !strcmp(dt->valuestring, file_dtypes[i].name))
+            *kind = &file_dtypes[i];
+    if (!*kind)
         return stk_fail(err, STK_EFORMAT,
-                        "%s: \"%s\" is %.16s, the model needs %s", path,
-                        t->name, cJSON_IsString(dt) ? dt->valuestring : "no dtype",
-                        want_dt);
+                        "%s: \"%s\" is %.16s, the model needs %s (%s cast "
+                        "to it, as load_state_dict does)",
+                        path, t->name,
+                        cJSON_IsString(dt) ? dt->valuestring : "no dtype",
+                        want_dt,
+                        t->dtype == STK_DT_F32 ? "F16, BF16 and F64 are"
+                                               : "I32 is");
     int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == t->ndim;
     for (int d = 0; same && d < t->ndim; d++) {
         const cJSON *v = cJSON_GetArrayItem(sh, d);
@@ -156,21 +211,38 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
 {
     const cJSON *e = find(hdr, t->name);
     t->found = e != NULL;
+    if (!e && !t->optional) { /* the file's own first name shows its kind */
+        const cJSON *f = hdr->child;
+        if (f && !strcmp(f->string, "__metadata__"))
+            f = f->next;
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: no tensor \"%s\" (the file's first is "
+                        "\"%.200s\"; of name prefixes only DDP's \"module.\" is "
+                        "taken off)",
+                        path, t->name, f ? f->string : "none");
+    }
     if (!e)
-        return t->optional ? 0
-                           : stk_fail(err, STK_EFORMAT, "%s: no tensor \"%s\"",
-                                      path, t->name);
-    int rc = check_kind(path, e, t, err);
+        return 0;
+    const file_dtype *kind;
+    int rc = check_kind(path, e, t, &kind, err);
     if (rc)
         return rc;
     const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
-    size_t bytes = t->count * elem_size(t->dtype);
+    size_t bytes = t->count * kind->size;
     double b = cJSON_GetArrayItem(off, 0) ? cJSON_GetArrayItem(off, 0)->valuedouble : -1;
     double en = cJSON_GetArrayItem(off, 1) ? cJSON_GetArrayItem(off, 1)->valuedouble : -1;
-    if (b < 0 || b != floor(b) || en - b != (double)bytes || en > (double)dlen)
+    if (b < 0 || b != floor(b) || en - b != (double)bytes)
         return stk_fail(err, STK_EFORMAT, "%s: \"%s\" has a bad byte range",
                         path, t->name);
-    memcpy(t->data, data + (size_t)b, bytes);
+    if (en > (double)dlen)
+        return stk_fail(err, STK_EFORMAT,
+                        "%s: \"%s\" lies past the file's end (%zu bytes of "
+                        "data): the file is cut short",
+                        path, t->name, dlen);
+    if (kind->size == elem_size(t->dtype))
+        memcpy(t->data, data + (size_t)b, bytes);
+    else
+        cast_into(kind, data + (size_t)b, t);
     if (t->dtype != STK_DT_F32)
         return 0;
     /* a NaN or infinity would spread through every later step and into
@@ -214,6 +286,25 @@ static int check_unexpected(const char *path, const cJSON *hdr,
                     path, first ? first : "?", extra > 1 ? " and others" : "");
 }
 
+/* Why a file is not safetensors, from its first bytes: what a user is
+ * likely to have given instead, or a file cut short. */
+static int not_safetensors(const char *path, const uint8_t *file, size_t len,
+                           uint64_t hl, stk_err *err)
+{
+    const char *why =
+        len == 0 ? "an empty file"
+        : len >= 4 && !memcmp(file, "PK\x03\x04", 4)
+            ? "a zip archive, as torch.save writes (.pt, .pth): save the "
+              "state dict with safetensors.torch.save_file"
+        : file[0] == 0x80 ? "a pickle (torch.save's legacy format): save the "
+                            "state dict with safetensors.torch.save_file"
+        : len > 8 && hl > len - 8 && hl < ((uint64_t)1 << 32) && file[8] == '{'
+            ? "cut short: its header alone would take more than the file"
+            : "not a safetensors file (an 8-byte header length, then a JSON "
+              "header)";
+    return stk_fail(err, STK_EFORMAT, "%s: %s", path, why);
+}
+
 static int read_tensors(const char *path, stk_tensor *t, int n, bool strict,
                         char **meta_json, stk_err *err)
 {
@@ -229,7 +320,7 @@ static int read_tensors(const char *path, stk_tensor *t, int n, bool strict,
                      ? cJSON_ParseWithLength((const char *)file + 8, (size_t)hl)
                      : NULL;
     if (!hdr)
-        rc = stk_fail(err, STK_EFORMAT, "%s: not a safetensors file", path);
+        rc = not_safetensors(path, file, len, hl, err);
     for (int i = 0; !rc && i < n; i++)
         rc = load_one(path, hdr, file + 8 + hl, len - 8 - hl, &t[i], err);
     if (!rc && strict)

@@ -216,6 +216,11 @@ printf 'conv 8 3\npool 2 pad=1\nflatten\nlinear classes\n' > padpool.txt
 expect_fail 1 "padpool.txt:2: 'pad=1' does not apply to this layer" "$T" --db db --model padpool.txt --out x
 expect_fail 1 "model.safetensors: \"conv1.weight\" is missing|no tensor \"conv1.weight\"" \
   "$T" --db db --model cnn --init-from run1/checkpoints/step-00000235/model.safetensors --out x
+# --init-from given a checkpoint's directory or its optimizer state: said
+expect_fail 1 "--init-from run1/checkpoints/step-00000235: a directory; a checkpoint's weights are its model.safetensors" \
+  "$T" "${common[@]}" --init-from run1/checkpoints/step-00000235 --out x
+expect_fail 1 "--init-from: run1/checkpoints/step-00000235/optim.safetensors: no tensor \"fc1.weight\" \(the file's first is \"fc[0-9].(weight|bias).momentum_buffer\"" \
+  "$T" "${common[@]}" --init-from run1/checkpoints/step-00000235/optim.safetensors --out x
 # --init-from with --resume: PATH refused (the checkpoint's weights would
 # win silently); auto reads it only where there is no checkpoint yet
 expect_fail 2 "--init-from and --resume PATH exclude each other" \

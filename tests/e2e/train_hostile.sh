@@ -41,7 +41,7 @@ untouched() {
 # ---- FIFOs where train reads (or appends to) a file: refused, never opened --
 mkfifo fifo
 expect_fail 1 "train: error: fifo: not a regular file \(a FIFO\)" t "$T" "${c[@]}" --model fifo --out x
-expect_fail 1 "train: error: fifo: not a regular file \(a FIFO\)" t "$T" "${c[@]}" --init-from fifo --out x
+expect_fail 1 "train: error: --init-from: fifo: not a regular file \(a FIFO\)" t "$T" "${c[@]}" --init-from fifo --out x
 for f in $ck/model.safetensors $ck/optim.safetensors $ck/state.json checkpoints/BEST metrics.jsonl .lock; do
   run r && rm r/$f && mkfifo r/$f
   expect_fail 1 "train: error: r/$f: not a regular file \(a FIFO\)" \

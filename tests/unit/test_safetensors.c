@@ -6,6 +6,8 @@
 
 #include "trainer/checkpoint.h"
 
+#include <sys/stat.h>
+
 /* The header of a safetensors file, as text (malloc'd). */
 static char *header_of(const char *path)
 {
@@ -164,7 +166,98 @@ static void longest_names_fit(void **state)
     assert_true(y == 3);
 }
 
+/* Writes a file of one tensor "t" of dtype dt and shape [n], its data the
+ * given bytes (a header of the length given, whatever the text). */
+static void write_raw(const char *path, const char *dt, int n,
+                      const void *data, size_t bytes)
+{
+    char h[200];
+    int hl = snprintf(h, sizeof h,
+                      "{\"t\":{\"dtype\":\"%s\",\"shape\":[%d],"
+                      "\"data_offsets\":[0,%zu]}}",
+                      dt, n, bytes);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    uint8_t len[8] = {0};
+    for (int b = 0; b < 8; b++)
+        len[b] = (uint8_t)((uint64_t)hl >> (8 * b));
+    fwrite(len, 1, 8, f);
+    fwrite(h, 1, (size_t)hl, f);
+    fwrite(data, 1, bytes, f);
+    fclose(f);
+}
+
+/* Half, bfloat16 and double weights are cast to float, an int32 counter
+ * to int64, as load_state_dict's copy casts them (values exact in each). */
+static void other_dtypes_are_cast(void **state)
+{
+    (void)state;
+    const char *dir = scratch("casts");
+    char path[1200];
+    snprintf(path, sizeof path, "%s", file_in(dir, "x.safetensors"));
+    const float want[4] = {1.5f, -2.0f, 0.0f, 65504.0f};
+    const uint16_t f16[4] = {0x3e00, 0xc000, 0x0000, 0x7bff};
+    const uint16_t bf16[4] = {0x3fc0, 0xc000, 0x0000, 0x477f};
+    const double f64[4] = {1.5, -2.0, 0.0, 65504.0};
+    const void *data[3] = {f16, bf16, f64};
+    const char *names[3] = {"F16", "BF16", "F64"};
+    const size_t bytes[3] = {sizeof f16, sizeof bf16, sizeof f64};
+    stk_err err = {0};
+    for (int k = 0; k < 3; k++) {
+        write_raw(path, names[k], 4, data[k], bytes[k]);
+        float got[4] = {9, 9, 9, 9};
+        stk_tensor t = {.name = "t", .ndim = 1, .shape = {4}, .count = 4,
+                        .data = got};
+        assert_int_equal(stk_safetensors_read(path, &t, 1, NULL, &err), 0);
+        float w[4];
+        memcpy(w, want, sizeof w);
+        if (k == 1)
+            w[3] = 65280.0f; /* 0x477f: bfloat16's nearest */
+        assert_memory_equal(got, w, sizeof w);
+    }
+    const int32_t i32[2] = {7, -3};
+    write_raw(path, "I32", 2, i32, sizeof i32);
+    int64_t got[2] = {0, 0};
+    stk_tensor c = {.name = "t", .dtype = STK_DT_I64, .ndim = 1, .shape = {2},
+                    .count = 2, .data = got};
+    assert_int_equal(stk_safetensors_read(path, &c, 1, NULL, &err), 0);
+    assert_true(got[0] == 7 && got[1] == -3);
+}
+
+/* What was given instead of safetensors is said: an empty file, torch.save's
+ * zip and pickle, a file cut in its header or in its data. */
+static void not_safetensors_says_what(void **state)
+{
+    (void)state;
+    const char *dir = scratch("notst");
+    char path[1200];
+    snprintf(path, sizeof path, "%s", file_in(dir, "x"));
+    const char *heads[4] = {"", "PK\x03\x04rest-of-a-zip", "\x80\x02}q\x00.",
+                            "\xff\x00\x00\x00\x00\x00\x00\x00{\"t\":"};
+    const size_t lens[4] = {0, 17, 6, 13};
+    const char *why[4] = {"an empty file", "a zip archive, as torch.save writes",
+                          "a pickle (torch.save's legacy format)",
+                          "cut short: its header alone"};
+    stk_tensor t = {.name = "t", .ndim = 1, .shape = {4}, .count = 4};
+    for (int k = 0; k < 4; k++) {
+        FILE *f = fopen(path, "wb");
+        assert_non_null(f);
+        fwrite(heads[k], 1, lens[k], f);
+        fclose(f);
+        refused_as(path, t, why[k]);
+    }
+    const float four[4] = {1, 2, 3, 4}; /* then its data cut to 2 floats */
+    write_raw(path, "F32", 4, four, sizeof four);
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(truncate(path, st.st_size - 8), 0);
+    refused_as(path, t, "\"t\" lies past the file's end (8 bytes of data): "
+                        "the file is cut short");
+}
+
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(other_dtypes_are_cast),
+    cmocka_unit_test(not_safetensors_says_what),
     cmocka_unit_test(i64_scalar_round_trips),
     cmocka_unit_test(wrong_dtype_or_shape_is_named),
     cmocka_unit_test(optional_tensors_may_be_missing),
