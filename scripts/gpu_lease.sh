@@ -28,7 +28,8 @@ stop() { echo "gpu_lease.sh: $1" | tee -a "$R" >&2; exit "$2"; }
   stop "no .gpu/gpu-pack.tar.gz (scripts/gpu_pack.sh makes it)" 2
 if [ .gpu/gpu-pack.tar.gz -nt .gpu/gpu-pack/env.sh ]; then
   rm -rf .gpu/gpu-pack
-  tar xzf .gpu/gpu-pack.tar.gz -C .gpu || stop "cannot unpack .gpu/gpu-pack.tar.gz" 2
+  # -m: unpacked files dated now, so the pack is newer only once replaced
+  tar xzmf .gpu/gpu-pack.tar.gz -C .gpu || stop "cannot unpack .gpu/gpu-pack.tar.gz" 2
 fi
 . .gpu/gpu-pack/env.sh
 # two rounds of the benchmarks: enough for a median beside the first

@@ -619,9 +619,11 @@ static const char *config_value(const char *text, const char *name,
     return NULL;
 }
 
-/* Another model than the checkpoint's, by the layout state.json's
- * configuration records (older checkpoints lack it; their tensors' shapes
- * still tell), refused naming both --model values before any tensor. */
+/* Another --model than the checkpoint's, whose layout differs from the
+ * one state.json's configuration records (older checkpoints lack it),
+ * refused naming both before any tensor. The same --model with another
+ * layout (another crop or database) is left to the tensors' shapes,
+ * which name the first that differs. */
 static int check_model(const run_state *r, const char *path, const cJSON *s,
                        stk_err *err)
 {
@@ -635,13 +637,15 @@ static int check_model(const run_state *r, const char *path, const cJSON *s,
     char now[GROUP_CONFIG_MAX];
     group_config_text(r, now, sizeof now);
     const char *mine = config_value(now, "model", 5, &now_len);
-    if (!was || !mine || (was_len == now_len && !memcmp(was, mine, now_len)))
+    if (!was || !mine || !cJSON_IsString(name) ||
+        !strcmp(name->valuestring, r->o->model) ||
+        (was_len == now_len && !memcmp(was, mine, now_len)))
         return 0;
     return stk_fail(err, STK_EINVAL,
                     "%s: written with --model %s (%.*s), this run's --model "
                     "%s has %.*s: resume with the checkpoint's model",
-                    path, cJSON_IsString(name) ? name->valuestring : "?",
-                    (int)was_len, was, r->o->model, (int)now_len, mine);
+                    path, name->valuestring, (int)was_len, was, r->o->model,
+                    (int)now_len, mine);
 }
 
 /* A line for each item of state.json's configuration (older checkpoints

@@ -215,11 +215,17 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
         const cJSON *f = hdr->child;
         if (f && !strcmp(f->string, "__metadata__"))
             f = f->next;
+        if (!f)
+            return stk_fail(err, STK_EFORMAT,
+                            "%s: no tensor \"%s\" (the file holds no tensor)",
+                            path, t->name);
         return stk_fail(err, STK_EFORMAT,
                         "%s: no tensor \"%s\" (the file's first is "
-                        "\"%.200s\"; of name prefixes only DDP's \"module.\" is "
+                        "\"%.*s\"; of name prefixes only DDP's \"module.\" is "
                         "taken off)",
-                        path, t->name, f ? f->string : "none");
+                        path, t->name,
+                        (int)stk_utf8_fit(f->string, strnlen(f->string, 200)),
+                        f->string);
     }
     if (!e)
         return 0;
@@ -248,12 +254,20 @@ static int load_one(const char *path, const cJSON *hdr, const uint8_t *data,
     /* a NaN or infinity would spread through every later step and into
      * every checkpoint written after it */
     const float *f = t->data;
-    for (size_t i = 0; i < t->count; i++)
+    for (size_t i = 0; i < t->count; i++) {
+        double d = 0;
+        if (!isfinite(f[i]) && !strcmp(kind->name, "F64"))
+            memcpy(&d, data + (size_t)b + i * 8, sizeof d);
+        if (isfinite(d) && d != 0) /* a finite double beyond float's range */
+            return stk_fail(err, STK_ERANGE,
+                            "%s: \"%s\" holds %g at element %zu, beyond a "
+                            "float's range", path, t->name, d, i);
         if (!isfinite(f[i]))
             return stk_fail(err, STK_ERANGE,
                             "%s: \"%s\" holds %s at element %zu (weights, "
                             "buffers and optimizer state must be finite)",
                             path, t->name, isnan(f[i]) ? "NaN" : "an infinity", i);
+    }
     return 0;
 }
 
@@ -291,17 +305,23 @@ static int check_unexpected(const char *path, const cJSON *hdr,
 static int not_safetensors(const char *path, const uint8_t *file, size_t len,
                            uint64_t hl, stk_err *err)
 {
+    bool header_cut = len > 8 && hl > len - 8 && hl < ((uint64_t)1 << 32) &&
+                      file[8] == '{';
     const char *why =
         len == 0 ? "an empty file"
         : len >= 4 && !memcmp(file, "PK\x03\x04", 4)
             ? "a zip archive, as torch.save writes (.pt, .pth): save the "
               "state dict with safetensors.torch.save_file"
-        : file[0] == 0x80 ? "a pickle (torch.save's legacy format): save the "
-                            "state dict with safetensors.torch.save_file"
-        : len > 8 && hl > len - 8 && hl < ((uint64_t)1 << 32) && file[8] == '{'
-            ? "cut short: its header alone would take more than the file"
-            : "not a safetensors file (an 8-byte header length, then a JSON "
-              "header)";
+        : header_cut ? "cut short: its header alone would take more than "
+                       "the file"
+        /* pickle's PROTO opcode and a protocol of 2..5 */
+        : len >= 2 && file[0] == 0x80 && file[1] >= 2 && file[1] <= 5
+            ? "a pickle (torch.save's legacy format): save the state dict "
+              "with safetensors.torch.save_file"
+        : len <= 8 ? "cut short: not even its 8-byte header length and a "
+                     "header"
+                   : "not a safetensors file (an 8-byte header length, then "
+                     "a JSON header)";
     return stk_fail(err, STK_EFORMAT, "%s: %s", path, why);
 }
 
@@ -321,6 +341,11 @@ static int read_tensors(const char *path, stk_tensor *t, int n, bool strict,
                      : NULL;
     if (!hdr)
         rc = not_safetensors(path, file, len, hl, err);
+    else if (!cJSON_IsObject(hdr))
+        rc = stk_fail(err, STK_EFORMAT,
+                      "%s: not a safetensors file (its header is JSON but "
+                      "not an object of tensors)",
+                      path);
     for (int i = 0; !rc && i < n; i++)
         rc = load_one(path, hdr, file + 8 + hl, len - 8 - hl, &t[i], err);
     if (!rc && strict)

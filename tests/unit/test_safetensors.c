@@ -215,6 +215,19 @@ static void other_dtypes_are_cast(void **state)
             w[3] = 65280.0f; /* 0x477f: bfloat16's nearest */
         assert_memory_equal(got, w, sizeof w);
     }
+    /* F16's infinity and a double beyond float's range: refused, the
+     * latter by its value */
+    const uint16_t inf16[4] = {0x3c00, 0x7c00, 0, 0};
+    write_raw(path, "F16", 4, inf16, sizeof inf16);
+    float got4[4];
+    stk_tensor t4 = {.name = "t", .ndim = 1, .shape = {4}, .count = 4,
+                     .data = got4};
+    assert_int_equal(stk_safetensors_read(path, &t4, 1, NULL, &err), STK_ERANGE);
+    assert_non_null(strstr(err.msg, "\"t\" holds an infinity at element 1"));
+    const double big[4] = {1, 2, 1e300, 4};
+    write_raw(path, "F64", 4, big, sizeof big);
+    assert_int_equal(stk_safetensors_read(path, &t4, 1, NULL, &err), STK_ERANGE);
+    assert_non_null(strstr(err.msg, "\"t\" holds 1e+300 at element 2, beyond a float's range"));
     const int32_t i32[2] = {7, -3};
     write_raw(path, "I32", 2, i32, sizeof i32);
     int64_t got[2] = {0, 0};
@@ -246,6 +259,35 @@ static void not_safetensors_says_what(void **state)
         fclose(f);
         refused_as(path, t, why[k]);
     }
+    /* a header that is JSON but not an object of tensors, or holds none */
+    const char *hdrs[3] = {"[1]", "{}", "{\"__metadata__\":{}}"};
+    const char *hwhy[3] = {"not a safetensors file (its header is JSON but not an object of tensors)",
+                           "no tensor \"t\" (the file holds no tensor)",
+                           "no tensor \"t\" (the file holds no tensor)"};
+    for (int k = 0; k < 3; k++) {
+        FILE *f = fopen(path, "wb");
+        assert_non_null(f);
+        uint8_t hl[8] = {(uint8_t)strlen(hdrs[k])};
+        fwrite(hl, 1, 8, f);
+        fwrite(hdrs[k], 1, strlen(hdrs[k]), f);
+        fclose(f);
+        refused_as(path, t, hwhy[k]);
+    }
+    /* a file whose header length ends in byte 0x80 (128), cut: not a
+     * pickle */
+    char h128[129];
+    memset(h128, ' ', 128);
+    h128[128] = '\0';
+    const char *head = "{\"t\":{\"dtype\":\"F32\",\"shape\":[4],"
+                       "\"data_offsets\":[0,16]}}";
+    memcpy(h128, head, strlen(head));
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    uint8_t hl[8] = {0x80};
+    fwrite(hl, 1, 8, f);
+    fwrite(h128, 1, 52, f);
+    fclose(f);
+    refused_as(path, t, "cut short: its header alone");
     const float four[4] = {1, 2, 3, 4}; /* then its data cut to 2 floats */
     write_raw(path, "F32", 4, four, sizeof four);
     struct stat st;
