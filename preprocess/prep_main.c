@@ -158,6 +158,7 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
            O_HOLDOUT, O_HSEED, O_SHORT, O_MAXSIDE, O_UPSCALE, O_ENCODE,
            O_QUALITY };
     static const char *const encodings[] = {"raw", "jpeg"};
+    bool seeded = false; /* --holdout-seed given */
     static const struct option longs[] = {
         {"workers", required_argument, 0, 'w'},
         {"format", required_argument, 0, 'f'},
@@ -194,7 +195,7 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
         case O_GRAY: o->source.channels = 1; break;
         case O_RGB: o->source.channels = 3; break;
         case O_HOLDOUT: bad = parse_holdout(optarg, &o->source.holdout); break;
-        case O_HSEED: bad = parse_seed(optarg, &o->source.holdout_seed); break;
+        case O_HSEED: bad = parse_seed(optarg, &o->source.holdout_seed); seeded = true; break;
         case O_SKIP: o->skip_bad = true; break;
         case O_FORCE: o->force = true; break;
         case O_MAPSIZE: bad = stk_cli_bytes("prep", "--map-size", optarg, &o->map_size); break;
@@ -223,8 +224,11 @@ static int parse_args(int argc, char **argv, stk_prep_opts *o, int *quiet)
                     i ? "DB_DIR" : "RAW_DIR");
             return -1;
         }
-    stk_err err = {0}; /* flags that exclude or need each other */
-    if (stk_prep_opts_check(o, &err)) {
+    stk_err err = {0}; /* flags that exclude or need each other (a seed
+                          of 0, the default, only the parser sees given) */
+    if (seeded && !o->source.holdout)
+        stk_fail(&err, STK_EINVAL, "--holdout-seed needs --holdout");
+    if (err.code || stk_prep_opts_check(o, &err)) {
         fprintf(stderr, "prep: %s\n", err.msg);
         return -1;
     }

@@ -231,9 +231,10 @@ out = run("prep", "--holdout-seed", str(1 << 53), "--holdout", "0.1", "raw",
           "dbx", code=2)
 if "--holdout-seed" not in out:
     sys.exit(f"FAIL: --holdout-seed 2^53: {out}")
-out = run("prep", "--holdout-seed", "3", "raw", "dbx", code=2)  # it was ignored
-if "prep: --holdout-seed needs --holdout" not in out:
-    sys.exit(f"FAIL: --holdout-seed without --holdout: {out}")
+for seed in ("3", "0"):  # it was ignored
+    out = run("prep", "--holdout-seed", seed, "raw", "dbx", code=2)
+    if "prep: --holdout-seed needs --holdout" not in out:
+        sys.exit(f"FAIL: --holdout-seed {seed} without --holdout: {out}")
 os.makedirs("split/train/a"); os.makedirs("split/test/a")
 shutil.copy(os.path.join("raw", "cat/img_\u00e90.png"), "split/train/a/x.png")
 shutil.copy(os.path.join("raw", "cat/img_\u00e91.png"), "split/test/a/x.png")
