@@ -53,7 +53,8 @@ ok "--raw leaves out the files a --skip-bad database left out"
 # the centre crop to 0.875 x 40 = 35 that train's loader does for them (they
 # had failed after the table's header)
 "$STK_BIN/prep" --quiet --short-side 40 raw dbv
-"$S" --db dbv --workers 0 --batch 64 --epochs 1 | grep -q "transform rrc (to 35)" || fail "the default on dbv"
+"$S" --db dbv --workers 0 --batch 64 --epochs 1 > v.txt || fail "sweep on dbv: $(cat v.txt)"
+grep -q "transform rrc (to 35)" v.txt || fail "the default on dbv: $(cat v.txt)"
 for a in none crop; do
   "$S" --db dbv --workers 0,1 --batch 64 --epochs 1 --raw raw --augment $a --json v.json > v.txt 2>&1 \
     || fail "--augment $a on an aspect-keeping database: $(cat v.txt)"
