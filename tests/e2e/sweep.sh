@@ -40,7 +40,8 @@ ok "--augment rrc, --eval and --augment crop over the database and --raw"
 # a database prep --skip-bad wrote: --raw leaves out the files prep left
 # out (it failed at the first), so both rows time the same 599 samples;
 # prep was given another spelling of the folder than sweep
-cp -r raw rawbad && bad=$(find rawbad -name '*.jpg' | sort | head -1) && : > "$bad"
+cp -r raw rawbad && bad=$(find rawbad -name '*.jpg' | sort | sed -n 1p) && : > "$bad"
+[ -n "$bad" ] && [ ! -s "$bad" ] || fail "no emptied file in rawbad"
 "$STK_BIN/prep" --quiet --skip-bad --size 32 ./rawbad/ dbbad > /dev/null
 "$S" --db dbbad --workers 0,1 --batch 64 --epochs 1 --raw rawbad --json bad.json > /dev/null 2> bad.txt \
   || fail "sweep --raw over a --skip-bad database: $(cat bad.txt)"
