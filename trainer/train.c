@@ -1063,7 +1063,8 @@ static int setup(run_state *r, stk_err *err)
     if (!rc)
         rc = setup_buffers(r, err);
     bool lead = r->rank.rank == 0; /* rank 0 owns RUN_DIR; the rest follow it */
-    if (!rc && lead)
+    bool writes = !o->evaluate;   /* --evaluate leaves RUN_DIR alone */
+    if (!rc && lead && writes)
         rc = open_run_dir(r, err);
     if (!rc && lead && o->resume)
         rc = stk_checkpoint_resume(r, o->resume, err);
@@ -1079,13 +1080,13 @@ static int setup(run_state *r, stk_err *err)
         rc = group_check_config(r, err);
     if (!rc)
         rc = group_share_start(r, err);
-    if (!rc) { /* metrics.jsonl is touched by a run that passed every check */
+    if (!rc && writes) { /* metrics.jsonl: for a run that passed every check */
         rc = check_last_batch(r, err);
         if (!rc && lead)
             rc = open_metrics(r, err);
         rc = group_agree(r, rc, err);
     }
-    if (!rc && lead)
+    if (!rc && lead && writes)
         note_warmup(r);
     return rc ? rc : group_ddp(r, err);
 }
@@ -1140,6 +1141,11 @@ int stk_train_check_opts(const stk_train_opts *o, stk_err *err)
         return stk_fail(err, STK_EINVAL,
                         "--label-smoothing must be in [0, 1), not %g",
                         (double)o->label_smoothing);
+    if (o->evaluate && (!o->init_from || o->resume))
+        return stk_fail(err, STK_EINVAL,
+                        "--evaluate evaluates the weights of --init-from FILE "
+                        "(a checkpoint's are its model.safetensors), %s",
+                        o->resume ? "not --resume" : "which is missing");
     if (o->init_from && o->resume && strcmp(o->resume, "auto"))
         return stk_fail(err, STK_EINVAL,
                         "--init-from and --resume PATH exclude each other: a "
@@ -1187,8 +1193,13 @@ int stk_train_run(const stk_train_opts *in, stk_train_result *res,
         stk_model_describe(r.model, desc, sizeof desc);
         fprintf(stderr, "train: %s on %s, %s\n", o->model, stk_backend_name(r.be), desc);
     }
-    if (!rc)
+    if (!rc && o->evaluate) {
+        res->evaluated = true;
+        res->eval_split = r.eval_split;
+        rc = evaluate(&r, &res->test_loss, &res->test_acc, err);
+    } else if (!rc) {
         rc = run_epochs(&r, res, err);
+    }
     if (rc)
         group_abort(&r); /* the peers stop now, not after --timeout */
     teardown(&r);

@@ -63,6 +63,8 @@ static const char usage[] =
     "                      (default runs/train)\n"
     "  --resume auto|PATH  continue from the newest checkpoint or PATH\n"
     "  --init-from FILE    start from these safetensors weights\n"
+    "  --evaluate          evaluate --init-from's weights on the test split;\n"
+    "                      nothing is trained or written\n"
     "  --log-every N       steps between metric lines (default 50)\n"
     "  --keep K            checkpoints kept besides the best (default 3)\n"
     "  --max-steps N       stop after N steps\n"
@@ -169,7 +171,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
     enum { O_NEST = 256, O_WD, O_CLIP, O_SCHED, O_WARM, O_SS, O_GAMMA,
            O_THREADS, O_AUG, O_NODROP, O_RESUME, O_INIT, O_LOG, O_KEEP,
            O_MAX, O_QUIET, O_GPU, O_ACCUM, O_NPROC, O_GPUS, O_NNODES,
-           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND, O_SYNCBN,
+           O_NODE, O_MADDR, O_MPORT, O_LOGALL, O_BUCKET, O_TIMEOUT, O_CONV, O_BIND, O_SYNCBN, O_EVAL,
            O_SMOOTH, O_NODECAY, O_CROP, O_CRATIO, O_RRCSCALE };
     static const struct option longs[] = {
         {"db", 1, 0, 'd'}, {"device", 1, 0, 'D'}, {"model", 1, 0, 'm'},
@@ -191,7 +193,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         {"bucket-mb", 1, 0, O_BUCKET}, {"timeout", 1, 0, O_TIMEOUT},
         {"conv", 1, 0, O_CONV}, {"bind", 1, 0, O_BIND},
         {"label-smoothing", 1, 0, O_SMOOTH}, {"no-decay-norm-bias", 0, 0, O_NODECAY},
-        {"sync-bn", 0, 0, O_SYNCBN}, {"crop-size", 1, 0, O_CROP},
+        {"sync-bn", 0, 0, O_SYNCBN}, {"evaluate", 0, 0, O_EVAL}, {"crop-size", 1, 0, O_CROP},
         {"crop-ratio", 1, 0, O_CRATIO}, {"rrc-scale", 1, 0, O_RRCSCALE},
         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     static const char *const devices[] = {"cpu", "cuda"};
@@ -248,6 +250,7 @@ static int parse(int argc, char **argv, stk_train_opts *o, dist_opts *d)
         case O_SMOOTH: rc = num_f("--label-smoothing", optarg, 0, 1, &o->label_smoothing); break;
         case O_NODECAY: o->no_decay_norm_bias = true; break;
         case O_SYNCBN: o->sync_bn = true; break;
+        case O_EVAL: o->evaluate = true; break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': fprintf(stderr, "train: %s needs a value\n", argv[optind - 1]); return -1;
         default:
@@ -479,6 +482,13 @@ int main(int argc, char **argv)
     }
     if (ri.rank != 0)
         return res.stopped && stop_requested ? 130 : 0;
+    if (res.evaluated) {
+        printf("train: %s on %s's %s split: test accuracy %.2f%%, test loss "
+               "%.4f\n",
+               o.init_from, o.db, res.eval_split, 100 * res.test_acc,
+               res.test_loss);
+        return 0;
+    }
     if (res.stopped) {
         fprintf(stderr, "train: stopped at step %llu; the checkpoint in %s/checkpoints "
                         "continues it with --resume auto\n",

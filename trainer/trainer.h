@@ -255,12 +255,17 @@ typedef struct stk_train_opts {
     float bucket_mb;
     int timeout_s;
     bool sync_bn;             /* batchnorm's statistics over all ranks */
+    bool evaluate;            /* the test split with init_from's weights,
+                                 nothing trained nor written (PyTorch
+                                 examples' --evaluate) */
 } stk_train_opts;
 
 /* Fills opts with the defaults that train Fashion-MNIST well. */
 void stk_train_defaults(stk_train_opts *o);
 
 typedef struct stk_train_result {
+    bool evaluated;           /* o->evaluate: test_acc and test_loss alone */
+    const char *eval_split;   /* "test", or "val" where there is no test */
     bool stopped;             /* by o->stop or max_steps; checkpoint written */
     bool at_max_steps;        /* resumed at or past max_steps: nothing ran */
     int epochs_done;

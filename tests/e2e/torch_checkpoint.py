@@ -88,6 +88,30 @@ for name, db in (("mlp", full), ("cnn", "db_12k")):
     check.module.load_state_dict(newest, strict=True)
     check.load_state_dict(ref.load_safetensors(f"{name}_module.safetensors")[0], strict=True)
 
+    # train --evaluate: stoke's test accuracy and loss of weights PyTorch
+    # saved (these, and a fresh torch initialisation) are PyTorch's
+    torch.manual_seed(3)
+    fresh = ref.MODELS[name](classes=len(meta["classes"]))
+    ref.save_safetensors(f"{name}_fresh.safetensors", fresh.state_dict())
+    fl = predict(fresh, x_test, norm)
+    wants = {f"{name}_module.safetensors": (hits, loss),
+             f"{name}_fresh.safetensors": (
+                 int((fl.argmax(1) == torch.from_numpy(y_test)).sum()),
+                 F.cross_entropy(fl, torch.from_numpy(y_test)).item())}
+    for path, (want_hits, want_loss) in wants.items():
+        p = subprocess.run([os.path.join(os.environ["STK_BIN"], "train"), "--db", db,
+                            "--model", name, "--evaluate", "--init-from", path, "--quiet"],
+                           capture_output=True, text=True)
+        words = p.stdout.split()
+        assert p.returncode == 0 and "accuracy" in words, (path, p.returncode, p.stdout, p.stderr)
+        acc = float(words[words.index("accuracy") + 1].rstrip("%,"))
+        got_loss = float(words[words.index("loss") + 1])
+        print(f"{name}: train --evaluate {path}: {acc:.2f}% loss {got_loss:.4f}; PyTorch "
+              f"{want_hits / 100:.2f}% loss {want_loss:.4f}")
+        assert abs(round(acc * 100) - want_hits) <= MAX_DIFF, (path, acc, want_hits)
+        assert abs(got_loss - want_loss) <= max(1e-4 * want_loss, 1e-4), (path, got_loss, want_loss)
+    assert not os.path.exists("runs"), "train --evaluate wrote its default --out"
+
     # stoke starts from it: step 1's loss is PyTorch's on the first batch
     x_train, y_train, _ = ref.load_split(db, "train")
     first = np.array(ref.permutation(len(y_train), SEED, 0)[:BATCH])

@@ -199,6 +199,9 @@ expect_fail 2 "train: --step-size and --gamma apply to --schedule step" \
   "$T" --db db --optim sgd --gamma 0.5
 expect_fail 2 "train: --step-size and --gamma apply to --schedule step" "$T" --db db --step-size 3
 expect_fail 2 "train: --gpu N picks the GPU of --device cuda; this run is on the CPU" "$T" --db db --gpu 1
+expect_fail 2 "train: --evaluate evaluates the weights of --init-from FILE .*, which is missing" "$T" --db db --evaluate
+expect_fail 2 "train: --evaluate evaluates the weights of --init-from FILE .*, not --resume" \
+  "$T" --db db --evaluate --init-from x.safetensors --resume auto
 expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --gpus 1 --gpu 0
 expect_fail 2 "train: --gpu does not apply to data-parallel ranks" "$T" --db db --device cuda --nproc 2 --gpu 1
 expect_fail 1 "train: error: --rrc-scale applies to --augment rrc \(RandomResizedCrop\); db holds records of one size, which train as stored by default: add --augment rrc" \
