@@ -212,7 +212,7 @@ void group_config_text(const run_state *r, char *s, size_t n)
              "--no-decay-norm-bias=%d\n--clip=%s\n--label-smoothing=%s\n"
              "--schedule=%s\n--warmup=%d\n--step-size=%d\n--gamma=%s\n"
              "--augment=%s\nevaluation=%s\n--no-dropout=%d\n--conv=%s\n"
-             "--sync-bn=%d\n--bucket-mb=%s\n",
+             "--sync-bn=%d\n--bucket-mb=%s\n--evaluate=%d\n",
              model, o->device == STK_DEV_CUDA ? "cuda" : "cpu", r->in_c,
              r->in_h, r->in_w,
              stk_store_meta(r->store)->nclasses, (unsigned long long)r->shard,
@@ -221,7 +221,7 @@ void group_config_text(const run_state *r, char *s, size_t n)
              f[1], o->nesterov, f[2], o->no_decay_norm_bias, f[3], f[4],
              stk_sched_names[o->sched], o->warmup, o->step_size, f[5],
              augs[r->augment], xf, !o->dropout, stk_conv_names[o->conv],
-             o->sync_bn, f[6]);
+             o->sync_bn, f[6], o->evaluate);
 }
 
 /* The first item of mine that theirs does not hold alike, as an error. */

@@ -222,7 +222,8 @@ differ() { # what node 1 adds, the message
 differ "--batch 32" "rank 1's --batch is 32, rank 0's 64: the ranks of one run need the same flags"
 other=cnn; [ "$M" = cnn ] && other=mlp
 differ "--model $other" "rank 1's model is [0-9]* parameters in [0-9]* tensors (layout [0-9a-f]*), rank 0's"
-ok "nodes with another --batch or model refused at the start, node 0 naming what differs"
+differ "--evaluate --init-from none.safetensors" "rank 1's --evaluate is 1, rank 0's 0"
+ok "nodes with another --batch, model or --evaluate refused at the start, node 0 naming what differs"
 
 # ---- resume with another number of ranks -------------------------------------
 "$T" "${common[@]}" --nproc 2 --batch 64 --epochs 1 --out regrow --log-every 10

@@ -154,6 +154,19 @@ rc=0; wait $pid || rc=$?
 [ "$(ls evstop/checkpoints | tr '\n' ' ')" = "BEST step-00000001 " ] \
   || fail "Ctrl-C during evaluation left $(ls evstop/checkpoints | tr '\n' ' ')"
 ok "Ctrl-C during an epoch's evaluation stops with that epoch's checkpoint alone"
+# --evaluate writes nothing: Ctrl-C ends it at once, exit 130, no result
+# (it ran the whole evaluation and exited 0); one thread keeps the cnn's
+# 10000 test images busy for seconds
+"$T" --db sdb --model cnn --evaluate --init-from evstop/best.safetensors --threads 1 > evint.txt 2>&1 &
+pid=$!
+sleep 0.3
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[ $rc -eq 130 ] && ! grep -q "test accuracy" evint.txt || fail "Ctrl-C during --evaluate: exit $rc: $(cat evint.txt)"
+"$T" --db sdb --model cnn --evaluate --init-from evstop/best.safetensors --quiet > ev.txt \
+  && grep -q "^train: evstop/best.safetensors on sdb's test split: test accuracy [0-9.]*%, test loss [0-9.]*$" ev.txt \
+  || fail "--evaluate: $(cat ev.txt)"
+ok "--evaluate prints one line; Ctrl-C ends it at once"
 # a batchnorm over 1x1 inputs and an epoch whose last batch is 1 sample:
 # refused before the first step (it failed after the epoch's work, its
 # message blaming --batch), naming the remainder
